@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets everything up and runs every check: ruff, mypy, clippy, cargo test, pytest (SQLite and
+# PostgreSQL). PostgreSQL is installed from Debian's packages when missing; the tests start a
+# throwaway cluster of their own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh "server,dev"
+scripts/ensure-postgres.sh
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/static/cargo-target}"
+
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy"
+.venv/bin/mypy
+echo "== clippy"
+(cd rust_mls && cargo clippy --workspace --all-targets --locked -- -D warnings)
+echo "== cargo test"
+(cd rust_mls && cargo test --workspace --locked)
+echo "== pytest"
+.venv/bin/python -m pytest "$@"
