@@ -1,0 +1,5 @@
+import sys
+
+from static.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""Server settings: frozen, built once by ``static serve`` (``static.cli``) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Address", "ApiSettings", "RelaySettings", "ServerSettings"]
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """A host and port to bind; port 0 picks a free port."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> Address:
+        """Parse ``HOST:PORT`` (``[v6]:PORT`` for IPv6)."""
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"expected HOST:PORT, got {text!r}")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """The HTTP API's knobs."""
+
+    #: Lifetime of the JWTs minted by POST /v1/tokens.
+    token_ttl_seconds: int = 900
+    #: Largest request body accepted (413 past it).
+    max_body_bytes: int = 64 * 1024
+    #: Seconds an in-flight request may take to finish after a shutdown signal.
+    graceful_timeout_seconds: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """The relay's knobs."""
+
+    #: Accept relay calls without a token (``--allow-anonymous``).
+    allow_anonymous: bool = False
+    #: Largest MLS message accepted on Publish.
+    max_message_bytes: int = 1024 * 1024
+    #: Seconds in-flight calls may take to finish after a shutdown signal.
+    graceful_timeout_seconds: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Everything ``static serve`` needs."""
+
+    http: Address = field(default_factory=lambda: Address("127.0.0.1", 8080))
+    relay: Address = field(default_factory=lambda: Address("127.0.0.1", 50051))
+    data_dir: Path = Path("static-data")
+    #: ``sqlite:///PATH`` or ``postgresql://...``; None means SQLite in ``data_dir``.
+    database_url: str | None = None
+    api: ApiSettings = field(default_factory=ApiSettings)
+    relay_settings: RelaySettings = field(default_factory=RelaySettings)
+
+    @property
+    def resolved_database_url(self) -> str:
+        """The database URL, defaulting to ``sqlite:///<data_dir>/static.db``."""
+        if self.database_url is not None:
+            return self.database_url
+        return f"sqlite:///{self.data_dir / 'static.db'}"

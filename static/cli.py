@@ -1,0 +1,133 @@
+"""``static``: the command line. The only place that owns signals, configuration and exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from static._settings import Address, ApiSettings, RelaySettings, ServerSettings
+
+__all__ = ["main"]
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="static", description="Static: API and relay server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="run the HTTP API and the relay",
+        description="Run the HTTP API and the relay in one process. Every option also reads "
+        "from an environment variable (shown in brackets).",
+    )
+    serve.add_argument(
+        "--http",
+        type=Address.parse,
+        default=_env("STATIC_HTTP", "127.0.0.1:8080"),
+        metavar="HOST:PORT",
+        help="HTTP API address; port 0 picks a free port [STATIC_HTTP] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--relay",
+        type=Address.parse,
+        default=_env("STATIC_RELAY", "127.0.0.1:50051"),
+        metavar="HOST:PORT",
+        help="relay (gRPC) address [STATIC_RELAY] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--database",
+        default=os.environ.get("STATIC_DATABASE"),
+        metavar="URL",
+        help="sqlite:///PATH or postgresql://... [STATIC_DATABASE] "
+        "(default sqlite:///<data-dir>/static.db)",
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(_env("STATIC_DATA_DIR", "./static-data")),
+        metavar="DIR",
+        help="directory for the SQLite database and the signing key [STATIC_DATA_DIR] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        default=_env("STATIC_ALLOW_ANONYMOUS", "").lower() in _TRUE,
+        help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
+    )
+    serve.add_argument(
+        "--token-ttl",
+        type=int,
+        default=int(_env("STATIC_TOKEN_TTL", "900")),
+        metavar="SECONDS",
+        help="lifetime of the JWTs minted by POST /v1/tokens [STATIC_TOKEN_TTL] "
+        "(default %(default)s)",
+    )
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    if not 1 <= args.token_ttl <= 86400:
+        raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    return ServerSettings(
+        http=args.http,
+        relay=args.relay,
+        data_dir=args.data_dir,
+        database_url=args.database,
+        api=ApiSettings(token_ttl_seconds=args.token_ttl),
+        relay_settings=RelaySettings(allow_anonymous=args.allow_anonymous),
+    )
+
+
+async def _run(settings: ServerSettings) -> None:
+    from static.server import serve
+
+    shutdown = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve, settings, shutdown)
+            print(f"http: {bound.http_url}", flush=True)
+            async for _ in signals:
+                shutdown.set()
+                break
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``static`` command; returns the exit code."""
+    try:
+        args = _parser().parse_args(argv)
+        settings = _settings(args)
+    except ValueError as exc:
+        print(f"static: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import static.server  # noqa: F401  (fail early and clearly without the server extra)
+    except ImportError as exc:
+        print(
+            f"static: the server needs the 'server' extra (pip install 'static[server]'): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    from static.store import DatabaseError
+
+    try:
+        trio.run(_run, settings)
+    except (OSError, DatabaseError) as exc:
+        print(f"static: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""The one ``static serve`` process: the HTTP API and the relay in one trio nursery, one store.
+
+Every long-running part is ``serve_x(..., *, task_status)`` and reports what it bound through
+``task_status.started``; :func:`serve` composes them with ``nursery.start``. Signals, config and
+exit codes belong to ``static.cli.main`` alone: :func:`serve` stops when ``shutdown`` is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trio
+
+from static._settings import ServerSettings
+from static.api import serve_http
+from static.store import open_database
+
+__all__ = ["BoundServer", "serve"]
+
+
+@dataclass(frozen=True, slots=True)
+class BoundServer:
+    """Where the server listens, once it does."""
+
+    http_url: str
+
+
+async def serve(
+    settings: ServerSettings,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the server until ``shutdown`` is set, then drain and return."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    async with open_database(settings.resolved_database_url) as db, trio.open_nursery() as nursery:
+        http_url: str = await nursery.start(serve_http, db, settings, shutdown)
+        task_status.started(BoundServer(http_url=http_url))

@@ -1,0 +1,214 @@
+"""SQLite backend: the stdlib ``sqlite3`` driven through ``trio.to_thread``.
+
+One writer connection (serialised by a lock, transactions use ``BEGIN IMMEDIATE``) and a small
+pool of reader connections; WAL lets the readers run while the writer writes. ``synchronous=FULL``
+so that a committed transaction survives a power cut, not only a process crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import trio
+
+from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
+
+__all__ = ["SQLiteDatabase", "open_sqlite"]
+
+_T = TypeVar("_T")
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+_READ_ONLY = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
+_READERS = 4
+
+
+@functools.lru_cache(maxsize=512)
+def _to_sqlite(sql: str) -> str:
+    return _PLACEHOLDER.sub(r"?\1", sql)
+
+
+def _split_script(script: str) -> list[str]:
+    statements: list[str] = []
+    buffer = ""
+    for line in script.splitlines(keepends=True):
+        buffer += line
+        if sqlite3.complete_statement(buffer):
+            if buffer.strip():
+                statements.append(buffer.strip())
+            buffer = ""
+    if buffer.strip():
+        statements.append(buffer.strip())
+    return statements
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    # isolation_level=None: autocommit; transactions are opened explicitly with BEGIN IMMEDIATE.
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10.0)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
+class _Handle:
+    """One sqlite3 connection; every use runs in a worker thread, one use at a time."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.lock = trio.Lock()
+
+    async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        try:
+            return await trio.to_thread.run_sync(fn, self.conn)
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(str(exc)) from exc
+        except sqlite3.Error as exc:
+            raise DatabaseError(str(exc)) from exc
+
+
+def _execute(sql: str, args: Sequence[Any]) -> Callable[[sqlite3.Connection], int]:
+    def run(conn: sqlite3.Connection) -> int:
+        return conn.execute(_to_sqlite(sql), tuple(args)).rowcount
+
+    return run
+
+
+def _fetch(sql: str, args: Sequence[Any]) -> Callable[[sqlite3.Connection], list[Row]]:
+    def run(conn: sqlite3.Connection) -> list[Row]:
+        return conn.execute(_to_sqlite(sql), tuple(args)).fetchall()
+
+    return run
+
+
+def _fetchrow(sql: str, args: Sequence[Any]) -> Callable[[sqlite3.Connection], Row | None]:
+    def run(conn: sqlite3.Connection) -> Row | None:
+        row: Row | None = conn.execute(_to_sqlite(sql), tuple(args)).fetchone()
+        return row
+
+    return run
+
+
+def _executemany(sql: str, rows: Sequence[Sequence[Any]]) -> Callable[[sqlite3.Connection], None]:
+    def run(conn: sqlite3.Connection) -> None:
+        conn.executemany(_to_sqlite(sql), [tuple(r) for r in rows])
+
+    return run
+
+
+def _script(script: str) -> Callable[[sqlite3.Connection], None]:
+    def run(conn: sqlite3.Connection) -> None:
+        for statement in _split_script(script):
+            conn.execute(statement)
+
+    return run
+
+
+class _TransactionConnection(Connection):
+    """Statements inside a transaction, on the writer connection (whose lock the owner holds)."""
+
+    def __init__(self, handle: _Handle) -> None:
+        self._handle = handle
+
+    async def execute(self, sql: str, *args: Any) -> int:
+        return await self._handle.run(_execute(sql, args))
+
+    async def executemany(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        await self._handle.run(_executemany(sql, args))
+
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
+        return await self._handle.run(_fetch(sql, args))
+
+    async def fetchrow(self, sql: str, *args: Any) -> Row | None:
+        return await self._handle.run(_fetchrow(sql, args))
+
+    async def execute_script(self, sql: str) -> None:
+        await self._handle.run(_script(sql))
+
+
+class SQLiteDatabase(Database):
+    """A SQLite database file, opened with :func:`open_sqlite`."""
+
+    dialect = "sqlite"
+
+    def __init__(self, writer: _Handle, readers: list[_Handle]) -> None:
+        self._writer = writer
+        self._readers = readers
+        self._free_readers: trio.MemorySendChannel[_Handle]
+        self._take_reader: trio.MemoryReceiveChannel[_Handle]
+        self._free_readers, self._take_reader = trio.open_memory_channel(len(readers))
+        for reader in readers:
+            self._free_readers.send_nowait(reader)
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        reader = await self._take_reader.receive()
+        try:
+            return await reader.run(fn)
+        finally:
+            self._free_readers.send_nowait(reader)
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        async with self._writer.lock:
+            return await self._writer.run(fn)
+
+    async def execute(self, sql: str, *args: Any) -> int:
+        return await self._write(_execute(sql, args))
+
+    async def executemany(self, sql: str, args: Sequence[Sequence[Any]]) -> None:
+        await self._write(_executemany(sql, args))
+
+    async def fetch(self, sql: str, *args: Any) -> list[Row]:
+        if _READ_ONLY.match(sql):
+            return await self._read(_fetch(sql, args))
+        return await self._write(_fetch(sql, args))
+
+    async def fetchrow(self, sql: str, *args: Any) -> Row | None:
+        if _READ_ONLY.match(sql):
+            return await self._read(_fetchrow(sql, args))
+        return await self._write(_fetchrow(sql, args))
+
+    async def execute_script(self, sql: str) -> None:
+        async with self.transaction() as tx:
+            await tx.execute_script(sql)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[Connection]:
+        async with self._writer.lock:
+            await self._writer.run(_execute("BEGIN IMMEDIATE", ()))
+            try:
+                yield _TransactionConnection(self._writer)
+            except BaseException:
+                # Shielded: a cancelled caller must still leave the connection out of the
+                # transaction, or the next writer would find it open.
+                with trio.CancelScope(shield=True):
+                    await self._writer.run(_execute("ROLLBACK", ()))
+                raise
+            with trio.CancelScope(shield=True):
+                await self._writer.run(_execute("COMMIT", ()))
+
+    def _close(self) -> None:
+        for handle in [self._writer, *self._readers]:
+            handle.conn.close()
+
+
+@asynccontextmanager
+async def open_sqlite(path: str) -> AsyncIterator[SQLiteDatabase]:
+    """Open (creating if needed) the SQLite database at ``path``."""
+    if path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer = await trio.to_thread.run_sync(_connect, path)
+        readers = [await trio.to_thread.run_sync(_connect, path) for _ in range(_READERS)]
+    except sqlite3.Error as exc:
+        raise DatabaseError(f"cannot open sqlite database {path!r}: {exc}") from exc
+    db = SQLiteDatabase(_Handle(writer), [_Handle(r) for r in readers])
+    try:
+        yield db
+    finally:
+        db._close()

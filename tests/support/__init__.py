@@ -1,0 +1,1 @@
+"""Test support: real server processes and a throwaway PostgreSQL cluster."""

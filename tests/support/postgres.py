@@ -1,0 +1,121 @@
+"""A throwaway PostgreSQL cluster for the tests: initdb in a temp dir, loopback only.
+
+The binaries come from Debian's ``postgresql`` package (scripts/ensure-postgres.sh installs it).
+PostgreSQL refuses to run as root, so as root the cluster runs as the ``postgres`` user.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["PostgresCluster", "find_postgres_bin"]
+
+
+def find_postgres_bin() -> Path | None:
+    """The directory holding ``initdb`` and ``pg_ctl``, or None when PostgreSQL is missing."""
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
+    if candidates:
+        return Path(candidates[0]).parent
+    found = shutil.which("initdb")
+    return Path(found).resolve().parent if found else None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class PostgresCluster:
+    """One cluster; :meth:`create_database` hands out a fresh database per test server."""
+
+    def __init__(self, bindir: Path) -> None:
+        self._bindir = bindir
+        self._root = Path(tempfile.mkdtemp(prefix="static-pg-"))
+        self._data = self._root / "data"
+        self.port = _free_port()
+        self._as_root = os.geteuid() == 0
+        self._counter = itertools.count(1)
+        if self._as_root:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self._root, pw.pw_uid, pw.pw_gid)
+
+    def _run(self, args: Sequence[str]) -> None:
+        command = list(args)
+        if self._as_root:
+            command = ["runuser", "-u", "postgres", "--", *command]
+        subprocess.run(command, check=True, capture_output=True, cwd=self._root)
+
+    def start(self) -> None:
+        self._run(
+            [
+                str(self._bindir / "initdb"),
+                "-D",
+                str(self._data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ]
+        )
+        options = (
+            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
+            f"-c unix_socket_directories={self._root} -c fsync=off "
+            "-c max_connections=200 -c shared_buffers=64MB"
+        )
+        self._run(
+            [
+                str(self._bindir / "pg_ctl"),
+                "-D",
+                str(self._data),
+                "-o",
+                options,
+                "-l",
+                str(self._root / "server.log"),
+                "-w",
+                "start",
+            ]
+        )
+
+    def stop(self) -> None:
+        try:
+            self._run(
+                [str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "immediate", "stop"]
+            )
+        finally:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self) -> str:
+        """Create an empty database; return its URL."""
+        name = f"static_test_{os.getpid()}_{next(self._counter)}"
+        self._run(
+            [
+                str(self._bindir / "psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                f'CREATE DATABASE "{name}"',
+            ]
+        )
+        return self.url(name)

@@ -1,0 +1,43 @@
+"""``static serve``: the process contract of DESIGN §1 (bound URLs, health, graceful exit)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from tests.support.server import ServerProcess
+
+
+def test_serves_health_and_exits_cleanly_on_sigterm(server: ServerProcess) -> None:
+    assert server.http_url.startswith("http://127.0.0.1:")
+    response = httpx.get(f"{server.http_url}/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+    assert server.stop() == 0
+
+
+def test_restart_on_the_same_database(server: ServerProcess) -> None:
+    first = server.http_url
+    server.restart()
+    assert httpx.get(f"{server.http_url}/healthz").status_code == 200
+    assert first.startswith("http://")
+
+
+def test_unknown_route_is_json_404(server: ServerProcess) -> None:
+    response = httpx.get(f"{server.http_url}/nope")
+    assert response.status_code == 404
+    assert response.headers["content-type"].startswith("application/json")
+    assert "error" in response.json()
+
+
+def test_bad_arguments_exit_2() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "static", "serve", "--http", "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert "HOST:PORT" in result.stderr
