@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import selectors
 import signal
@@ -86,10 +87,10 @@ class ServerProcess:
     @staticmethod
     def _has_relay() -> bool:
         try:
-            import static.relay
+            relay = importlib.import_module("static.relay")
         except ImportError:
             return False
-        return hasattr(static.relay, "serve_relay")
+        return hasattr(relay, "serve_relay")
 
     def stderr(self) -> str:
         try:
