@@ -23,7 +23,9 @@ PREFIXES = {
 
 
 @pytest.mark.parametrize(("cls", "prefix"), PREFIXES.items())
-def test_every_error_is_a_runtime_error_with_its_prefix(cls: type[StaticError], prefix: str) -> None:
+def test_every_error_is_a_runtime_error_with_its_prefix(
+    cls: type[StaticError], prefix: str
+) -> None:
     err = cls("something broke")
     assert isinstance(err, RuntimeError)
     assert str(err) == f"{prefix} something broke"
