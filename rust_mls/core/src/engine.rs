@@ -419,10 +419,21 @@ impl Engine {
     /// Adds the owner of `key_package` (an `MLSMessage` or a bare `KeyPackage`): returns the
     /// pending commit and the Welcome (ratchet tree included).
     pub fn add_member(&self, channel: &str, key_package: &[u8]) -> Result<AddMemberOutput> {
-        let key_package = validate_key_package(&self.crypto, key_package)?;
+        self.add_members(channel, &[key_package])
+    }
+
+    /// Adds several members in one commit (one Welcome for all of them).
+    pub fn add_members(&self, channel: &str, key_packages: &[&[u8]]) -> Result<AddMemberOutput> {
+        if key_packages.is_empty() {
+            return Err(Error::Mls("no key packages to add".into()));
+        }
+        let key_packages = key_packages
+            .iter()
+            .map(|kp| validate_key_package(&self.crypto, kp))
+            .collect::<Result<Vec<_>>>()?;
         self.with_group(channel, |group, provider, conn| {
             let (commit, welcome, _) = group
-                .add_members(provider, &self.signer, &[key_package])
+                .add_members(provider, &self.signer, &key_packages)
                 .map_err(|e| Error::mls("cannot add the member", e))?;
             let commit = serialize(&commit)?;
             store::set_pending_commit(conn, channel, &commit)?;

@@ -8,6 +8,8 @@
 
 #![forbid(unsafe_code)]
 
+#[doc(hidden)]
+pub mod bench_support;
 pub mod channel_name;
 pub mod engine;
 pub mod error;

@@ -203,6 +203,19 @@ impl Engine {
         Ok((bytes(py, &out.commit), bytes(py, &out.welcome)))
     }
 
+    fn add_members(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        key_packages: Vec<Vec<u8>>,
+    ) -> NativeResult<(Py<PyBytes>, Py<PyBytes>)> {
+        let out = self.run(py, |e| {
+            let refs: Vec<&[u8]> = key_packages.iter().map(Vec::as_slice).collect();
+            e.add_members(channel, &refs)
+        })?;
+        Ok((bytes(py, &out.commit), bytes(py, &out.welcome)))
+    }
+
     fn self_update(&self, py: Python<'_>, channel: &str) -> NativeResult<Py<PyBytes>> {
         let commit = self.run(py, |e| e.self_update(channel))?;
         Ok(bytes(py, &commit))
@@ -288,6 +301,41 @@ fn validate_channel_name(name: &str) -> NativeResult<()> {
     Ok(static_core::validate_channel_name(name)?)
 }
 
+/// Bench support: `n` key packages of distinct throwaway identities.
+#[pyfunction]
+fn _synthetic_key_packages(py: Python<'_>, n: usize) -> NativeResult<Vec<Py<PyBytes>>> {
+    let kps = py.allow_threads(|| static_core::bench_support::synthetic_key_packages(n))?;
+    Ok(kps.iter().map(|kp| bytes(py, kp)).collect())
+}
+
+/// Bench support: (encrypt ns, decrypt ns) per message, measured inside Rust.
+#[pyfunction]
+fn _bench_rust_encrypt_decrypt(
+    py: Python<'_>,
+    sender: &Engine,
+    receiver: &Engine,
+    channel: &str,
+    payload_len: usize,
+    iterations: u32,
+) -> NativeResult<(f64, f64)> {
+    let (s, r) = (sender.engine()?, receiver.engine()?);
+    Ok(py.allow_threads(|| {
+        static_core::bench_support::encrypt_decrypt_ns(&s, &r, channel, payload_len, iterations)
+    })?)
+}
+
+/// Bench support: one Ed25519 sign + verify of `payload_len` bytes, in ns, measured in Rust.
+#[pyfunction]
+fn _bench_ed25519_sign_verify_ns(
+    py: Python<'_>,
+    payload_len: usize,
+    iterations: u32,
+) -> NativeResult<f64> {
+    Ok(py.allow_threads(|| {
+        static_core::bench_support::ed25519_sign_verify_ns(payload_len, iterations)
+    })?)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", static_core::VERSION)?;
@@ -299,5 +347,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<Incoming>()?;
     m.add_function(wrap_pyfunction!(validate_channel_name, m)?)?;
+    m.add_function(wrap_pyfunction!(_synthetic_key_packages, m)?)?;
+    m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
+    m.add_function(wrap_pyfunction!(_bench_ed25519_sign_verify_ns, m)?)?;
     Ok(())
 }
