@@ -169,6 +169,17 @@ fn now_secs() -> u64 {
 /// [`MAX_KEY_PACKAGE_SKEW`] in the future is waited out (OpenMLS requires it in the past).
 fn validate_key_package(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
     check_len("key package", bytes)?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        validate_key_package_inner(crypto, bytes)
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::Internal(
+            "panic while validating a key package".into(),
+        ))
+    })
+}
+
+fn validate_key_package_inner(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
     let mut waited = false;
     loop {
         let kp_in = parse_key_package(bytes)?;
@@ -208,6 +219,11 @@ fn validate_key_package(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage>
 /// A protocol message (PublicMessage or PrivateMessage) parsed from an `MLSMessage`.
 fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage> {
     check_len("message", bytes)?;
+    std::panic::catch_unwind(|| parse_protocol_message_inner(bytes))
+        .unwrap_or_else(|_| Err(Error::Mls("malformed MLS message".into())))
+}
+
+fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage> {
     let msg = MlsMessageIn::tls_deserialize_exact(bytes)
         .map_err(|e| Error::mls("malformed MLS message", e))?;
     msg.try_into_protocol_message()

@@ -48,6 +48,8 @@ pub enum StoreError {
     Locked(PathBuf),
     #[error("storage failure: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    #[error("internal panic: {0}")]
+    Panic(String),
     #[error("storage migration failed: {0}")]
     Migration(String),
     #[error("data_dir {path} belongs to identity {stored:?}, not {requested:?}")]
@@ -179,7 +181,8 @@ impl Db {
     }
 
     /// Runs `f` inside one immediate transaction: committed if it returns `Ok`, rolled back
-    /// otherwise (also when the commit itself fails).
+    /// otherwise (also when the commit itself fails, and if `f` panics: the panic becomes an
+    /// error, so a library bug never crashes the caller nor leaves a transaction open).
     pub fn transaction<T, E: From<StoreError>>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, E>,
@@ -187,7 +190,16 @@ impl Db {
         self.conn
             .execute_batch("BEGIN IMMEDIATE")
             .map_err(|e| E::from(e.into()))?;
-        match f(&self.conn) {
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&self.conn)))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown".to_owned());
+                Err(E::from(StoreError::Panic(what)))
+            });
+        match outcome {
             Ok(value) => match self.conn.execute_batch("COMMIT") {
                 Ok(()) => Ok(value),
                 Err(e) => {
