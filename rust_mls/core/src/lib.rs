@@ -1,7 +1,23 @@
 //! Static's pure Rust core. No Python here: `static-native` (the `python/` crate) is the thin
 //! PyO3 layer over it.
+//!
+//! The product surface is [`Engine`]: one MLS client (an identity and its signature key) with
+//! its groups, persisted under a data directory. Every method is safe to call from several
+//! threads at once (`Engine: Send + Sync`); each group is guarded by its own mutex and every
+//! state change is committed durably before the call returns (see [`store`]).
 
 #![forbid(unsafe_code)]
+
+#[doc(hidden)]
+pub mod bench_support;
+pub mod channel_name;
+pub mod engine;
+pub mod error;
+pub mod store;
+
+pub use channel_name::{validate_channel_name, MAX_CHANNEL_NAME_LENGTH};
+pub use engine::{AddMemberOutput, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
+pub use error::{Error, ErrorKind, Result};
 
 /// The crate version, reported by `static._native.__version__`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

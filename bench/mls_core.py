@@ -1,0 +1,119 @@
+"""Benchmark of the MLS core through static._native. Prints figures; asserts nothing.
+
+    .venv/bin/python bench/mls_core.py [--iterations N] [--sizes 8,128,512]
+
+Per 1 KiB application message: encrypt and decrypt from Python vs the same loop inside Rust
+(target: Python within 1.3x of Rust), both vs the floor of one Ed25519 signature + verification
+measured in the same run. Add-member commit and Welcome processing at several group sizes
+(targets for the commit: <= 10 ms at 128, <= 50 ms at 512), and the size on disk of a group.
+Every call is durable (an fsync'd SQLite transaction), so the figures include the disk.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from static import _native
+
+CH = "bench/mls/core"
+PAYLOAD = 1024
+
+
+def pair(root: Path, tag: str) -> tuple[_native.Engine, _native.Engine]:
+    a = _native.Engine(root / f"{tag}-a", b"alice")
+    b = _native.Engine(root / f"{tag}-b", b"bob")
+    a.create_group(CH)
+    _, welcome = a.add_member(CH, b.generate_key_package())
+    a.merge_pending_commit(CH)
+    b.join_group(CH, welcome)
+    return a, b
+
+
+def python_loop(a: _native.Engine, b: _native.Engine, iterations: int) -> tuple[float, float]:
+    payload = bytes(PAYLOAD)
+    messages: list[bytes] = []
+    start = time.perf_counter_ns()
+    for _ in range(iterations):
+        messages.append(a.encrypt(CH, payload))
+    enc = (time.perf_counter_ns() - start) / iterations
+    start = time.perf_counter_ns()
+    for m in messages:
+        b.process_incoming(CH, m)
+    return enc, (time.perf_counter_ns() - start) / iterations
+
+
+def per_message(root: Path, iterations: int, rounds: int = 3) -> None:
+    floor_ns = _native._bench_ed25519_sign_verify_ns(PAYLOAD, iterations)
+    # The same two engines for both loops, alternated, best round of each: the figures are
+    # dominated by the fsync of each durable write, which is noisy.
+    a, b = pair(root, "msg")
+    python_loop(a, b, iterations // 10)  # warm-up
+    py: list[tuple[float, float]] = []
+    rust: list[tuple[float, float]] = []
+    for _ in range(rounds):
+        rust.append(_native._bench_rust_encrypt_decrypt(a, b, CH, PAYLOAD, iterations))
+        py.append(python_loop(a, b, iterations))
+    a.close()
+    b.close()
+    py_enc, py_dec = min(p[0] for p in py), min(p[1] for p in py)
+    rust_enc, rust_dec = min(r[0] for r in rust), min(r[1] for r in rust)
+
+    print(f"per {PAYLOAD} B application message ({iterations} messages, durable writes)")
+    print(f"  floor: Ed25519 sign+verify           {floor_ns / 1000:9.1f} us")
+    for what, py, rust in (("encrypt", py_enc, rust_enc), ("decrypt", py_dec, rust_dec)):
+        print(
+            f"  {what}: python {py / 1000:9.1f} us   rust {rust / 1000:9.1f} us   "
+            f"python/rust {py / rust:5.2f}x (target <= 1.30x)   rust/floor {rust / floor_ns:6.1f}x"
+        )
+
+
+def group_sizes(root: Path, sizes: list[int], repeats: int) -> None:
+    print("add-member commit and Welcome processing (group of N members adds one more)")
+    for n in sizes:
+        creator = _native.Engine(root / f"size-{n}", b"creator")
+        creator.create_group(CH)
+        if n > 1:
+            creator.add_members(CH, _native._synthetic_key_packages(n - 1))
+            creator.merge_pending_commit(CH)
+        commit_ms: list[float] = []
+        welcome_ms: list[float] = []
+        commit_size = welcome_size = 0
+        for r in range(repeats):
+            joiner = _native.Engine(root / f"join-{n}-{r}", f"joiner-{r}".encode())
+            kp = joiner.generate_key_package()
+            start = time.perf_counter()
+            commit, welcome = creator.add_member(CH, kp)
+            commit_ms.append((time.perf_counter() - start) * 1000)
+            creator.clear_pending_commit(CH)
+            start = time.perf_counter()
+            joiner.join_group(CH, welcome)
+            welcome_ms.append((time.perf_counter() - start) * 1000)
+            commit_size, welcome_size = len(commit), len(welcome)
+            joiner.close()
+        db = root / f"size-{n}" / "mls.sqlite3"
+        creator.close()  # checkpoints the WAL into the database file
+        target = {128: " (target <= 10 ms)", 512: " (target <= 50 ms)"}.get(n, "")
+        print(
+            f"  N={n:4d}: commit {statistics.median(commit_ms):8.2f} ms{target:18s} "
+            f"welcome {statistics.median(welcome_ms):8.2f} ms   "
+            f"commit {commit_size / 1024:6.1f} KiB, welcome {welcome_size / 1024:7.1f} KiB, "
+            f"state on disk {db.stat().st_size / 1024:8.1f} KiB"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--sizes", default="8,128,512")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="static-bench-") as tmp:
+        root = Path(tmp)
+        per_message(root, args.iterations)
+        group_sizes(root, [int(s) for s in args.sizes.split(",")], args.repeats)
+
+
+if __name__ == "__main__":
+    main()

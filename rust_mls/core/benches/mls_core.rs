@@ -1,0 +1,101 @@
+//! `cargo bench -p static-core`: per-message encrypt/decrypt (1 KiB) vs the Ed25519 sign+verify
+//! floor, and the add-member commit / Welcome processing at 8, 128 and 512 members.
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use static_core::bench_support::{ed25519_sign_verify_ns, synthetic_key_packages};
+use static_core::Engine;
+
+const CH: &str = "bench/mls/core";
+
+fn pair(dir: &std::path::Path, tag: &str) -> (Engine, Engine) {
+    let a = Engine::open(dir.join(format!("{tag}a")), b"alice").unwrap();
+    let b = Engine::open(dir.join(format!("{tag}b")), b"bob").unwrap();
+    a.create_group(CH).unwrap();
+    let out = a
+        .add_member(CH, &b.generate_key_package().unwrap())
+        .unwrap();
+    a.merge_pending_commit(CH).unwrap();
+    b.join_group(CH, &out.welcome).unwrap();
+    (a, b)
+}
+
+fn per_message(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    // Separate pairs: messages of the encrypt bench are never read, and a receiver refuses a
+    // generation more than 1000 ahead of what it has read.
+    let (a, _b) = pair(dir.path(), "enc");
+    let (a2, b2) = pair(dir.path(), "dec");
+    let payload = vec![0x42u8; 1024];
+
+    let mut g = c.benchmark_group("per_message_1KiB");
+    g.bench_function("ed25519_sign_verify_floor", |bench| {
+        bench.iter_custom(|iters| {
+            let ns =
+                ed25519_sign_verify_ns(1024, u32::try_from(iters).unwrap_or(u32::MAX)).unwrap();
+            Duration::from_nanos((ns * iters as f64) as u64)
+        })
+    });
+    g.bench_function("encrypt", |bench| {
+        bench.iter(|| a.encrypt(CH, &payload).unwrap())
+    });
+    g.bench_function("decrypt", |bench| {
+        bench.iter_batched(
+            || a2.encrypt(CH, &payload).unwrap(),
+            |m| b2.process_incoming(CH, &m).unwrap(),
+            BatchSize::SmallInput,
+        )
+    });
+    g.finish();
+}
+
+fn group_sizes(c: &mut Criterion) {
+    let mut g = c.benchmark_group("add_member");
+    g.sample_size(10).measurement_time(Duration::from_secs(3));
+    for n in [8usize, 128, 512] {
+        let dir = tempfile::tempdir().unwrap();
+        let creator = Engine::open(dir.path().join("creator"), b"creator").unwrap();
+        creator.create_group(CH).unwrap();
+        let kps = synthetic_key_packages(n - 1).unwrap();
+        let refs: Vec<&[u8]> = kps.iter().map(Vec::as_slice).collect();
+        creator.add_members(CH, &refs).unwrap();
+        creator.merge_pending_commit(CH).unwrap();
+        let mut joiners = 0u32;
+        g.bench_function(format!("commit_at_{n}"), |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for kp in synthetic_key_packages(iters as usize).unwrap() {
+                    let start = Instant::now();
+                    creator.add_member(CH, &kp).unwrap();
+                    total += start.elapsed();
+                    creator.clear_pending_commit(CH).unwrap();
+                }
+                total
+            })
+        });
+        g.bench_function(format!("welcome_at_{n}"), |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    joiners += 1;
+                    let j =
+                        Engine::open(dir.path().join(format!("j{joiners}")), b"joiner").unwrap();
+                    let out = creator
+                        .add_member(CH, &j.generate_key_package().unwrap())
+                        .unwrap();
+                    creator.clear_pending_commit(CH).unwrap();
+                    let start = Instant::now();
+                    j.join_group(CH, &out.welcome).unwrap();
+                    total += start.elapsed();
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, per_message, group_sizes);
+criterion_main!(benches);

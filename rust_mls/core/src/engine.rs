@@ -1,0 +1,814 @@
+//! The MLS engine: one client identity, its signature key and its groups (one per channel).
+//!
+//! Every public method is one durable, atomic step (one SQLite transaction, see
+//! [`crate::store`]). Groups are guarded by one mutex each; the database connection by another,
+//! always taken after the group's, so calls on different groups never deadlock.
+//!
+//! Commit flow (RFC 9420 needs one agreed order of commits; the relay gives it): a method that
+//! creates a commit ([`Engine::add_member`], [`Engine::self_update`], [`Engine::remove_member`],
+//! [`Engine::commit_pending_proposals`]) leaves it *pending*. The caller publishes it; if the
+//! relay accepts it the caller calls [`Engine::merge_pending_commit`] (or simply processes the
+//! echo of it from the log, which merges it), else [`Engine::clear_pending_commit`], processes
+//! the winning commit and retries. Incoming messages are handed to
+//! [`Engine::process_incoming`] in log order.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use openmls::prelude::tls_codec::{Deserialize as TlsDeserialize, Serialize as TlsSerialize};
+use openmls::prelude::*;
+use openmls::treesync::errors::LifetimeError;
+use openmls_basic_credential::SignatureKeyPair;
+use openmls_rust_crypto::RustCrypto;
+
+use crate::channel_name::validate_channel_name;
+use crate::error::{Error, Result};
+use crate::store::{self, Db, Provider, StoreError};
+
+/// The one ciphersuite Static speaks.
+pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
+
+/// How many past epochs keep their message secrets, so that application messages sent just
+/// before a commit still decrypt after it.
+pub const PAST_EPOCHS: usize = 5;
+
+/// How far in the future a key package's `not_before` may be (clock skew, or implementations
+/// that set it to "now" with sub-second precision lost): such a key package is accepted once
+/// that moment has passed, waiting at most this long.
+pub const MAX_KEY_PACKAGE_SKEW: Duration = Duration::from_secs(2);
+
+/// Largest input accepted by any call (a Welcome for a 512-member group is ~150 KiB).
+pub const MAX_INPUT_LEN: usize = 16 * 1024 * 1024;
+
+/// A member of a group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The member's leaf index in the ratchet tree.
+    pub index: u32,
+    /// The `identity` bytes of its basic credential.
+    pub identity: Vec<u8>,
+}
+
+/// The result of [`Engine::add_member`]: a pending commit to publish and the Welcome for the
+/// joiner (valid once the commit is accepted). Both are TLS-serialized `MLSMessage`s.
+#[derive(Debug, Clone)]
+pub struct AddMemberOutput {
+    pub commit: Vec<u8>,
+    pub welcome: Vec<u8>,
+}
+
+/// What [`Engine::process_incoming`] did with one message of the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Incoming {
+    /// An application message of another member, decrypted.
+    Application {
+        sender: Vec<u8>,
+        payload: Vec<u8>,
+        epoch: u64,
+    },
+    /// Another member's commit, merged; `epoch` is the new epoch.
+    Commit { sender: Option<Vec<u8>>, epoch: u64 },
+    /// Our own pending commit echoed by the relay: merged; `epoch` is the new epoch.
+    OwnCommit { epoch: u64 },
+    /// A commit that removed us: the group's local state is deleted.
+    Removed { epoch: u64 },
+    /// A proposal of another member, stored until a commit covers it.
+    Proposal { sender: Option<Vec<u8>> },
+    /// Our own application message or proposal echoed by the relay: recognised and skipped.
+    Own,
+}
+
+struct GroupSlot {
+    /// `None` once the group is gone (we left or were removed).
+    group: Option<MlsGroup>,
+}
+
+/// One MLS client over a data directory. `Send + Sync`; see the module docs.
+pub struct Engine {
+    identity: Vec<u8>,
+    crypto: RustCrypto,
+    signer: SignatureKeyPair,
+    credential: CredentialWithKey,
+    db: Mutex<Db>,
+    groups: Mutex<HashMap<String, Arc<Mutex<GroupSlot>>>>,
+    data_dir: PathBuf,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks on purpose; if something did, the state behind
+    // the lock is still the last committed one (memory is reloaded on error), so carry on.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn serialize(msg: &MlsMessageOut) -> Result<Vec<u8>> {
+    msg.tls_serialize_detached()
+        .map_err(|e| Error::Internal(format!("cannot serialize an MLS message: {e:?}")))
+}
+
+fn check_len(what: &str, bytes: &[u8]) -> Result<()> {
+    if bytes.is_empty() {
+        return Err(Error::Mls(format!("empty {what}")));
+    }
+    if bytes.len() > MAX_INPUT_LEN {
+        return Err(Error::Mls(format!(
+            "{what} too large ({} bytes)",
+            bytes.len()
+        )));
+    }
+    Ok(())
+}
+
+fn identity_of(credential: &Credential) -> Option<Vec<u8>> {
+    BasicCredential::try_from(credential.clone())
+        .ok()
+        .map(|c| c.identity().to_vec())
+}
+
+fn group_id_of(channel: &str) -> GroupId {
+    GroupId::from_slice(channel.as_bytes())
+}
+
+fn create_config() -> MlsGroupCreateConfig {
+    MlsGroupCreateConfig::builder()
+        .ciphersuite(CIPHERSUITE)
+        .use_ratchet_tree_extension(true)
+        .max_past_epochs(PAST_EPOCHS)
+        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .build()
+}
+
+fn join_config() -> MlsGroupJoinConfig {
+    MlsGroupJoinConfig::builder()
+        .use_ratchet_tree_extension(true)
+        .max_past_epochs(PAST_EPOCHS)
+        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .build()
+}
+
+/// Parses a key package sent as an `MLSMessage` or as a bare `KeyPackage`.
+fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn> {
+    if let Ok(msg) = MlsMessageIn::tls_deserialize_exact(bytes) {
+        return match msg.extract() {
+            MlsMessageBodyIn::KeyPackage(kp) => Ok(kp),
+            _ => Err(Error::Mls("the MLSMessage is not a key package".into())),
+        };
+    }
+    KeyPackageIn::tls_deserialize_exact(bytes).map_err(|e| Error::mls("malformed key package", e))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Parses and validates a key package of our ciphersuite. A `not_before` at most
+/// [`MAX_KEY_PACKAGE_SKEW`] in the future is waited out (OpenMLS requires it in the past).
+fn validate_key_package(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+    check_len("key package", bytes)?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        validate_key_package_inner(crypto, bytes)
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::Internal(
+            "panic while validating a key package".into(),
+        ))
+    })
+}
+
+fn validate_key_package_inner(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+    let mut waited = false;
+    loop {
+        let kp_in = parse_key_package(bytes)?;
+        match kp_in.validate(crypto, ProtocolVersion::Mls10) {
+            Ok(kp) => {
+                if kp.ciphersuite() != CIPHERSUITE {
+                    return Err(Error::Mls(format!(
+                        "key package ciphersuite {:?} is not {CIPHERSUITE:?}",
+                        kp.ciphersuite()
+                    )));
+                }
+                return Ok(kp);
+            }
+            Err(KeyPackageVerifyError::LifetimeError(LifetimeError::NotValidYet {
+                not_before,
+                ..
+            })) if !waited => {
+                let ahead = not_before.saturating_sub(now_secs());
+                if Duration::from_secs(ahead) > MAX_KEY_PACKAGE_SKEW {
+                    return Err(Error::Mls(format!(
+                        "key package not valid before {not_before} (now {})",
+                        now_secs()
+                    )));
+                }
+                // Sleep until the second `not_before` has fully begun.
+                let target = UNIX_EPOCH + Duration::from_secs(not_before);
+                if let Ok(d) = target.duration_since(SystemTime::now()) {
+                    std::thread::sleep(d + Duration::from_millis(5));
+                }
+                waited = true;
+            }
+            Err(e) => return Err(Error::mls("invalid key package", e)),
+        }
+    }
+}
+
+/// A protocol message (PublicMessage or PrivateMessage) parsed from an `MLSMessage`.
+fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage> {
+    check_len("message", bytes)?;
+    std::panic::catch_unwind(|| parse_protocol_message_inner(bytes))
+        .unwrap_or_else(|_| Err(Error::Mls("malformed MLS message".into())))
+}
+
+fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage> {
+    let msg = MlsMessageIn::tls_deserialize_exact(bytes)
+        .map_err(|e| Error::mls("malformed MLS message", e))?;
+    msg.try_into_protocol_message()
+        .map_err(|_| Error::Mls("not a PublicMessage or PrivateMessage".into()))
+}
+
+impl Engine {
+    /// Opens (or creates) the engine of `identity` under `data_dir`. The directory is locked
+    /// for the life of the engine; a data_dir created for another identity is refused.
+    pub fn open(data_dir: impl AsRef<Path>, identity: &[u8]) -> Result<Self> {
+        let data_dir = data_dir.as_ref().to_owned();
+        if identity.is_empty() {
+            return Err(Error::Internal("identity must not be empty".into()));
+        }
+        let db = Db::open(&data_dir)?;
+        let crypto = RustCrypto::default();
+        let (signer, groups) = db.transaction(|conn| -> Result<_> {
+            let provider = Provider::new(&crypto, conn);
+            let signer = match store::read_identity(conn)? {
+                Some((stored, public)) => {
+                    if stored != identity {
+                        return Err(StoreError::WrongIdentity {
+                            path: data_dir.clone(),
+                            stored: String::from_utf8_lossy(&stored).into_owned(),
+                            requested: String::from_utf8_lossy(identity).into_owned(),
+                        }
+                        .into());
+                    }
+                    SignatureKeyPair::read(
+                        provider.storage(),
+                        &public,
+                        CIPHERSUITE.signature_algorithm(),
+                    )
+                    .ok_or_else(|| Error::Internal("the stored signature key is missing".into()))?
+                }
+                None => {
+                    let signer = SignatureKeyPair::new(CIPHERSUITE.signature_algorithm())
+                        .map_err(|e| Error::Internal(format!("key generation: {e:?}")))?;
+                    signer.store(provider.storage()).map_err(StoreError::from)?;
+                    store::write_identity(conn, identity, signer.public())?;
+                    signer
+                }
+            };
+            let mut groups = HashMap::new();
+            for name in store::group_names(conn)? {
+                let group = MlsGroup::load(provider.storage(), &group_id_of(&name))
+                    .map_err(StoreError::from)?
+                    .ok_or_else(|| {
+                        Error::Internal(format!("the state of group {name:?} is missing"))
+                    })?;
+                groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
+            }
+            Ok((signer, groups))
+        })?;
+        let credential = CredentialWithKey {
+            credential: BasicCredential::new(identity.to_vec()).into(),
+            signature_key: signer.public().into(),
+        };
+        Ok(Self {
+            identity: identity.to_vec(),
+            crypto,
+            signer,
+            credential,
+            db: Mutex::new(db),
+            groups: Mutex::new(groups),
+            data_dir,
+        })
+    }
+
+    pub fn identity(&self) -> &[u8] {
+        &self.identity
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The Ed25519 public key this identity signs with (stable across reopenings).
+    pub fn signature_public_key(&self) -> &[u8] {
+        self.signer.public()
+    }
+
+    /// The channels this engine is a member of, sorted.
+    pub fn group_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = lock(&self.groups)
+            .iter()
+            .filter(|(_, slot)| lock(slot).group.is_some())
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    pub fn has_group(&self, channel: &str) -> bool {
+        lock(&self.groups)
+            .get(channel)
+            .is_some_and(|slot| lock(slot).group.is_some())
+    }
+
+    /// A fresh key package (an `MLSMessage`), its private keys stored until a Welcome uses it.
+    pub fn generate_key_package(&self) -> Result<Vec<u8>> {
+        let db = lock(&self.db);
+        db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let bundle = KeyPackage::builder()
+                .build(
+                    CIPHERSUITE,
+                    &provider,
+                    &self.signer,
+                    self.credential.clone(),
+                )
+                .map_err(|e| Error::mls("cannot create a key package", e))?;
+            serialize(&MlsMessageOut::from(bundle.key_package().clone()))
+        })
+    }
+
+    /// Creates the group of `channel` (group id = the name's UTF-8 bytes) with us as its only
+    /// member, at epoch 0.
+    pub fn create_group(&self, channel: &str) -> Result<()> {
+        validate_channel_name(channel)?;
+        let slot = self.new_slot(channel)?;
+        let mut slot = lock(&slot);
+        let db = lock(&self.db);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let group = MlsGroup::new_with_group_id(
+                &provider,
+                &self.signer,
+                &create_config(),
+                group_id_of(channel),
+                self.credential.clone(),
+            )
+            .map_err(|e| Error::mls("cannot create the group", e))?;
+            store::insert_group(conn, channel)?;
+            Ok::<_, Error>(group)
+        });
+        match group {
+            Ok(group) => {
+                slot.group = Some(group);
+                Ok(())
+            }
+            Err(e) => {
+                drop(slot);
+                self.forget_empty_slot(channel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Joins `channel` from a Welcome (an `MLSMessage`, or a bare Welcome) that must be for
+    /// that channel and carry the ratchet tree.
+    pub fn join_group(&self, channel: &str, welcome: &[u8]) -> Result<()> {
+        validate_channel_name(channel)?;
+        check_len("Welcome", welcome)?;
+        let welcome = match MlsMessageIn::tls_deserialize_exact(welcome) {
+            Ok(msg) => match msg.extract() {
+                MlsMessageBodyIn::Welcome(w) => w,
+                _ => return Err(Error::Mls("the MLSMessage is not a Welcome".into())),
+            },
+            Err(_) => Welcome::tls_deserialize_exact(welcome)
+                .map_err(|e| Error::mls("malformed Welcome", e))?,
+        };
+        if welcome.ciphersuite() != CIPHERSUITE {
+            return Err(Error::Mls(format!(
+                "Welcome ciphersuite {:?} is not {CIPHERSUITE:?}",
+                welcome.ciphersuite()
+            )));
+        }
+        let slot = self.new_slot(channel)?;
+        let mut slot = lock(&slot);
+        let db = lock(&self.db);
+        let expected = group_id_of(channel);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let processed = ProcessedWelcome::new_from_welcome(&provider, &join_config(), welcome)
+                .map_err(|e| Error::mls("invalid Welcome", e))?;
+            let claimed = processed.unverified_group_info().group_id().clone();
+            if claimed != expected {
+                return Err(Error::Mls(format!(
+                    "the Welcome is for group {:?}, not channel {channel:?}",
+                    String::from_utf8_lossy(claimed.as_slice())
+                )));
+            }
+            let staged = processed
+                .into_staged_welcome(&provider, None)
+                .map_err(|e| Error::mls("invalid Welcome", e))?;
+            if staged.group_context().group_id() != &expected {
+                return Err(Error::Mls("the Welcome's group id does not match".into()));
+            }
+            let group = staged
+                .into_group(&provider)
+                .map_err(|e| Error::mls("cannot join from the Welcome", e))?;
+            store::insert_group(conn, channel)?;
+            Ok(group)
+        });
+        match group {
+            Ok(group) => {
+                slot.group = Some(group);
+                Ok(())
+            }
+            Err(e) => {
+                drop(slot);
+                self.forget_empty_slot(channel);
+                Err(e)
+            }
+        }
+    }
+
+    /// Adds the owner of `key_package` (an `MLSMessage` or a bare `KeyPackage`): returns the
+    /// pending commit and the Welcome (ratchet tree included).
+    pub fn add_member(&self, channel: &str, key_package: &[u8]) -> Result<AddMemberOutput> {
+        self.add_members(channel, &[key_package])
+    }
+
+    /// Adds several members in one commit (one Welcome for all of them).
+    pub fn add_members(&self, channel: &str, key_packages: &[&[u8]]) -> Result<AddMemberOutput> {
+        if key_packages.is_empty() {
+            return Err(Error::Mls("no key packages to add".into()));
+        }
+        let key_packages = key_packages
+            .iter()
+            .map(|kp| validate_key_package(&self.crypto, kp))
+            .collect::<Result<Vec<_>>>()?;
+        self.with_group(channel, |group, provider, conn| {
+            let (commit, welcome, _) = group
+                .add_members(provider, &self.signer, &key_packages)
+                .map_err(|e| Error::mls("cannot add the member", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(AddMemberOutput {
+                commit,
+                welcome: serialize(&welcome)?,
+            })
+        })
+    }
+
+    /// Rotates our leaf keys (a commit with a path): returns the pending commit.
+    pub fn self_update(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, conn| {
+            let bundle = group
+                .self_update(provider, &self.signer, LeafNodeParameters::default())
+                .map_err(|e| Error::mls("cannot update own keys", e))?;
+            let commit = serialize(bundle.commit())?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(commit)
+        })
+    }
+
+    /// Removes the member(s) whose credential identity is `identity`: returns the pending
+    /// commit. Removing ourselves is refused (use [`Engine::leave`]).
+    pub fn remove_member(&self, channel: &str, identity: &[u8]) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, conn| {
+            let own = group.own_leaf_index();
+            let targets: Vec<LeafNodeIndex> = group
+                .members()
+                .filter(|m| identity_of(&m.credential).as_deref() == Some(identity))
+                .map(|m| m.index)
+                .collect();
+            if targets.is_empty() {
+                return Err(Error::Mls(format!(
+                    "{:?} is not a member of {channel:?}",
+                    String::from_utf8_lossy(identity)
+                )));
+            }
+            if targets.contains(&own) {
+                return Err(Error::Mls("cannot remove ourselves; leave instead".into()));
+            }
+            let (commit, _, _) = group
+                .remove_members(provider, &self.signer, &targets)
+                .map_err(|e| Error::mls("cannot remove the member", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(commit)
+        })
+    }
+
+    /// Proposes our own removal: returns the proposal to publish. Another member commits it
+    /// ([`Engine::commit_pending_proposals`]); processing that commit deletes our state.
+    pub fn leave(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, _| {
+            let proposal = group
+                .leave_group(provider, &self.signer)
+                .map_err(|e| Error::mls("cannot leave the group", e))?;
+            serialize(&proposal)
+        })
+    }
+
+    /// Commits the proposals received so far (e.g. a member's leave); `None` if there are none.
+    pub fn commit_pending_proposals(&self, channel: &str) -> Result<Option<Vec<u8>>> {
+        self.with_group(channel, |group, provider, conn| {
+            if !group.has_pending_proposals() {
+                return Ok(None);
+            }
+            let (commit, _, _) = group
+                .commit_to_pending_proposals(provider, &self.signer)
+                .map_err(|e| Error::mls("cannot commit the pending proposals", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(Some(commit))
+        })
+    }
+
+    /// The bytes of our pending commit, if any.
+    pub fn pending_commit(&self, channel: &str) -> Result<Option<Vec<u8>>> {
+        self.with_group_read(channel, |_| Ok(()))?;
+        let db = lock(&self.db);
+        Ok(store::pending_commit(&db.conn, channel)?)
+    }
+
+    /// Applies our pending commit (the relay accepted it).
+    pub fn merge_pending_commit(&self, channel: &str) -> Result<u64> {
+        let epoch = self.with_group(channel, |group, provider, conn| {
+            if group.pending_commit().is_none() {
+                return Err(Error::Mls("there is no pending commit".into()));
+            }
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::clear_pending_commit(conn, channel)?;
+            Ok(group.epoch().as_u64())
+        })?;
+        self.checkpoint();
+        Ok(epoch)
+    }
+
+    /// Drops our pending commit (the relay refused it). A no-op without one.
+    pub fn clear_pending_commit(&self, channel: &str) -> Result<()> {
+        self.with_group(channel, |group, provider, conn| {
+            group
+                .clear_pending_commit(provider.storage())
+                .map_err(StoreError::from)?;
+            store::clear_pending_commit(conn, channel)?;
+            Ok(())
+        })
+    }
+
+    /// Encrypts an application message (a PrivateMessage in an `MLSMessage`).
+    pub fn encrypt(&self, channel: &str, payload: &[u8]) -> Result<Vec<u8>> {
+        if payload.len() > MAX_INPUT_LEN {
+            return Err(Error::Mls(format!(
+                "payload too large ({} bytes)",
+                payload.len()
+            )));
+        }
+        self.with_group(channel, |group, provider, _| {
+            let msg = group
+                .create_message(provider, &self.signer, payload)
+                .map_err(|e| Error::mls("cannot encrypt", e))?;
+            serialize(&msg)
+        })
+    }
+
+    /// Processes the next message of the channel's log (public or private framing).
+    pub fn process_incoming(&self, channel: &str, message: &[u8]) -> Result<Incoming> {
+        let protocol = parse_protocol_message(message)?;
+        if protocol.group_id().as_slice() != channel.as_bytes() {
+            return Err(Error::Mls(format!(
+                "the message belongs to group {:?}, not channel {channel:?}",
+                String::from_utf8_lossy(protocol.group_id().as_slice())
+            )));
+        }
+        let is_commit = protocol.content_type() == ContentType::Commit;
+        let mut removed = false;
+        let result = self.with_group(channel, |group, provider, conn| {
+            let pending = store::pending_commit(conn, channel)?;
+            if is_commit {
+                if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
+                    // Our own commit, accepted by the relay and echoed back.
+                    group
+                        .merge_pending_commit(provider)
+                        .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+                    store::clear_pending_commit(conn, channel)?;
+                    return Ok(Incoming::OwnCommit {
+                        epoch: group.epoch().as_u64(),
+                    });
+                }
+                if group.pending_commit().is_some() && protocol.epoch() == group.epoch() {
+                    // Another member's commit won this epoch: ours is void.
+                    group
+                        .clear_pending_commit(provider.storage())
+                        .map_err(StoreError::from)?;
+                    store::clear_pending_commit(conn, channel)?;
+                }
+            }
+            let processed = group
+                .process_message(provider, protocol)
+                .map_err(|e| Error::mls("cannot process the message", e))?;
+            let epoch = processed.epoch().as_u64();
+            let sender = identity_of(processed.credential());
+            match processed.into_content() {
+                ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
+                    sender: sender.unwrap_or_default(),
+                    payload: app.into_bytes(),
+                    epoch,
+                }),
+                ProcessedMessageContent::ProposalMessage(proposal) => {
+                    group
+                        .store_pending_proposal(provider.storage(), *proposal)
+                        .map_err(StoreError::from)?;
+                    Ok(Incoming::Proposal { sender })
+                }
+                ProcessedMessageContent::ExternalJoinProposalMessage(_) => Err(Error::Mls(
+                    "external join proposals are not accepted".into(),
+                )),
+                ProcessedMessageContent::StagedCommitMessage(staged) => {
+                    let self_removed = staged.self_removed();
+                    group
+                        .merge_staged_commit(provider, *staged)
+                        .map_err(|e| Error::mls("cannot merge the commit", e))?;
+                    let epoch = group.epoch().as_u64();
+                    if self_removed || !group.is_active() {
+                        group.delete(provider.storage()).map_err(StoreError::from)?;
+                        store::delete_group(conn, channel)?;
+                        removed = true;
+                        Ok(Incoming::Removed { epoch })
+                    } else {
+                        Ok(Incoming::Commit { sender, epoch })
+                    }
+                }
+                ProcessedMessageContent::OwnPendingCommit => {
+                    group
+                        .merge_pending_commit(provider)
+                        .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+                    store::clear_pending_commit(conn, channel)?;
+                    Ok(Incoming::OwnCommit {
+                        epoch: group.epoch().as_u64(),
+                    })
+                }
+                ProcessedMessageContent::OwnPrivateMessage if is_commit => Err(Error::Mls(
+                    "our own commit came back but it is not our pending commit".into(),
+                )),
+                ProcessedMessageContent::OwnPrivateMessage => Ok(Incoming::Own),
+                #[allow(unreachable_patterns)]
+                _ => Err(Error::Mls("unsupported message content".into())),
+            }
+        });
+        if removed {
+            self.drop_group(channel);
+        }
+        if matches!(
+            result,
+            Ok(Incoming::Commit { .. } | Incoming::OwnCommit { .. } | Incoming::Removed { .. })
+        ) {
+            self.checkpoint();
+        }
+        result
+    }
+
+    /// The members of the group, by leaf index.
+    pub fn members(&self, channel: &str) -> Result<Vec<Member>> {
+        self.with_group_read(channel, |group| {
+            Ok(group
+                .members()
+                .map(|m| Member {
+                    index: m.index.u32(),
+                    identity: identity_of(&m.credential).unwrap_or_default(),
+                })
+                .collect())
+        })
+    }
+
+    /// The group's current epoch.
+    pub fn epoch(&self, channel: &str) -> Result<u64> {
+        self.with_group_read(channel, |group| Ok(group.epoch().as_u64()))
+    }
+
+    /// The epoch authenticator: equal for all members in the same epoch of the same group
+    /// (compare it out of band to detect a fork).
+    pub fn epoch_authenticator(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group_read(channel, |group| {
+            Ok(group.epoch_authenticator().as_slice().to_vec())
+        })
+    }
+
+    /// Whether the group has a pending (unmerged) commit of ours.
+    pub fn has_pending_commit(&self, channel: &str) -> Result<bool> {
+        self.with_group_read(channel, |group| Ok(group.pending_commit().is_some()))
+    }
+
+    /// Truncates the WAL now (also done after each epoch change).
+    pub fn checkpoint(&self) {
+        // Best effort: a failure only delays the truncation to the next checkpoint.
+        let _ = lock(&self.db).checkpoint();
+    }
+
+    // --- internals -------------------------------------------------------------------------
+
+    fn slot(&self, channel: &str) -> Result<Arc<Mutex<GroupSlot>>> {
+        lock(&self.groups)
+            .get(channel)
+            .cloned()
+            .ok_or_else(|| Error::Mls(format!("not a member of channel {channel:?}")))
+    }
+
+    /// Reserves the slot of a new group; refused if we already are a member.
+    fn new_slot(&self, channel: &str) -> Result<Arc<Mutex<GroupSlot>>> {
+        let mut groups = lock(&self.groups);
+        if let Some(existing) = groups.get(channel) {
+            if lock(existing).group.is_some() {
+                return Err(Error::Mls(format!(
+                    "already a member of channel {channel:?}"
+                )));
+            }
+        }
+        let slot = Arc::new(Mutex::new(GroupSlot { group: None }));
+        groups.insert(channel.to_owned(), Arc::clone(&slot));
+        Ok(slot)
+    }
+
+    fn forget_empty_slot(&self, channel: &str) {
+        let mut groups = lock(&self.groups);
+        if groups
+            .get(channel)
+            .is_some_and(|slot| lock(slot).group.is_none())
+        {
+            groups.remove(channel);
+        }
+    }
+
+    fn drop_group(&self, channel: &str) {
+        if let Some(slot) = lock(&self.groups).remove(channel) {
+            lock(&slot).group = None;
+        }
+    }
+
+    fn with_group_read<T>(
+        &self,
+        channel: &str,
+        f: impl FnOnce(&MlsGroup) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(channel)?;
+        let slot = lock(&slot);
+        match slot.group.as_ref() {
+            Some(group) => f(group),
+            None => Err(Error::Mls(format!("not a member of channel {channel:?}"))),
+        }
+    }
+
+    /// Runs `f` on the group in one transaction; on failure the in-memory group is reloaded
+    /// from the (rolled back) store so memory matches disk.
+    fn with_group<T>(
+        &self,
+        channel: &str,
+        f: impl FnOnce(&mut MlsGroup, &Provider<'_>, &rusqlite::Connection) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(channel)?;
+        let mut slot = lock(&slot);
+        let Some(group) = slot.group.as_mut() else {
+            return Err(Error::Mls(format!("not a member of channel {channel:?}")));
+        };
+        let db = lock(&self.db);
+        let result = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            f(group, &provider, conn)
+        });
+        if result.is_err() {
+            let provider = Provider::new(&self.crypto, &db.conn);
+            match MlsGroup::load(provider.storage(), &group_id_of(channel)) {
+                Ok(Some(fresh)) => *group = fresh,
+                Ok(None) => slot.group = None,
+                Err(e) => {
+                    return Err(Error::Internal(format!(
+                        "cannot reload group {channel:?} after a failure: {e}"
+                    )))
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.checkpoint();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn engine_is_send_sync() {
+        assert_send_sync::<Engine>();
+    }
+}

@@ -1,0 +1,288 @@
+//! Persistence of an [`Engine`](crate::Engine) under its data directory.
+//!
+//! # Design
+//!
+//! One SQLite database per data directory (`<data_dir>/mls.sqlite3`, rusqlite with the bundled
+//! SQLite), used as OpenMLS's storage provider through `openmls_sqlite_storage`, plus three small
+//! tables of our own (the identity, the list of groups, the bytes of each group's pending
+//! commit). Why SQLite rather than our own files:
+//!
+//! * **Atomic, durable calls.** One public call of the engine is one SQLite transaction
+//!   (`BEGIN IMMEDIATE` ... `COMMIT`): the dozen storage writes OpenMLS makes while merging a
+//!   commit land together or not at all. A call that fails rolls back, and the in-memory group
+//!   is reloaded from the database, so memory and disk never disagree. `journal_mode=WAL` with
+//!   `synchronous=FULL` makes the commit durable (the WAL is fsynced) before the call returns:
+//!   killing the process at any moment, or losing power, leaves the last committed state, which
+//!   loads. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
+//!   group state per message and would still need a journal across the several keys OpenMLS
+//!   writes per operation.
+//! * **Deleted secrets are gone.** `secure_delete=ON` overwrites deleted rows (used message keys,
+//!   past-epoch secrets, consumed key packages) with zeros, and after every epoch change and on
+//!   close the WAL is checkpointed and truncated so no older page images linger in it.
+//! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
+//!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
+//!   or another, gets a clear `runtime error:` instead of a corrupt state.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use openmls_rust_crypto::RustCrypto;
+use openmls_sqlite_storage::{Codec, SqliteStorageProvider};
+use openmls_traits::OpenMlsProvider;
+use rusqlite::{Connection, OptionalExtension};
+
+/// File name of the database inside the data directory.
+pub const DB_FILE: &str = "mls.sqlite3";
+/// File name of the lock file inside the data directory.
+pub const LOCK_FILE: &str = "lock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot use data_dir {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("data_dir {0} is in use by another StaticClient (another process or an open client in this one); close it first")]
+    Locked(PathBuf),
+    #[error("storage failure: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("internal panic: {0}")]
+    Panic(String),
+    #[error("storage migration failed: {0}")]
+    Migration(String),
+    #[error("data_dir {path} belongs to identity {stored:?}, not {requested:?}")]
+    WrongIdentity {
+        path: PathBuf,
+        stored: String,
+        requested: String,
+    },
+}
+
+/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use).
+#[derive(Default)]
+pub struct JsonCodec;
+
+impl Codec for JsonCodec {
+    type Error = serde_json::Error;
+
+    fn to_vec<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, Self::Error> {
+        serde_json::to_vec(value)
+    }
+
+    fn from_slice<T: serde::de::DeserializeOwned>(slice: &[u8]) -> Result<T, Self::Error> {
+        serde_json::from_slice(slice)
+    }
+}
+
+pub type Storage<'a> = SqliteStorageProvider<JsonCodec, &'a Connection>;
+
+/// An OpenMLS provider over one borrowed connection, built per call (cheap: two references).
+pub struct Provider<'a> {
+    crypto: &'a RustCrypto,
+    storage: Storage<'a>,
+}
+
+impl<'a> Provider<'a> {
+    pub fn new(crypto: &'a RustCrypto, conn: &'a Connection) -> Self {
+        Self {
+            crypto,
+            storage: SqliteStorageProvider::new(conn),
+        }
+    }
+}
+
+impl<'a> OpenMlsProvider for Provider<'a> {
+    type CryptoProvider = RustCrypto;
+    type RandProvider = RustCrypto;
+    type StorageProvider = Storage<'a>;
+
+    fn storage(&self) -> &Self::StorageProvider {
+        &self.storage
+    }
+
+    fn crypto(&self) -> &Self::CryptoProvider {
+        self.crypto
+    }
+
+    fn rand(&self) -> &Self::RandProvider {
+        self.crypto
+    }
+}
+
+/// The open database and the held directory lock.
+pub struct Db {
+    pub conn: Connection,
+    _lock: File,
+    pub path: PathBuf,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl Db {
+    /// Opens (creating if needed) the store under `data_dir` and takes its lock.
+    pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+        let lock_path = data_dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StoreError::Locked(data_dir.to_owned()))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
+        }
+        let path = data_dir.join(DB_FILE);
+        let mut conn = Connection::open(&path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             PRAGMA synchronous=FULL;
+             PRAGMA secure_delete=ON;
+             PRAGMA wal_autocheckpoint=256;
+             PRAGMA foreign_keys=ON;",
+        )?;
+        let mut storage: SqliteStorageProvider<JsonCodec, &mut Connection> =
+            SqliteStorageProvider::new(&mut conn);
+        storage
+            .run_migrations()
+            .map_err(|e| StoreError::Migration(e.to_string()))?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS static_identity (
+                 id INTEGER PRIMARY KEY CHECK (id = 0),
+                 identity BLOB NOT NULL,
+                 signature_public_key BLOB NOT NULL
+             );
+             CREATE TABLE IF NOT EXISTS static_groups (
+                 name TEXT PRIMARY KEY
+             );
+             CREATE TABLE IF NOT EXISTS static_pending_commits (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+                 commit_bytes BLOB NOT NULL
+             );",
+        )?;
+        Ok(Self {
+            conn,
+            _lock: lock,
+            path,
+        })
+    }
+
+    /// Runs `f` inside one immediate transaction: committed if it returns `Ok`, rolled back
+    /// otherwise (also when the commit itself fails, and if `f` panics: the panic becomes an
+    /// error, so a library bug never crashes the caller nor leaves a transaction open).
+    pub fn transaction<T, E: From<StoreError>>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.conn
+            .execute_batch("BEGIN IMMEDIATE")
+            .map_err(|e| E::from(e.into()))?;
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&self.conn)))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown".to_owned());
+                Err(E::from(StoreError::Panic(what)))
+            });
+        match outcome {
+            Ok(value) => match self.conn.execute_batch("COMMIT") {
+                Ok(()) => Ok(value),
+                Err(e) => {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                    Err(E::from(e.into()))
+                }
+            },
+            Err(err) => {
+                // A failed rollback leaves the transaction to be rolled back when the connection
+                // closes; nothing of it was committed either way.
+                let _ = self.conn.execute_batch("ROLLBACK");
+                Err(err)
+            }
+        }
+    }
+
+    /// Checkpoints the WAL into the database and truncates it, so no page images of deleted
+    /// secrets survive in the WAL file.
+    pub fn checkpoint(&self) -> Result<(), StoreError> {
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok(())
+    }
+}
+
+/// The stored identity row: (identity, signature public key).
+pub type IdentityRow = (Vec<u8>, Vec<u8>);
+
+pub fn read_identity(conn: &Connection) -> Result<Option<IdentityRow>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT identity, signature_public_key FROM static_identity WHERE id = 0",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?)
+}
+
+pub fn write_identity(conn: &Connection, identity: &[u8], public: &[u8]) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT INTO static_identity (id, identity, signature_public_key) VALUES (0, ?1, ?2)",
+        (identity, public),
+    )?;
+    Ok(())
+}
+
+pub fn group_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare("SELECT name FROM static_groups ORDER BY name")?;
+    let names = stmt
+        .query_map([], |row| row.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    Ok(names)
+}
+
+pub fn insert_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("INSERT INTO static_groups (name) VALUES (?1)", [name])?;
+    Ok(())
+}
+
+pub fn delete_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("DELETE FROM static_groups WHERE name = ?1", [name])?;
+    Ok(())
+}
+
+pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO static_pending_commits (name, commit_bytes) VALUES (?1, ?2)",
+        (name, bytes),
+    )?;
+    Ok(())
+}
+
+pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT commit_bytes FROM static_pending_commits WHERE name = ?1",
+            [name],
+            |row| row.get(0),
+        )
+        .optional()?)
+}
+
+pub fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("DELETE FROM static_pending_commits WHERE name = ?1", [name])?;
+    Ok(())
+}

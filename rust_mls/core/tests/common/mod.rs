@@ -1,0 +1,54 @@
+#![allow(dead_code, clippy::unwrap_used)]
+
+use static_core::{Engine, Incoming};
+use tempfile::TempDir;
+
+pub const CH: &str = "acme/agents/planner";
+
+pub struct Agent {
+    pub dir: TempDir,
+    pub engine: Engine,
+}
+
+pub fn agent(name: &str) -> Agent {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = Engine::open(dir.path(), name.as_bytes()).unwrap();
+    Agent { dir, engine }
+}
+
+/// `creator` creates `CH` and adds each of `others` in turn; every existing member processes
+/// each commit from the "log". Returns the log of commits.
+pub fn group_of(creator: &Agent, others: &[&Agent]) -> Vec<Vec<u8>> {
+    creator.engine.create_group(CH).unwrap();
+    let mut joined: Vec<&Agent> = vec![];
+    let mut log = vec![];
+    for other in others {
+        let kp = other.engine.generate_key_package().unwrap();
+        let out = creator.engine.add_member(CH, &kp).unwrap();
+        // The relay accepted it: the creator sees its own commit echoed.
+        assert_eq!(
+            creator.engine.process_incoming(CH, &out.commit).unwrap(),
+            Incoming::OwnCommit {
+                epoch: creator.engine.epoch(CH).unwrap()
+            }
+        );
+        for m in &joined {
+            assert!(matches!(
+                m.engine.process_incoming(CH, &out.commit).unwrap(),
+                Incoming::Commit { .. }
+            ));
+        }
+        other.engine.join_group(CH, &out.welcome).unwrap();
+        joined.push(other);
+        log.push(out.commit);
+    }
+    log
+}
+
+pub fn app(from: &[u8], payload: &[u8], epoch: u64) -> Incoming {
+    Incoming::Application {
+        sender: from.to_vec(),
+        payload: payload.to_vec(),
+        epoch,
+    }
+}
