@@ -13,6 +13,8 @@ import trio
 
 from static._settings import ServerSettings
 from static.api import serve_http
+from static.auth import TokenVerifier
+from static.relay import serve_relay
 from static.store import open_database
 
 __all__ = ["BoundServer", "serve"]
@@ -23,6 +25,7 @@ class BoundServer:
     """Where the server listens, once it does."""
 
     http_url: str
+    relay_url: str
 
 
 async def serve(
@@ -35,4 +38,8 @@ async def serve(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     async with open_database(settings.resolved_database_url) as db, trio.open_nursery() as nursery:
         http_url: str = await nursery.start(serve_http, db, settings, shutdown)
-        task_status.started(BoundServer(http_url=http_url))
+        # The concrete TokenVerifier comes with the API (branch api); until then only
+        # --allow-anonymous calls pass.
+        verifier: TokenVerifier | None = None
+        relay_url: str = await nursery.start(serve_relay, db, settings, verifier, shutdown)
+        task_status.started(BoundServer(http_url=http_url, relay_url=relay_url))
