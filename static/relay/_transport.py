@@ -43,18 +43,34 @@ class StreamWasReset:
         self.stream_id = stream_id
 
 
-class MessageTooLarge:
-    """A message on the stream exceeded the transport limit; the rest of it is discarded."""
+class MessageTooLarge(MessageReceived):  # type: ignore[misc]
+    """A message on the stream exceeded the transport limit; the rest of it is discarded.
+
+    A (empty) MessageReceived so that purerpc's stream hands it to the handler as it is.
+    """
 
     def __init__(self, stream_id: int, limit: int) -> None:
-        self.stream_id = stream_id
+        super().__init__(stream_id, b"", 0)
         self.limit = limit
 
 
 class _Connection(GRPCConnection):  # type: ignore[misc]
+    def __init__(self, config: GRPCConfiguration) -> None:
+        super().__init__(config=config)
+        #: Streams whose oversized message is being dropped.
+        self.discarding: set[int] = set()
+
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Any]:
         self.message_read_buffers.pop(event.stream_id, None)
+        self.discarding.discard(event.stream_id)
         return [StreamWasReset(event.stream_id)]
+
+    def _stream_ended(self, event: h2.events.StreamEnded) -> list[Any]:
+        if event.stream_id in self.discarding:
+            self.discarding.discard(event.stream_id)
+            return [RequestEnded(event.stream_id)]
+        result: list[Any] = super()._stream_ended(event)
+        return result
 
     def _data_received(self, event: h2.events.DataReceived) -> list[Any]:
         buffer: MessageReadBuffer | None = self.message_read_buffers.get(event.stream_id)
@@ -73,6 +89,7 @@ class _Connection(GRPCConnection):  # type: ignore[misc]
             ]
         except MessageTooLargeError:
             del self.message_read_buffers[event.stream_id]
+            self.discarding.add(event.stream_id)
             if event.flow_controlled_length:
                 self.h2_connection.acknowledge_received_data(
                     event.flow_controlled_length, event.stream_id
