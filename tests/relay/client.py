@@ -31,7 +31,7 @@ class Relay:
         self.channel = grpc.insecure_channel(
             target, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
         )
-        self.stub: Any = pb_grpc.RelayStub(self.channel)
+        self.stub: Any = pb_grpc.RelayStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
 
     def close(self) -> None:
