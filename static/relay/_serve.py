@@ -39,6 +39,8 @@ class _Connection:
     handlers: dict[int, trio.CancelScope] = field(default_factory=dict)
     socket: RelaySocket | None = None
     flooded: bool = False
+    #: Cancelled to stop reading new streams; leaving the socket then flushes what is queued.
+    listening: trio.CancelScope = field(default_factory=trio.CancelScope)
 
     def on_reset(self, stream_id: int) -> bool:
         """A stream was reset: cancel its handler; False when the connection must close."""
@@ -88,20 +90,21 @@ class _Relay:
             async with RelaySocket(self._config, sock, conn.on_reset) as grpc_socket:
                 conn.socket = grpc_socket
                 async with trio.open_nursery() as streams:
-                    async for stream in grpc_socket.listen():
-                        if len(conn.handlers) >= relay.max_streams_per_connection:
-                            streams.start_soon(
-                                self._service.refuse,
-                                stream,
-                                ResourceExhausted(
-                                    "too many concurrent streams on this connection (limit "
-                                    f"{relay.max_streams_per_connection})"
-                                ),
-                            )
-                            continue
-                        scope = trio.CancelScope()
-                        conn.handlers[stream.stream_id] = scope
-                        streams.start_soon(self._stream, conn, stream, scope)
+                    with conn.listening:
+                        async for stream in grpc_socket.listen():
+                            if len(conn.handlers) >= relay.max_streams_per_connection:
+                                streams.start_soon(
+                                    self._service.refuse,
+                                    stream,
+                                    ResourceExhausted(
+                                        "too many concurrent streams on this connection (limit "
+                                        f"{relay.max_streams_per_connection})"
+                                    ),
+                                )
+                                continue
+                            scope = trio.CancelScope()
+                            conn.handlers[stream.stream_id] = scope
+                            streams.start_soon(self._stream, conn, stream, scope)
                     if conn.flooded:
                         _log.warning("relay: closing %s: too many stream resets", peer)
                         await grpc_socket.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
@@ -123,16 +126,24 @@ class _Relay:
             conn.handlers.pop(stream.stream_id, None)
 
     async def drain(self, seconds: float) -> None:
-        """Shutdown: end subscriptions, GOAWAY every connection, wait for in-flight calls."""
+        """Shutdown: end subscriptions, wait for in-flight calls, then GOAWAY and close.
+
+        (h2 refuses to send anything after its GOAWAY, so that comes last.)
+        """
         self._service.drain()
+        with trio.move_on_after(seconds):
+            while any(conn.handlers for conn in self.connections):  # noqa: ASYNC110  (polled briefly, at shutdown only)
+                await trio.sleep(0.02)
         for conn in list(self.connections):
             if conn.socket is not None:
                 with contextlib.suppress(
                     anyio.BrokenResourceError, anyio.ClosedResourceError, H2Error
                 ):
                     await conn.socket.goaway()
-        with trio.move_on_after(seconds):
-            while any(conn.handlers for conn in self.connections):  # noqa: ASYNC110  (polled briefly, at shutdown only)
+            # Stop reading; the connection then flushes what it has queued and closes.
+            conn.listening.cancel()
+        with trio.move_on_after(1.0):
+            while self.connections:  # noqa: ASYNC110  (polled briefly, at shutdown only)
                 await trio.sleep(0.02)
 
 

@@ -29,7 +29,12 @@ class Relay:
         self.url = url
         target = url.removeprefix("grpc://")
         self.channel = grpc.insecure_channel(
-            target, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)]
+            target,
+            options=[
+                ("grpc.max_send_message_length", 8 * 1024 * 1024),
+                # One connection per Relay object (grpcio shares them across channels otherwise).
+                ("grpc.use_local_subchannel_pool", 1),
+            ],
         )
         self.stub: Any = pb_grpc.RelayStub(self.channel)  # type: ignore[no-untyped-call]
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
