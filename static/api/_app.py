@@ -171,7 +171,13 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
 
     @app.errorhandler(Exception)
     async def any_error(exc: Exception) -> Response:
-        return _error_response(exc)
+        response = _error_response(exc)
+        # An error may be answered before the body was read (a 413, a 401): on HTTP/1.x the
+        # unread rest would be taken for the next request, so the connection ends here.
+        has_body = request.content_length or "Transfer-Encoding" in request.headers
+        if has_body and request.http_version.startswith("1"):
+            response.headers["Connection"] = "close"
+        return response
 
     # -- routes -----------------------------------------------------------------------------
 
