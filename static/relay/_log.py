@@ -36,7 +36,7 @@ from static.store._channels import (
     WelcomeRecord,
 )
 
-__all__ = ["ChannelLog", "ChannelState", "PublishResult"]
+__all__ = ["ChannelLog", "ChannelState", "PublishResult", "Submitted"]
 
 _MAX_BATCH = 512
 _READ_PAGE = 256
@@ -88,6 +88,13 @@ class _Pending:
     result: PublishResult | RelayError | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A publish queued for the writer."""
+
+    pending: _Pending
+
+
 class ChannelLog:
     """The relay's channels: load, create, publish (group-committed), read and follow."""
 
@@ -125,7 +132,7 @@ class ChannelLog:
 
     # -- publishing ---------------------------------------------------------------------------
 
-    async def publish(
+    def submit(
         self,
         state: ChannelState,
         header: MessageHeader,
@@ -133,10 +140,17 @@ class ChannelLog:
         key: bytes,
         welcome: bytes = b"",
         welcome_header: WelcomeHeader | None = None,
-    ) -> PublishResult:
-        """Append ``message`` (its header already parsed and checked against the channel)."""
+    ) -> Submitted:
+        """Queue ``message`` (its header already parsed and checked against the channel) for the
+        next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
+        the order they were submitted."""
         pending = _Pending(state, header, message, key, welcome, welcome_header)
         self._send.send_nowait(pending)
+        return Submitted(pending)
+
+    @staticmethod
+    async def outcome(submitted: Submitted) -> PublishResult:
+        pending = submitted.pending
         # Shielded: once queued, the append may happen; the caller waits for its outcome so that
         # a shutdown lets in-flight publishes finish (the writer drains the queue).
         with trio.CancelScope(shield=True):
@@ -146,6 +160,18 @@ class ChannelLog:
             raise result
         assert result is not None
         return result
+
+    async def publish(
+        self,
+        state: ChannelState,
+        header: MessageHeader,
+        message: bytes,
+        key: bytes,
+        welcome: bytes = b"",
+        welcome_header: WelcomeHeader | None = None,
+    ) -> PublishResult:
+        """Append ``message`` and wait for the answer."""
+        return await self.outcome(self.submit(state, header, message, key, welcome, welcome_header))
 
     async def run_writer(self) -> None:
         """The writer task: group-commit queued publishes until cancelled."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import h2.exceptions
+import trio
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
 from purerpc.grpc_proto import GRPCProtoStream
@@ -43,7 +44,7 @@ from static.relay._framing import (
     parse_welcome,
 )
 from static.relay._generated import relay_pb2 as pb
-from static.relay._log import ChannelLog, ChannelState, PublishResult
+from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
 from static.relay._transport import MessageTooLarge
 from static.store import DatabaseError
@@ -54,6 +55,8 @@ __all__ = ["SERVICE_NAME", "RelayService"]
 SERVICE_NAME = "static.relay.v1.Relay"
 _log = logging.getLogger("static.relay")
 _MAX_BUCKETS = 10_000
+#: Publishes of one PublishStream call queued ahead of their answers.
+_PIPELINE_DEPTH = 256
 
 # The stream or its connection is gone: there is nobody left to answer.
 _GONE = (
@@ -144,17 +147,51 @@ class RelayService:
         await stream.send_message(_publish_response(result))
 
     async def _publish_stream(self, stream: GRPCProtoStream, caller: Caller) -> None:
-        while True:
-            event = await stream.receive_event()
-            if isinstance(event, MessageTooLarge):
-                raise _too_large(event.limit)
-            if isinstance(event, RequestEnded):
-                return
-            if isinstance(event, MessageReceived):
-                result = await self._publish_one(event.data, caller)
-                await stream.send_message(_publish_response(result))
+        """Pipelined: requests are read and queued while earlier ones are being committed (so a
+        batch shares group commits); answers go out in request order. The first refusal ends
+        the call after the answers before it."""
+        queue_in, queue_out = trio.open_memory_channel[Submitted | RelayError](_PIPELINE_DEPTH)
+        failure: list[BaseException] = []
+
+        async def read(nursery: trio.Nursery) -> None:
+            async with queue_in:
+                try:
+                    while True:
+                        event = await stream.receive_event()
+                        if isinstance(event, MessageTooLarge):
+                            raise _too_large(event.limit)
+                        if isinstance(event, RequestEnded):
+                            return
+                        if isinstance(event, MessageReceived):
+                            await queue_in.send(await self._submit(event.data, caller))
+                except RelayError as exc:
+                    await queue_in.send(exc)
+                except DecodeError:
+                    await queue_in.send(InvalidArgument("request is not a valid protobuf message"))
+                except DatabaseError as exc:
+                    await queue_in.send(Unavailable(f"store unavailable: {exc}"))
+
+        async def answer(nursery: trio.Nursery) -> None:
+            try:
+                async for item in queue_out:
+                    if isinstance(item, RelayError):
+                        raise item
+                    result = await self._log.outcome(item)
+                    await stream.send_message(_publish_response(result))
+            except (RelayError, *_GONE) as exc:
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, nursery)
+            nursery.start_soon(answer, nursery)
+        if failure:
+            raise failure[0]
 
     async def _publish_one(self, request: Any, caller: Caller) -> PublishResult:
+        return await self._log.outcome(await self._submit(request, caller))
+
+    async def _submit(self, request: Any, caller: Caller) -> Submitted:
         name = _channel_name(request.channel)
         message: bytes = request.message
         welcome: bytes = request.welcome
@@ -177,7 +214,7 @@ class RelayService:
                 raise InvalidArgument(f"malformed welcome: {exc}") from None
         self._rate_limit(caller)
         state = await self._log.channel(caller.scope, name)
-        return await self._log.publish(state, header, message, key, welcome, welcome_header)
+        return self._log.submit(state, header, message, key, welcome, welcome_header)
 
     def _rate_limit(self, caller: Caller) -> None:
         rate = self._settings.publish_rate_per_agent

@@ -275,4 +275,19 @@ def test_batched_publish_stops_at_the_first_refusal(relay: Relay) -> None:
     assert [(a.seq, a.epoch) for a in answers] == [(1, 0), (2, 1)]
     code, _, trailers = status_of(refused.value)
     assert code == grpc.StatusCode.FAILED_PRECONDITION and trailers["static-current-epoch"] == "1"
-    assert [e.seq for e in relay.subscribe(CHANNEL).wait_for(2)] == [1, 2]
+    # The stale commit was not appended; the request after it may have been (pipelined).
+    log = relay.subscribe(CHANNEL)
+    log.wait_keepalives(1)
+    assert [e.message for e in log.wait_for(2)][:2] == [r.message for r in requests[:2]]
+    assert requests[2].message not in [e.message for e in log.entries]
+    log.cancel()
+
+
+def test_batched_publish_shares_commits_and_keeps_order(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    messages = [mls.application(CHANNEL, 0, str(i).encode()) for i in range(500)]
+    answers = relay.publish_stream(
+        [pb.PublishRequest(channel=CHANNEL, message=m) for m in messages]
+    )
+    assert [a.seq for a in answers] == list(range(1, 501))
+    assert [e.message for e in relay.subscribe(CHANNEL).wait_for(500)] == messages
