@@ -249,10 +249,12 @@ class ChannelLog:
                 with trio.CancelScope(shield=True):
                     await self._store.append(entries, heads, epoch_starts, welcomes)
             except DatabaseError as exc:
-                self._fail([p for p, _ in accepted], exc)
+                # Nothing of the batch was stored: fail all but the refusals (a duplicate found
+                # within the batch would point at an entry that does not exist).
                 for p in batch:
-                    if p.result is not None:
-                        p.done.set()
+                    if not isinstance(p.result, RelayError):
+                        p.result = Unavailable(f"store unavailable: {exc}")
+                    p.done.set()
                 return
         woken: set[int] = set()
         for p, entry in accepted:

@@ -35,6 +35,8 @@ from purerpc.grpclib.exceptions import MessageTooLargeError
 
 __all__ = ["MessageTooLarge", "RelaySocket", "StreamWasReset"]
 
+_CONNECTION_WINDOW = 64 * 1024 * 1024
+
 
 class StreamWasReset:
     """The peer reset a stream (RST_STREAM): purerpc drops this event, we do not."""
@@ -59,6 +61,12 @@ class _Connection(GRPCConnection):  # type: ignore[misc]
         super().__init__(config=config)
         #: Streams whose oversized message is being dropped.
         self.discarding: set[int] = set()
+
+    def initiate_connection(self) -> None:
+        # purerpc opens the connection-level window to 1 GiB; bound what a peer may have in
+        # flight on one connection (each stream's own window still fits a whole message).
+        self.h2_connection.initiate_connection()
+        self.h2_connection.increment_flow_control_window(_CONNECTION_WINDOW - 65535)
 
     def _stream_reset(self, event: h2.events.StreamReset) -> list[Any]:
         self.message_read_buffers.pop(event.stream_id, None)
