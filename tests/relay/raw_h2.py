@@ -18,10 +18,16 @@ __all__ = ["RawH2"]
 
 
 class RawH2:
-    def __init__(self, relay_url: str) -> None:
+    def __init__(self, relay_url: str, *, validate_headers: bool = True) -> None:
         host, _, port = relay_url.removeprefix("grpc://").rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=10)
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=True,
+                validate_outbound_headers=validate_headers,
+                normalize_outbound_headers=validate_headers,
+            )
+        )
         self.conn.initiate_connection()
         self.flush()
         self.buffers: dict[int, bytearray] = {}
@@ -31,7 +37,14 @@ class RawH2:
     def flush(self) -> None:
         self.sock.sendall(self.conn.data_to_send())
 
-    def start(self, method: str, request: Any, *, end: bool = True) -> int:
+    def start(
+        self,
+        method: str,
+        request: Any,
+        *,
+        end: bool = True,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> int:
         stream_id: int = self.conn.get_next_available_stream_id()
         self.conn.send_headers(
             stream_id,
@@ -42,6 +55,7 @@ class RawH2:
                 (":authority", "relay"),
                 ("content-type", "application/grpc"),
                 ("te", "trailers"),
+                *metadata,
             ],
         )
         body = request.SerializeToString()
@@ -72,6 +86,8 @@ class RawH2:
                         )
                 elif isinstance(event, h2.events.TrailersReceived | h2.events.StreamReset):
                     self.ended[event.stream_id] = event
+                elif isinstance(event, h2.events.ResponseReceived) and event.stream_ended:
+                    self.ended[event.stream_id] = event  # a trailers-only response
                 elif isinstance(event, h2.events.ConnectionTerminated):
                     self.goaway = event
             try:

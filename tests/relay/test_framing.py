@@ -123,3 +123,10 @@ def test_token_bucket() -> None:
     assert bucket.take(0.0) == 0.0
     assert bucket.take(0.0) == pytest.approx(0.5)
     assert bucket.take(0.5) == 0.0
+
+
+def test_generated_stubs_import_as_a_package() -> None:
+    # protoc emits `import relay_pb2`; scripts/generate.sh makes it package-relative.
+    from static.relay._generated import relay_grpc, relay_pb2
+
+    assert relay_grpc.relay__pb2 is relay_pb2  # type: ignore[attr-defined]

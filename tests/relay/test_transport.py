@@ -249,3 +249,18 @@ def test_graceful_shutdown_ends_streams_cleanly(start_server: Start) -> None:
     assert "Got exception in main dispatch loop" not in stderr
     assert "Traceback" not in stderr
     relay.close()
+
+
+def test_illegal_header_values_are_refused(start_server: Start) -> None:
+    # h2 3.2.0 lets control characters through (CVE-2025-57804): the relay checks what it reads.
+    server = start_server("--allow-anonymous")
+    raw = RawH2(server.relay_url, validate_headers=False)
+    request = pb.CreateChannelRequest(channel=CHANNEL)
+    bad = raw.start("CreateChannel", request, metadata=(("authorization", "Bearer ab\x01cd"),))
+    assert raw.pump(1.0)
+    trailers = dict(raw.ended[bad].headers)
+    assert trailers[b"grpc-status"] == b"16"  # UNAUTHENTICATED
+    assert b"illegal%20characters" in trailers[b"grpc-message"]
+    with Relay(server.relay_url) as relay:  # nothing was created, the server is fine
+        assert relay.create(CHANNEL).epoch == 0
+    raw.close()
