@@ -14,6 +14,7 @@ __all__ = [
     "StaleEpoch",
     "Unauthenticated",
     "Unavailable",
+    "Unimplemented",
 ]
 
 
@@ -84,3 +85,7 @@ class Unauthenticated(RelayError):
 
 class Unavailable(RelayError):
     code = Code.UNAVAILABLE
+
+
+class Unimplemented(RelayError):
+    code = Code.UNIMPLEMENTED

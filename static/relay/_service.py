@@ -28,12 +28,12 @@ from static._settings import RelaySettings
 from static.relay._auth import Authenticator, Caller, StreamGuard
 from static.relay._errors import (
     AlreadyExists,
-    Code,
     InvalidArgument,
     NotFound,
     RelayError,
     ResourceExhausted,
     Unavailable,
+    Unimplemented,
 )
 from static.relay._framing import (
     ContentType,
@@ -110,7 +110,7 @@ class RelayService:
                 self._methods.get(event.method_name) if event.service_name == SERVICE_NAME else None
             )
             if method is None:
-                outcome = _Unimplemented(f"no method /{event.service_name}/{event.method_name}")
+                outcome = Unimplemented(f"no method /{event.service_name}/{event.method_name}")
             else:
                 request_type, handler = method
                 caller = await self._auth.authenticate(event.custom_metadata, peer)
@@ -299,10 +299,6 @@ class RelayService:
                 welcome=found.welcome, commit_seq=found.commit_seq, epoch=found.epoch
             )
         )
-
-
-class _Unimplemented(RelayError):
-    code = Code.UNIMPLEMENTED
 
 
 def _too_large(limit: int) -> ResourceExhausted:

@@ -45,6 +45,14 @@ def test_prints_relay_url_and_round_trips(anon: ServerProcess, relay: Relay) -> 
     assert entries[1].message == mls.application(CHANNEL, 0, b"two")
     assert entries[1].content_type == mls.APPLICATION
     sub.cancel()
+    unknown = relay.channel.unary_unary(
+        "/static.relay.v1.Relay/Nope",
+        request_serializer=pb.CreateChannelRequest.SerializeToString,
+        response_deserializer=pb.CreateChannelResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as unimplemented:
+        unknown(pb.CreateChannelRequest(channel=CHANNEL), timeout=5)
+    assert status_of(unimplemented.value)[0] == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_concurrent_publishers_one_order(relay: Relay) -> None:
