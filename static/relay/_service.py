@@ -57,6 +57,8 @@ _log = logging.getLogger("static.relay")
 _MAX_BUCKETS = 10_000
 #: Publishes of one PublishStream call queued ahead of their answers.
 _PIPELINE_DEPTH = 256
+#: Bytes a connection may have queued for its socket before subscriptions on it wait.
+_OUTBOUND_LIMIT = 1024 * 1024
 
 # The stream or its connection is gone: there is nobody left to answer.
 _GONE = (
@@ -266,6 +268,7 @@ class RelayService:
             pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
         )
         async for entry in self._log.follow(state, after_seq, keepalive):
+            await _outbound_room(stream)
             if entry is None:
                 response = pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
             else:
@@ -299,6 +302,18 @@ class RelayService:
                 welcome=found.welcome, commit_seq=found.commit_seq, epoch=found.epoch
             )
         )
+
+
+async def _outbound_room(stream: GRPCProtoStream) -> None:
+    """Wait while the connection has more than ``_OUTBOUND_LIMIT`` bytes queued for its socket.
+
+    HTTP/2 flow control is the peer's to grant: a peer that grants large windows and then stops
+    reading would otherwise make the relay queue everything it is sent (purerpc does not bound
+    its output). Such a subscriber simply falls behind and is served from the log later.
+    """
+    h2_connection = stream._grpc_connection.h2_connection
+    while len(h2_connection._data_to_send) > _OUTBOUND_LIMIT:  # noqa: ASYNC110  (no event to wait on)
+        await trio.sleep(0.01)
 
 
 def _too_large(limit: int) -> ResourceExhausted:

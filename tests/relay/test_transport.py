@@ -264,3 +264,37 @@ def test_illegal_header_values_are_refused(start_server: Start) -> None:
     with Relay(server.relay_url) as relay:  # nothing was created, the server is fine
         assert relay.create(CHANNEL).epoch == 0
     raw.close()
+
+
+def test_a_peer_that_grants_windows_but_stops_reading_costs_bounded_memory(
+    start_server: Start,
+) -> None:
+    server = start_server("--allow-anonymous")
+    count, payload = 2000, b"y" * (16 * 1024)
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        greedy = RawH2(server.relay_url)
+        stream = greedy.start("Subscribe", pb.SubscribeRequest(channel=CHANNEL))
+        # Grant a gigabyte of window up front, then never read the socket again.
+        greedy.conn.increment_flow_control_window(2**30)
+        greedy.conn.increment_flow_control_window(2**30, stream_id=stream)
+        greedy.flush()
+        fair = relay.subscribe(CHANNEL)
+        fair.wait_keepalives(1)
+        before = _rss_kib(server)
+        for start in range(0, count, 100):
+            relay.publish_stream(
+                [
+                    pb.PublishRequest(
+                        channel=CHANNEL,
+                        message=mls.application(CHANNEL, 0, payload + str(start + i).encode()),
+                    )
+                    for i in range(100)
+                ]
+            )
+        assert len(fair.wait_for(count, timeout=30)) == count
+        grown = _rss_kib(server) - before
+        # 32 MiB went out; the ring keeps at most 8 MiB, the greedy peer's queue about 1 MiB.
+        assert grown < 20 * 1024, f"RSS grew by {grown} KiB"
+        fair.cancel()
+        greedy.close()
