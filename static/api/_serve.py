@@ -46,6 +46,34 @@ async def serve_http(
     )
 
 
+class _ShieldFinalSend:
+    """ASGI middleware: the last ``send`` of an HTTP response runs shielded from cancellation.
+
+    hypercorn 0.17.3 recycles a keep-alive connection (and starts its idle timer) inside that
+    last ``send``, which tells the app the stream is over; Quart-Trio reacts by cancelling its
+    request nursery, which cancels the recycling half-way. The connection then never gets an
+    idle timer: idle keep-alive connections live forever, and a shutdown waits the whole
+    graceful timeout for them. Shielding is safe: hypercorn shields its socket writes already.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def shielded_send(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self._app(scope, receive, shielded_send)
+
+
 async def serve_app(
     app: Any,
     config: Config,
@@ -53,7 +81,9 @@ async def serve_app(
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with ``config`` until ``shutdown`` is set (in-flight requests finish)."""
+    """Serve the Quart-Trio ``app`` with ``config`` until ``shutdown`` is set (in-flight
+    requests finish)."""
+    app.asgi_app = _ShieldFinalSend(app.asgi_app)
     async with trio.open_nursery() as nursery:
         # hypercorn is stopped through its shutdown trigger, never by cancellation (DESIGN §7).
         binds: list[str] = await nursery.start(_hypercorn, app, config, shutdown)
