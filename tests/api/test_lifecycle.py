@@ -11,9 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import httpx
+import pytest
 
 from tests.api.conftest import NO_LIMITS
-from tests.support.api import Api, assert_error, bearer, open_raw, read_response, unique_email
+from tests.support.api import (
+    Api,
+    assert_error,
+    bearer,
+    db_execute,
+    open_raw,
+    read_response,
+    unique_email,
+)
+from tests.support.postgres import PostgresCluster
 from tests.support.server import ServerProcess
 
 
@@ -176,3 +186,28 @@ def test_sigterm_with_idle_keep_alive_connections_exits_promptly(
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_storage_failure_is_a_json_503(
+    backend: str, start_server: Callable[..., ServerProcess], request: pytest.FixtureRequest
+) -> None:
+    if backend != "postgresql":
+        pytest.skip("needs a store that can vanish under a running server (PostgreSQL)")
+    server = start_server(*NO_LIMITS)
+    api = Api(server.http_url)
+    try:
+        signed = api.signup()
+        assert api.me(signed.key).status_code == 200
+        assert server.database_url is not None
+        name = server.database_url.rsplit("/", 1)[1]
+        cluster: PostgresCluster = request.getfixturevalue("postgres_cluster")
+        db_execute(cluster.url(), f'DROP DATABASE "{name}" WITH (FORCE)')
+        for response in [
+            api.me(signed.key),
+            api.http.get("/healthz"),
+            api.http.post("/v1/accounts", json={"email": unique_email()}),
+        ]:
+            assert_error(response, 503, "service unavailable")
+    finally:
+        api.close()
+    # And it still shuts down cleanly (the fixture asserts exit code 0).
