@@ -113,7 +113,8 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     """Build the app over ``db`` and ``authority``."""
     api = settings.api
     store = authority.store
-    app = QuartTrio(__name__)
+    # No static files: Quart would otherwise serve a /static/<path> route.
+    app = QuartTrio(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = api.max_body_bytes
     # A client trickling its body holds a request slot; 60 s (Quart's default) is too generous.
     app.config["BODY_TIMEOUT"] = 10

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import re
 import time
 import uuid
@@ -144,14 +145,15 @@ def mint_token(
     key: SigningKey, rules: TokenRules, *, account_id: str, key_id: str, now: float
 ) -> str:
     """A signed token for ``account_id``, minted from API key ``key_id``, valid from ``now``."""
-    issued = int(now)
+    issued = math.floor(now)
     claims = {
         "iss": rules.issuer,
         "sub": account_id,
         "aud": rules.audience,
         "iat": issued,
         "nbf": issued,
-        "exp": issued + rules.ttl_seconds,
+        # Rounded up: a token never lives shorter than the ``expires_in`` announced with it.
+        "exp": math.ceil(now) + rules.ttl_seconds,
         "jti": uuid.uuid4().hex,
         "key_id": key_id,
     }

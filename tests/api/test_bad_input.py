@@ -248,3 +248,23 @@ def test_no_html_anywhere(api: Api) -> None:
         assert response.headers["content-type"].startswith("application/json")
         assert "<html" not in response.text.lower()
         assert "traceback" not in response.text.lower()
+
+
+def test_http2_request_answered_before_its_body_does_not_kill_the_server(api: Api) -> None:
+    # Regression (hypercorn 0.17.3): DATA for a stream already answered raised KeyError in the
+    # connection handler, which ended the whole server process.
+    with httpx.Client(http1=False, http2=True, base_url=api.base_url, timeout=10) as h2:
+        assert h2.get("/healthz").http_version == "HTTP/2"
+        try:
+            response = h2.post("/v1/keys", headers=bearer("garbage"), content=b"x" * 200_000)
+        except httpx.HTTPError:
+            pass  # the server may close that connection; it must stay up
+        else:
+            assert 400 <= response.status_code < 500
+    for _ in range(3):
+        assert api.http.get("/healthz").status_code == 200
+    with httpx.Client(http1=False, http2=True, base_url=api.base_url, timeout=10) as h2:
+        signed = api.signup()
+        response = h2.get("/v1/accounts/me", headers=bearer(signed.key))
+        assert response.http_version == "HTTP/2"
+        assert response.json() == signed.account
