@@ -15,6 +15,16 @@ its subscriber processes are the load generator (grpcio). Measures, on loopback:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# bench/ also holds http.py (the HTTP API benchmark): keep it from shadowing the stdlib's http,
+# which is why the imports below come after this (E402).
+# ruff: noqa: E402
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
 import argparse
 import asyncio
 import multiprocessing as mp
@@ -22,17 +32,13 @@ import os
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from static.relay._generated import relay_pb2 as pb
 
