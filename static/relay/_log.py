@@ -151,10 +151,13 @@ class ChannelLog:
     @staticmethod
     async def outcome(submitted: Submitted) -> PublishResult:
         pending = submitted.pending
-        # Shielded: once queued, the append may happen; the caller waits for its outcome so that
-        # a shutdown lets in-flight publishes finish (the writer drains the queue).
-        with trio.CancelScope(shield=True):
-            await pending.done.wait()
+        if not pending.done.is_set():
+            # Shielded: once queued, the append may happen; the caller waits for its outcome so
+            # that a shutdown lets in-flight publishes finish (the writer drains the queue).
+            # (No checkpoint when the answer is already there: answers sent back to back leave
+            # together in one socket write.)
+            with trio.CancelScope(shield=True):
+                await pending.done.wait()
         result = pending.result
         if isinstance(result, RelayError):
             raise result

@@ -6,6 +6,7 @@ Every refusal is a :class:`RelayError`, mapped to a gRPC status (and trailers) i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -175,11 +176,18 @@ class RelayService:
 
         async def answer(nursery: trio.Nursery) -> None:
             try:
-                async for item in queue_out:
-                    if isinstance(item, RelayError):
-                        raise item
-                    result = await self._log.outcome(item)
-                    await stream.send_message(_publish_response(result))
+                async for first in queue_out:
+                    # Answer everything already queued without yielding in between, so that
+                    # the answers of one group commit leave in one socket write.
+                    items = [first]
+                    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                        while len(items) < _PIPELINE_DEPTH:
+                            items.append(queue_out.receive_nowait())
+                    for item in items:
+                        if isinstance(item, RelayError):
+                            raise item
+                        result = await self._log.outcome(item)
+                        await stream.send_message(_publish_response(result))
             except (RelayError, *_GONE) as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
