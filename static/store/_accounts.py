@@ -42,7 +42,6 @@ class AccountRecord:
     email: str
     name: str | None
     plan_tier: str
-    created_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +85,7 @@ class SigningKeyRecord:
 # gone is told apart from a key that does not exist (404 versus 401).
 _OWNER = (
     "SELECT k.id AS key_id, k.account_id AS key_account_id, a.id AS account_id, a.email,"
-    " a.name, a.plan_tier, a.created_at"
+    " a.name, a.plan_tier"
     " FROM api_keys k LEFT JOIN accounts a ON a.id = k.account_id"
     " WHERE {where} AND k.revoked_at IS NULL"
 )
@@ -109,7 +108,8 @@ class AccountStore:
     def _time_out(self, value: Any) -> datetime:
         if isinstance(value, datetime):
             return value.astimezone(UTC)
-        return datetime.strptime(value, _SQLITE_TIME).replace(tzinfo=UTC)
+        # fromisoformat (C, and "Z"-aware since 3.11) is ~40x faster than strptime.
+        return datetime.fromisoformat(value)
 
     def _maybe_time_out(self, value: Any) -> datetime | None:
         return None if value is None else self._time_out(value)
@@ -120,7 +120,6 @@ class AccountStore:
             email=row["email"],
             name=row["name"],
             plan_tier=row["plan_tier"],
-            created_at=self._time_out(row["created_at"]),
         )
 
     def _owner(self, row: Row) -> KeyOwner:
@@ -167,7 +166,7 @@ class AccountStore:
         except IntegrityError as exc:
             # The only constraint a fresh random id and key can break is the email's.
             raise EmailTaken(email) from exc
-        return AccountRecord(account_id, email, name, "free", now)
+        return AccountRecord(account_id, email, name, "free")
 
     @staticmethod
     async def _insert_key(tx: Any, account_id: str, key: NewKey, created: Any) -> None:
