@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from static._settings import Address, ApiSettings, RelaySettings, ServerSettings
+from static._settings import Address, ApiSettings, RateLimit, RelaySettings, ServerSettings
 
 __all__ = ["main"]
 
@@ -67,6 +67,30 @@ def _parser() -> argparse.ArgumentParser:
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
     serve.add_argument(
+        "--relay-keepalive",
+        type=float,
+        default=float(_env("STATIC_RELAY_KEEPALIVE", "2")),
+        metavar="SECONDS",
+        help="keep-alive interval of relay subscriptions [STATIC_RELAY_KEEPALIVE] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--relay-publish-rate",
+        type=float,
+        default=float(_env("STATIC_RELAY_PUBLISH_RATE", "10000")),
+        metavar="PER_SECOND",
+        help="relay publishes per second per agent, 0 for no limit [STATIC_RELAY_PUBLISH_RATE] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--relay-max-streams",
+        type=int,
+        default=int(_env("STATIC_RELAY_MAX_STREAMS", "100")),
+        metavar="N",
+        help="concurrent relay streams per connection [STATIC_RELAY_MAX_STREAMS] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
         "--token-ttl",
         type=int,
         default=int(_env("STATIC_TOKEN_TTL", "900")),
@@ -74,19 +98,50 @@ def _parser() -> argparse.ArgumentParser:
         help="lifetime of the JWTs minted by POST /v1/tokens [STATIC_TOKEN_TTL] "
         "(default %(default)s)",
     )
+    serve.add_argument(
+        "--signup-rate",
+        type=RateLimit.parse,
+        default=_env("STATIC_SIGNUP_RATE", "10/60"),
+        metavar="N/SECONDS",
+        help="POST /v1/accounts allowed per client address: bursts of N, N per SECONDS; "
+        "'off' disables [STATIC_SIGNUP_RATE] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--key-rate",
+        type=RateLimit.parse,
+        default=_env("STATIC_KEY_RATE", "600/60"),
+        metavar="N/SECONDS",
+        help="authenticated requests allowed per API key (JWTs count against their key); "
+        "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
+    )
     return parser
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if not 1 <= args.token_ttl <= 86400:
         raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    if not 0.05 <= args.relay_keepalive <= 300:
+        raise ValueError("--relay-keepalive must be between 0.05 and 300 seconds")
+    if args.relay_publish_rate < 0:
+        raise ValueError("--relay-publish-rate must be >= 0")
+    if not 1 <= args.relay_max_streams <= 10000:
+        raise ValueError("--relay-max-streams must be between 1 and 10000")
     return ServerSettings(
         http=args.http,
         relay=args.relay,
         data_dir=args.data_dir,
         database_url=args.database,
-        api=ApiSettings(token_ttl_seconds=args.token_ttl),
-        relay_settings=RelaySettings(allow_anonymous=args.allow_anonymous),
+        api=ApiSettings(
+            token_ttl_seconds=args.token_ttl,
+            signup_rate_limit=args.signup_rate,
+            key_rate_limit=args.key_rate,
+        ),
+        relay_settings=RelaySettings(
+            allow_anonymous=args.allow_anonymous,
+            keepalive_interval_seconds=args.relay_keepalive,
+            publish_rate_per_agent=args.relay_publish_rate,
+            max_streams_per_connection=args.relay_max_streams,
+        ),
     )
 
 
@@ -98,6 +153,7 @@ async def _run(settings: ServerSettings) -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(serve, settings, shutdown)
             print(f"http: {bound.http_url}", flush=True)
+            print(f"relay: {bound.relay_url}", flush=True)
             async for _ in signals:
                 shutdown.set()
                 break

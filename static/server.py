@@ -13,6 +13,8 @@ import trio
 
 from static._settings import ServerSettings
 from static.api import serve_http
+from static.auth import open_authority
+from static.relay import serve_relay
 from static.store import open_database
 
 __all__ = ["BoundServer", "serve"]
@@ -23,6 +25,7 @@ class BoundServer:
     """Where the server listens, once it does."""
 
     http_url: str
+    relay_url: str
 
 
 async def serve(
@@ -31,8 +34,19 @@ async def serve(
     *,
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the server until ``shutdown`` is set, then drain and return."""
+    """Run the server until ``shutdown`` is set, then drain and return.
+
+    The :class:`~static.auth.Authority` (``authority``) is built once here and shared: the HTTP
+    API mints and checks credentials with it, and the relay verifies JWTs through it (it is
+    the concrete :class:`~static.auth.TokenVerifier`). It outlives the servers in the nursery,
+    so its last flush of key use runs after they drained.
+    """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    async with open_database(settings.resolved_database_url) as db, trio.open_nursery() as nursery:
-        http_url: str = await nursery.start(serve_http, db, settings, shutdown)
-        task_status.started(BoundServer(http_url=http_url))
+    async with (
+        open_database(settings.resolved_database_url) as db,
+        open_authority(db, settings.api) as authority,
+        trio.open_nursery() as nursery,
+    ):
+        http_url: str = await nursery.start(serve_http, db, settings, authority, shutdown)
+        relay_url: str = await nursery.start(serve_relay, db, settings, authority, shutdown)
+        task_status.started(BoundServer(http_url=http_url, relay_url=relay_url))
