@@ -1,22 +1,33 @@
 """``static_sdk``: the import name the spec promises for the Static client library.
 
-It re-exports :mod:`static.sdk`; it imports nothing of the server.
+It re-exports :mod:`static.sdk` (``StaticClient``, ``Channel``, the message iterators and the
+error classes); it imports nothing of the server.
 """
 
-from static._errors import (
+from static.sdk import (
+    MAX_PAYLOAD,
+    AsyncMessageIterator,
     AuthError,
+    Channel,
     InternalError,
     InvalidChannelNameError,
+    MessageIterator,
     MLSEngineError,
+    StaticClient,
     StaticError,
     TransportError,
 )
 
 __all__ = [
+    "MAX_PAYLOAD",
+    "AsyncMessageIterator",
     "AuthError",
+    "Channel",
     "InternalError",
     "InvalidChannelNameError",
     "MLSEngineError",
+    "MessageIterator",
+    "StaticClient",
     "StaticError",
     "TransportError",
 ]

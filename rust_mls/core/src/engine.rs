@@ -25,7 +25,7 @@ use openmls_rust_crypto::RustCrypto;
 
 use crate::channel_name::validate_channel_name;
 use crate::error::{Error, Result};
-use crate::store::{self, Db, Provider, StoreError};
+use crate::store::{self, Cursor, Db, InboxMessage, Provider, StoreError};
 
 /// The one ciphersuite Static speaks.
 pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
@@ -83,6 +83,13 @@ pub enum Incoming {
 struct GroupSlot {
     /// `None` once the group is gone (we left or were removed).
     group: Option<MlsGroup>,
+}
+
+/// The outcome of one entry of [`Engine::process_entries`].
+#[derive(Debug)]
+pub struct Applied {
+    pub seq: u64,
+    pub outcome: Result<Incoming>,
 }
 
 /// One MLS client over a data directory. `Send + Sync`; see the module docs.
@@ -230,6 +237,107 @@ fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage> {
         .map_err(|_| Error::Mls("not a PublicMessage or PrivateMessage".into()))
 }
 
+fn changes_epoch(incoming: &Incoming) -> bool {
+    matches!(
+        incoming,
+        Incoming::Commit { .. } | Incoming::OwnCommit { .. } | Incoming::Removed { .. }
+    )
+}
+
+/// Parses a protocol message and checks it belongs to `channel`.
+fn parse_for_channel(channel: &str, message: &[u8]) -> Result<ProtocolMessage> {
+    let protocol = parse_protocol_message(message)?;
+    if protocol.group_id().as_slice() != channel.as_bytes() {
+        return Err(Error::Mls(format!(
+            "the message belongs to group {:?}, not channel {channel:?}",
+            String::from_utf8_lossy(protocol.group_id().as_slice())
+        )));
+    }
+    Ok(protocol)
+}
+
+/// Applies one message of the log to the group inside the caller's transaction.
+fn apply_message(
+    channel: &str,
+    group: &mut MlsGroup,
+    provider: &Provider<'_>,
+    conn: &rusqlite::Connection,
+    protocol: ProtocolMessage,
+    message: &[u8],
+) -> Result<Incoming> {
+    let is_commit = protocol.content_type() == ContentType::Commit;
+    let pending = store::pending_commit(conn, channel)?;
+    if is_commit {
+        if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
+            // Our own commit, accepted by the relay and echoed back.
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::clear_pending_commit(conn, channel)?;
+            return Ok(Incoming::OwnCommit {
+                epoch: group.epoch().as_u64(),
+            });
+        }
+        if group.pending_commit().is_some() && protocol.epoch() == group.epoch() {
+            // Another member's commit won this epoch: ours is void.
+            group
+                .clear_pending_commit(provider.storage())
+                .map_err(StoreError::from)?;
+            store::clear_pending_commit(conn, channel)?;
+        }
+    }
+    let processed = group
+        .process_message(provider, protocol)
+        .map_err(|e| Error::mls("cannot process the message", e))?;
+    let epoch = processed.epoch().as_u64();
+    let sender = identity_of(processed.credential());
+    match processed.into_content() {
+        ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
+            sender: sender.unwrap_or_default(),
+            payload: app.into_bytes(),
+            epoch,
+        }),
+        ProcessedMessageContent::ProposalMessage(proposal) => {
+            group
+                .store_pending_proposal(provider.storage(), *proposal)
+                .map_err(StoreError::from)?;
+            Ok(Incoming::Proposal { sender })
+        }
+        ProcessedMessageContent::ExternalJoinProposalMessage(_) => Err(Error::Mls(
+            "external join proposals are not accepted".into(),
+        )),
+        ProcessedMessageContent::StagedCommitMessage(staged) => {
+            let self_removed = staged.self_removed();
+            group
+                .merge_staged_commit(provider, *staged)
+                .map_err(|e| Error::mls("cannot merge the commit", e))?;
+            let epoch = group.epoch().as_u64();
+            if self_removed || !group.is_active() {
+                group.delete(provider.storage()).map_err(StoreError::from)?;
+                store::delete_group(conn, channel)?;
+                Ok(Incoming::Removed { epoch })
+            } else {
+                Ok(Incoming::Commit { sender, epoch })
+            }
+        }
+        ProcessedMessageContent::OwnPendingCommit => {
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::clear_pending_commit(conn, channel)?;
+            Ok(Incoming::OwnCommit {
+                epoch: group.epoch().as_u64(),
+            })
+        }
+        ProcessedMessageContent::OwnPrivateMessage if is_commit => Err(Error::Mls(
+            "our own commit came back but it is not our pending commit".into(),
+        )),
+        ProcessedMessageContent::OwnPrivateMessage => Ok(Incoming::Own),
+        #[allow(unreachable_patterns)]
+        _ => Err(Error::Mls("unsupported message content".into())),
+    }
+}
+
 impl Engine {
     /// Opens (or creates) the engine of `identity` under `data_dir`. The directory is locked
     /// for the life of the engine; a data_dir created for another identity is refused.
@@ -358,6 +466,7 @@ impl Engine {
             )
             .map_err(|e| Error::mls("cannot create the group", e))?;
             store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::After(0))?;
             Ok::<_, Error>(group)
         });
         match group {
@@ -417,6 +526,7 @@ impl Engine {
                 .into_group(&provider)
                 .map_err(|e| Error::mls("cannot join from the Welcome", e))?;
             store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
             Ok(group)
         });
         match group {
@@ -578,98 +688,132 @@ impl Engine {
 
     /// Processes the next message of the channel's log (public or private framing).
     pub fn process_incoming(&self, channel: &str, message: &[u8]) -> Result<Incoming> {
-        let protocol = parse_protocol_message(message)?;
-        if protocol.group_id().as_slice() != channel.as_bytes() {
-            return Err(Error::Mls(format!(
-                "the message belongs to group {:?}, not channel {channel:?}",
-                String::from_utf8_lossy(protocol.group_id().as_slice())
-            )));
-        }
-        let is_commit = protocol.content_type() == ContentType::Commit;
+        let protocol = parse_for_channel(channel, message)?;
         let mut removed = false;
         let result = self.with_group(channel, |group, provider, conn| {
-            let pending = store::pending_commit(conn, channel)?;
-            if is_commit {
-                if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
-                    // Our own commit, accepted by the relay and echoed back.
-                    group
-                        .merge_pending_commit(provider)
-                        .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
-                    store::clear_pending_commit(conn, channel)?;
-                    return Ok(Incoming::OwnCommit {
-                        epoch: group.epoch().as_u64(),
-                    });
-                }
-                if group.pending_commit().is_some() && protocol.epoch() == group.epoch() {
-                    // Another member's commit won this epoch: ours is void.
-                    group
-                        .clear_pending_commit(provider.storage())
-                        .map_err(StoreError::from)?;
-                    store::clear_pending_commit(conn, channel)?;
-                }
-            }
-            let processed = group
-                .process_message(provider, protocol)
-                .map_err(|e| Error::mls("cannot process the message", e))?;
-            let epoch = processed.epoch().as_u64();
-            let sender = identity_of(processed.credential());
-            match processed.into_content() {
-                ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
-                    sender: sender.unwrap_or_default(),
-                    payload: app.into_bytes(),
-                    epoch,
-                }),
-                ProcessedMessageContent::ProposalMessage(proposal) => {
-                    group
-                        .store_pending_proposal(provider.storage(), *proposal)
-                        .map_err(StoreError::from)?;
-                    Ok(Incoming::Proposal { sender })
-                }
-                ProcessedMessageContent::ExternalJoinProposalMessage(_) => Err(Error::Mls(
-                    "external join proposals are not accepted".into(),
-                )),
-                ProcessedMessageContent::StagedCommitMessage(staged) => {
-                    let self_removed = staged.self_removed();
-                    group
-                        .merge_staged_commit(provider, *staged)
-                        .map_err(|e| Error::mls("cannot merge the commit", e))?;
-                    let epoch = group.epoch().as_u64();
-                    if self_removed || !group.is_active() {
-                        group.delete(provider.storage()).map_err(StoreError::from)?;
-                        store::delete_group(conn, channel)?;
-                        removed = true;
-                        Ok(Incoming::Removed { epoch })
-                    } else {
-                        Ok(Incoming::Commit { sender, epoch })
+            let incoming = apply_message(channel, group, provider, conn, protocol, message)?;
+            removed = matches!(incoming, Incoming::Removed { .. });
+            Ok(incoming)
+        });
+        self.after_processing(channel, removed, result.as_ref().is_ok_and(changes_epoch));
+        result
+    }
+
+    /// Applies entries of the channel's log in order, in ONE durable transaction: each entry's
+    /// MLS state change, the channel's cursor (the last seq applied) and, for application
+    /// messages, the decrypted payload in the inbox land together, so a crash can neither lose
+    /// a decrypted message nor apply an entry twice. An entry that cannot be processed (not
+    /// decryptable for us, malformed, from before we joined) is skipped with its error (its
+    /// partial effects rolled back); a storage failure fails the whole batch. Processing stops
+    /// after a commit that removed us.
+    pub fn process_entries(&self, channel: &str, entries: &[(u64, &[u8])]) -> Result<Vec<Applied>> {
+        let mut removed = false;
+        let mut epoch_changed = false;
+        let result = self.with_group(channel, |group, provider, conn| {
+            let mut out = Vec::with_capacity(entries.len());
+            for &(seq, message) in entries {
+                conn.execute_batch("SAVEPOINT entry").map_err(StoreError::from)?;
+                let outcome = parse_for_channel(channel, message).and_then(|protocol| {
+                    apply_message(channel, group, provider, conn, protocol, message)
+                });
+                match outcome {
+                    Ok(incoming) => {
+                        if let Incoming::Application {
+                            sender, payload, ..
+                        } = &incoming
+                        {
+                            store::inbox_push(conn, channel, seq, sender, payload)?;
+                        }
+                        removed = matches!(incoming, Incoming::Removed { .. });
+                        epoch_changed |= changes_epoch(&incoming);
+                        if !removed {
+                            store::set_cursor(conn, channel, Cursor::After(seq))?;
+                        }
+                        conn.execute_batch("RELEASE entry").map_err(StoreError::from)?;
+                        out.push(Applied {
+                            seq,
+                            outcome: Ok(incoming),
+                        });
+                        if removed {
+                            break;
+                        }
+                    }
+                    Err(err) if err.kind() == crate::ErrorKind::Internal => return Err(err),
+                    Err(err) => {
+                        conn.execute_batch("ROLLBACK TO entry; RELEASE entry")
+                            .map_err(StoreError::from)?;
+                        // OpenMLS may have changed the in-memory group before failing: reload
+                        // it from the rolled-back store.
+                        *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
+                            .map_err(StoreError::from)?
+                            .ok_or_else(|| {
+                                Error::Internal(format!("the state of group {channel:?} is missing"))
+                            })?;
+                        store::set_cursor(conn, channel, Cursor::After(seq))?;
+                        out.push(Applied {
+                            seq,
+                            outcome: Err(err),
+                        });
                     }
                 }
-                ProcessedMessageContent::OwnPendingCommit => {
-                    group
-                        .merge_pending_commit(provider)
-                        .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
-                    store::clear_pending_commit(conn, channel)?;
-                    Ok(Incoming::OwnCommit {
-                        epoch: group.epoch().as_u64(),
-                    })
-                }
-                ProcessedMessageContent::OwnPrivateMessage if is_commit => Err(Error::Mls(
-                    "our own commit came back but it is not our pending commit".into(),
-                )),
-                ProcessedMessageContent::OwnPrivateMessage => Ok(Incoming::Own),
-                #[allow(unreachable_patterns)]
-                _ => Err(Error::Mls("unsupported message content".into())),
             }
+            Ok(out)
         });
+        self.after_processing(channel, removed, epoch_changed && result.is_ok());
+        result
+    }
+
+    /// Encrypts several application messages in one durable transaction (one disk sync for
+    /// the batch): all or none.
+    pub fn encrypt_many(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        for payload in payloads {
+            if payload.len() > MAX_INPUT_LEN {
+                return Err(Error::Mls(format!(
+                    "payload too large ({} bytes)",
+                    payload.len()
+                )));
+            }
+        }
+        self.with_group(channel, |group, provider, _| {
+            payloads
+                .iter()
+                .map(|payload| {
+                    let msg = group
+                        .create_message(provider, &self.signer, payload)
+                        .map_err(|e| Error::mls("cannot encrypt", e))?;
+                    serialize(&msg)
+                })
+                .collect()
+        })
+    }
+
+    /// Where the channel's processing resumes in the relay's log.
+    pub fn cursor(&self, channel: &str) -> Result<Cursor> {
+        self.with_group_read(channel, |_| Ok(()))?;
+        let db = lock(&self.db);
+        Ok(store::cursor(&db.conn, channel)?)
+    }
+
+    /// Removes and returns the oldest received message of the channel (see
+    /// [`crate::store::Db::light_transaction`] for its durability).
+    pub fn inbox_take(&self, channel: &str) -> Result<Option<InboxMessage>> {
+        let db = lock(&self.db);
+        db.light_transaction(|conn| Ok(store::inbox_take(conn, channel)?))
+    }
+
+    /// How many received messages of the channel wait in the inbox.
+    pub fn inbox_len(&self, channel: &str) -> Result<u64> {
+        let db = lock(&self.db);
+        Ok(store::inbox_len(&db.conn, channel)?)
+    }
+
+    fn after_processing(&self, channel: &str, removed: bool, epoch_changed: bool) {
         if removed {
             self.drop_group(channel);
         }
-        if matches!(
-            result,
-            Ok(Incoming::Commit { .. } | Incoming::OwnCommit { .. } | Incoming::Removed { .. })
-        ) {
+        if epoch_changed {
             self.checkpoint();
         }
-        result
     }
 
     /// The members of the group, by leaf index.

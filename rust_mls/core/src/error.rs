@@ -9,17 +9,26 @@ pub enum ErrorKind {
     /// `MLS engine error:` — a protocol failure: bad key package, invalid Welcome, undecryptable
     /// or foreign message, an operation the group state does not allow.
     Mls,
+    /// `transport error:` — the relay is unreachable, a gRPC call failed, or the relay refused
+    /// a request for a reason other than authentication.
+    Transport,
+    /// `auth error:` — the API key is invalid, revoked or expired, or the relay refused the token.
+    Auth,
     /// `runtime error:` — an internal failure: storage, locking, a library bug.
     Internal,
 }
 
 /// An error of the core. `Display` starts with the spec prefix of its kind.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     #[error("invalid channel name: {0}")]
     InvalidChannelName(String),
     #[error("MLS engine error: {0}")]
     Mls(String),
+    #[error("transport error: {0}")]
+    Transport(String),
+    #[error("auth error: {0}")]
+    Auth(String),
     #[error("runtime error: {0}")]
     Internal(String),
 }
@@ -29,6 +38,8 @@ impl Error {
         match self {
             Self::InvalidChannelName(_) => ErrorKind::InvalidChannelName,
             Self::Mls(_) => ErrorKind::Mls,
+            Self::Transport(_) => ErrorKind::Transport,
+            Self::Auth(_) => ErrorKind::Auth,
             Self::Internal(_) => ErrorKind::Internal,
         }
     }
@@ -36,7 +47,11 @@ impl Error {
     /// The message without its prefix.
     pub fn detail(&self) -> &str {
         match self {
-            Self::InvalidChannelName(d) | Self::Mls(d) | Self::Internal(d) => d,
+            Self::InvalidChannelName(d)
+            | Self::Mls(d)
+            | Self::Transport(d)
+            | Self::Auth(d)
+            | Self::Internal(d) => d,
         }
     }
 

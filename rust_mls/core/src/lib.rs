@@ -11,12 +11,16 @@
 #[doc(hidden)]
 pub mod bench_support;
 pub mod channel_name;
+pub mod client;
 pub mod engine;
 pub mod error;
 pub mod store;
+pub mod transport;
 
 pub use channel_name::{validate_channel_name, MAX_CHANNEL_NAME_LENGTH};
-pub use engine::{AddMemberOutput, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
+pub use client::{Channel, Client, Next, Token, TokenProvider, Waker, MAX_PAYLOAD};
+pub use engine::{AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
+pub use store::Cursor;
 pub use error::{Error, ErrorKind, Result};
 
 /// The crate version, reported by `static._native.__version__`.

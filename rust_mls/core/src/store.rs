@@ -171,7 +171,27 @@ impl Db {
              CREATE TABLE IF NOT EXISTS static_pending_commits (
                  name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
                  commit_bytes BLOB NOT NULL
-             );",
+             );
+             -- Where each channel stands in the relay's log: `seq` is the last entry applied
+             -- (NULL: none yet, subscribe from the start of `join_epoch`). Written in the same
+             -- transaction as the MLS state change the entry caused.
+             CREATE TABLE IF NOT EXISTS static_cursors (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+                 seq INTEGER,
+                 join_epoch INTEGER NOT NULL DEFAULT 0
+             );
+             -- Decrypted application messages not yet handed to the caller. MLS deletes a
+             -- message key once used, so a plaintext only held in memory would be lost by a
+             -- crash: it is stored with the state change that decrypted it. Not tied to the
+             -- group: what arrived before a removal can still be read.
+             CREATE TABLE IF NOT EXISTS static_inbox (
+                 id INTEGER PRIMARY KEY AUTOINCREMENT,
+                 name TEXT NOT NULL,
+                 seq INTEGER NOT NULL,
+                 sender BLOB NOT NULL,
+                 payload BLOB NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);",
         )?;
         Ok(Self {
             conn,
@@ -214,6 +234,27 @@ impl Db {
                 Err(err)
             }
         }
+    }
+
+    /// Like [`Db::transaction`] but without waiting for the disk (`synchronous=NORMAL`): the
+    /// commit is atomic and survives the process being killed (it is in the OS's WAL file), but
+    /// not a power loss until the next durable commit. Used for taking messages out of the
+    /// inbox, where the worst a power loss can do is hand a message out twice.
+    pub fn light_transaction<T, E: From<StoreError>>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        self.conn
+            .execute_batch("PRAGMA synchronous=NORMAL")
+            .map_err(|e| E::from(e.into()))?;
+        let result = self.transaction(f);
+        let restored = self
+            .conn
+            .execute_batch("PRAGMA synchronous=FULL")
+            .map_err(|e| E::from(e.into()));
+        let value = result?;
+        restored?;
+        Ok(value)
     }
 
     /// Checkpoints the WAL into the database and truncates it, so no page images of deleted
@@ -285,4 +326,109 @@ pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, 
 pub fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute("DELETE FROM static_pending_commits WHERE name = ?1", [name])?;
     Ok(())
+}
+
+/// Where a channel's processing resumes in the relay's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cursor {
+    /// Entries after this seq (0: from the beginning).
+    After(u64),
+    /// No entry applied yet since joining at this epoch: entries from the start of the epoch.
+    FromEpoch(u64),
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), StoreError> {
+    let (seq, epoch) = match cursor {
+        Cursor::After(seq) => (Some(to_i64(seq)), 0),
+        Cursor::FromEpoch(epoch) => (None, to_i64(epoch)),
+    };
+    conn.execute(
+        "INSERT OR REPLACE INTO static_cursors (name, seq, join_epoch) VALUES (?1, ?2, ?3)",
+        (name, seq, epoch),
+    )?;
+    Ok(())
+}
+
+pub fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
+    let row: Option<(Option<i64>, i64)> = conn
+        .query_row(
+            "SELECT seq, join_epoch FROM static_cursors WHERE name = ?1",
+            [name],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?;
+    Ok(match row {
+        Some((Some(seq), _)) => Cursor::After(to_u64(seq)),
+        Some((None, epoch)) => Cursor::FromEpoch(to_u64(epoch)),
+        // A group created before cursors existed: replay the whole log (what cannot be
+        // decrypted any more is skipped).
+        None => Cursor::After(0),
+    })
+}
+
+pub fn inbox_push(
+    conn: &Connection,
+    name: &str,
+    seq: u64,
+    sender: &[u8],
+    payload: &[u8],
+) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT INTO static_inbox (name, seq, sender, payload) VALUES (?1, ?2, ?3, ?4)",
+        (name, to_i64(seq), sender, payload),
+    )?;
+    Ok(())
+}
+
+/// One received message waiting in the inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxMessage {
+    pub seq: u64,
+    pub sender: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+/// Removes and returns the oldest message of the channel's inbox.
+pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
+    Ok(conn
+        .query_row(
+            "DELETE FROM static_inbox WHERE id = (
+                 SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
+             ) RETURNING seq, sender, payload",
+            [name],
+            |row| {
+                Ok(InboxMessage {
+                    seq: to_u64(row.get(0)?),
+                    sender: row.get(1)?,
+                    payload: row.get(2)?,
+                })
+            },
+        )
+        .optional()?)
+}
+
+pub fn inbox_len(conn: &Connection, name: &str) -> Result<u64, StoreError> {
+    let n: i64 = conn.query_row(
+        "SELECT count(*) FROM static_inbox WHERE name = ?1",
+        [name],
+        |row| row.get(0),
+    )?;
+    Ok(to_u64(n))
+}
+
+/// The names with messages in the inbox (a channel we were removed from may still have some).
+pub fn inbox_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare("SELECT DISTINCT name FROM static_inbox ORDER BY name")?;
+    let names = stmt
+        .query_map([], |row| row.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    Ok(names)
 }

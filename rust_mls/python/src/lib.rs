@@ -6,11 +6,15 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use static_core::{Engine as CoreEngine, Error, ErrorKind, Incoming as CoreIncoming};
+use static_core::{
+    Channel as CoreChannel, Client as CoreClient, Engine as CoreEngine, Error, ErrorKind,
+    Incoming as CoreIncoming, Next, Token, TokenProvider, Waker as CoreWaker,
+};
 
 /// A core error on its way to Python.
 struct NativeError(Error);
@@ -26,6 +30,8 @@ impl From<NativeError> for PyErr {
         let class = match err.0.kind() {
             ErrorKind::InvalidChannelName => "InvalidChannelNameError",
             ErrorKind::Mls => "MLSEngineError",
+            ErrorKind::Transport => "TransportError",
+            ErrorKind::Auth => "AuthError",
             ErrorKind::Internal => "InternalError",
         };
         let message = err.0.to_string();
@@ -45,6 +51,11 @@ impl From<NativeError> for PyErr {
 }
 
 type NativeResult<T> = Result<T, NativeError>;
+
+/// A core result in a `PyResult` function.
+fn native<T>(result: static_core::Result<T>) -> PyResult<T> {
+    result.map_err(|e| PyErr::from(NativeError(e)))
+}
 
 fn bytes(py: Python<'_>, data: &[u8]) -> Py<PyBytes> {
     PyBytes::new(py, data).unbind()
@@ -295,6 +306,272 @@ impl Engine {
     }
 }
 
+// --- the SDK client ----------------------------------------------------------------------
+
+/// A Python callable returning `(token, expires_in_seconds)`, called (with the GIL, from a
+/// blocking thread of the client's runtime) when the relay token needs refreshing. What it
+/// raises keeps its prefix: `auth error:` is final, anything else is retried.
+struct PyTokenProvider {
+    callable: Py<PyAny>,
+}
+
+impl TokenProvider for PyTokenProvider {
+    fn fetch(&self) -> static_core::Result<Token> {
+        Python::with_gil(|py| {
+            let result = self
+                .callable
+                .call0(py)
+                .and_then(|r| r.extract::<(String, f64)>(py));
+            match result {
+                Ok((value, expires_in)) => Ok(Token {
+                    value,
+                    expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
+                }),
+                Err(err) => {
+                    let message = err.value(py).str().map_or_else(
+                        |_| "the token provider failed".to_owned(),
+                        |s| s.to_string(),
+                    );
+                    let detail = |prefix: &str| message[prefix.len()..].trim_start().to_owned();
+                    Err(if message.starts_with("auth error:") {
+                        Error::Auth(detail("auth error:"))
+                    } else if message.starts_with("transport error:") {
+                        Error::Transport(detail("transport error:"))
+                    } else {
+                        Error::Internal(format!("token refresh failed: {message}"))
+                    })
+                }
+            }
+        })
+    }
+}
+
+/// The SDK's native client: engine + relay transport on a runtime of its own.
+#[pyclass(frozen, module = "static._native")]
+struct Client {
+    inner: Arc<CoreClient>,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (endpoint, data_dir, identity, token_provider=None, initial_token=None))]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        data_dir: PathBuf,
+        identity: &[u8],
+        token_provider: Option<Py<PyAny>>,
+        initial_token: Option<(String, f64)>,
+    ) -> PyResult<Self> {
+        let provider = token_provider
+            .map(|callable| Arc::new(PyTokenProvider { callable }) as Arc<dyn TokenProvider>);
+        let initial = initial_token.map(|(value, expires_in)| Token {
+            value,
+            expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
+        });
+        let client = py.allow_threads(|| {
+            CoreClient::open(endpoint, &data_dir, identity, provider, initial)
+        });
+        Ok(Self {
+            inner: Arc::new(native(client)?),
+        })
+    }
+
+    #[getter]
+    fn identity(&self, py: Python<'_>) -> Py<PyBytes> {
+        bytes(py, self.inner.engine().identity())
+    }
+
+    #[getter]
+    fn data_dir(&self) -> String {
+        self.inner.engine().data_dir().to_string_lossy().into_owned()
+    }
+
+    fn generate_key_package(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let kp = native(py.allow_threads(move || inner.generate_key_package()))?;
+        Ok(bytes(py, &kp))
+    }
+
+    fn channels(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.channels()))
+    }
+
+    fn create_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(py.allow_threads(move || inner.create_channel(name)))?;
+        Ok(Channel { inner: channel })
+    }
+
+    fn join_channel(&self, py: Python<'_>, name: &str, welcome: &[u8]) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(py.allow_threads(move || inner.join_channel(name, welcome)))?;
+        Ok(Channel { inner: channel })
+    }
+
+    fn open_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(py.allow_threads(move || inner.open_channel(name)))?;
+        Ok(Channel { inner: channel })
+    }
+
+    /// Stops all background work and releases the data directory.
+    fn close(&self, py: Python<'_>) {
+        let inner = Arc::clone(&self.inner);
+        py.allow_threads(move || inner.close());
+    }
+}
+
+/// Outcome codes of `Channel.poll_next` / `Channel.next_message`.
+const NEXT_MESSAGE: u8 = 0;
+const NEXT_EMPTY: u8 = 1;
+const NEXT_END: u8 = 2;
+
+fn next_tuple(py: Python<'_>, next: Next) -> (u8, Option<Py<PyBytes>>) {
+    match next {
+        Next::Message(payload) => (NEXT_MESSAGE, Some(bytes(py, &payload))),
+        Next::Empty => (NEXT_EMPTY, None),
+        Next::End => (NEXT_END, None),
+    }
+}
+
+/// One open channel of a `Client`.
+#[pyclass(frozen, module = "static._native")]
+struct Channel {
+    inner: Arc<CoreChannel>,
+}
+
+#[pymethods]
+impl Channel {
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// (applied_seq, epoch, head_seq, connected)
+    fn progress(&self) -> (u64, u64, u64, bool) {
+        let p = self.inner.progress();
+        (p.applied_seq, p.epoch, p.head_seq, p.connected)
+    }
+
+    fn send(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.send(payload)))
+    }
+
+    fn add_member(&self, py: Python<'_>, key_package: Vec<u8>) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let welcome = native(py.allow_threads(move || inner.add_member(key_package)))?;
+        Ok(bytes(py, &welcome))
+    }
+
+    fn remove_member(&self, py: Python<'_>, identity: Vec<u8>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.remove_member(identity)))
+    }
+
+    fn rotate_keys(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.rotate_keys()))
+    }
+
+    fn leave(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.leave()))
+    }
+
+    fn members(&self, py: Python<'_>) -> PyResult<Vec<Py<PyBytes>>> {
+        let inner = Arc::clone(&self.inner);
+        let members = native(py.allow_threads(move || inner.members()))?;
+        Ok(members.iter().map(|m| bytes(py, &m.identity)).collect())
+    }
+
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.epoch()))
+    }
+
+    fn epoch_authenticator(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let auth = native(py.allow_threads(move || inner.epoch_authenticator()))?;
+        Ok(bytes(py, &auth))
+    }
+
+    fn pending(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = Arc::clone(&self.inner);
+        native(py.allow_threads(move || inner.pending()))
+    }
+
+    /// The next message without waiting: (0, payload), (1, None) nothing yet, (2, None) ended.
+    fn poll_next(&self, py: Python<'_>) -> PyResult<(u8, Option<Py<PyBytes>>)> {
+        let inner = Arc::clone(&self.inner);
+        let next = native(py.allow_threads(move || inner.poll_next()))?;
+        Ok(next_tuple(py, next))
+    }
+
+    /// Waits for the next message (up to `timeout` seconds, forever if None) in slices of at
+    /// most 50 ms with the GIL released, checking for signals (Ctrl-C) between slices.
+    #[pyo3(signature = (timeout=None))]
+    fn next_message(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<(u8, Option<Py<PyBytes>>)> {
+        let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9)));
+        loop {
+            let mut slice = Duration::from_millis(50);
+            if let Some(deadline) = deadline {
+                slice = slice.min(deadline.saturating_duration_since(Instant::now()));
+            }
+            let inner = Arc::clone(&self.inner);
+            let next = native(py.allow_threads(move || inner.wait_next(slice)))?;
+            if !matches!(next, Next::Empty) {
+                return Ok(next_tuple(py, next));
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok((NEXT_EMPTY, None));
+            }
+        }
+    }
+
+    /// A readiness socket for one async waiter.
+    fn waker(&self) -> PyResult<Waker> {
+        Ok(Waker {
+            inner: native(self.inner.waker())?,
+        })
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let inner = Arc::clone(&self.inner);
+        py.allow_threads(move || inner.close());
+    }
+}
+
+/// A socket that becomes readable when the channel's inbox may have gained messages.
+#[pyclass(frozen, module = "static._native")]
+struct Waker {
+    inner: CoreWaker,
+}
+
+#[pymethods]
+impl Waker {
+    fn fileno(&self) -> i32 {
+        self.inner.fileno()
+    }
+
+    fn drain(&self) {
+        self.inner.drain();
+    }
+}
+
 /// Raises `InvalidChannelNameError` unless `name` is of the form `org/namespace/service`.
 #[pyfunction]
 fn validate_channel_name(name: &str) -> NativeResult<()> {
@@ -346,6 +623,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PAST_EPOCHS", static_core::PAST_EPOCHS)?;
     m.add_class::<Engine>()?;
     m.add_class::<Incoming>()?;
+    m.add_class::<Client>()?;
+    m.add_class::<Channel>()?;
+    m.add_class::<Waker>()?;
+    m.add("MAX_PAYLOAD", static_core::MAX_PAYLOAD)?;
     m.add_function(wrap_pyfunction!(validate_channel_name, m)?)?;
     m.add_function(wrap_pyfunction!(_synthetic_key_packages, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;

@@ -1,0 +1,456 @@
+"""``StaticClient``, ``Channel`` and the message iterators, over the native core.
+
+The native extension does the work (MLS, the gRPC transport, persistence, background
+processing on a tokio runtime it owns); this module shapes it into the spec's API and adds the
+async variants. Blocking calls release the GIL. Async calls never block the event loop: waiting
+for messages uses a readiness socket per iterator (no thread), other calls run the blocking call
+in a worker thread for its duration.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from types import TracebackType
+from typing import Final, ParamSpec, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from static import _native
+from static._channel_name import validate_channel_name
+from static._errors import AuthError
+from static.sdk._tokens import TokenSource
+
+__all__ = ["MAX_PAYLOAD", "AsyncMessageIterator", "Channel", "MessageIterator", "StaticClient"]
+
+#: Largest payload ``Channel.send`` accepts, in bytes (the relay's 1 MiB message limit less room
+#: for the MLS framing). Larger payloads raise ``TransportError`` before anything is sent.
+MAX_PAYLOAD: Final[int] = _native.MAX_PAYLOAD
+
+_MESSAGE, _EMPTY, _END = 0, 1, 2
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+async def _in_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """Run a blocking SDK call in a worker thread. Cancelling the caller waits for the call to
+    finish (it is bounded by the SDK's own timeouts), so the channel's state is never left
+    half-way and the outcome of a send or commit is never silently lost."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+def _check_bytes(name: str, value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
+
+
+class StaticClient:
+    """One agent's connection to the relay and its MLS state under ``data_dir``.
+
+    :param endpoint: the relay's URL: ``grpc://host:port``, ``http://host:port``,
+        ``https://host:port`` (TLS with the system's roots) or ``host:port``.
+    :param data_dir: a directory holding this agent's MLS state (created if missing; keep it:
+        without it the agent can no longer decrypt its channels). One open client per
+        directory at a time.
+    :param identity: this agent's unique identity (bytes), the credential other members see.
+    :param api_key: an API key (``sk_live_...``); the client exchanges it at
+        ``POST {api_url}/v1/tokens`` for a short-lived token now, and refreshes the token
+        before it expires. Omit it for a relay started with ``--allow-anonymous``.
+    :param api_url: the HTTP API's base URL; required with ``api_key``.
+    :raises AuthError: the key is refused, or ``api_key`` is given without ``api_url``.
+    :raises TransportError: the API cannot be reached, or the endpoint is malformed.
+    :raises InternalError: ``data_dir`` is in use or belongs to another identity.
+
+    The relay itself is connected lazily: creating a client never fails because the relay is
+    down; calls then retry for up to 30 s before raising ``TransportError``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        data_dir: str | os.PathLike[str],
+        identity: bytes,
+        api_key: str | None = None,
+        api_url: str | None = None,
+    ) -> None:
+        identity = _check_bytes("identity", identity)
+        if not isinstance(endpoint, str):
+            raise TypeError(f"endpoint must be a str, not {type(endpoint).__name__}")
+        provider: TokenSource | None = None
+        first: tuple[str, float] | None = None
+        if api_key is not None:
+            if not isinstance(api_key, str) or not api_key:
+                raise AuthError("api_key must be a non-empty string")
+            if not api_url:
+                raise AuthError(
+                    "api_key was given without api_url: the key is exchanged for a relay token "
+                    "at POST {api_url}/v1/tokens, so api_url (the HTTP API's URL) is required"
+                )
+            provider = TokenSource(api_url, api_key)
+            first = provider()
+        self._native = _native.Client(endpoint, os.fspath(data_dir), identity, provider, first)
+        self._endpoint = endpoint
+
+    @classmethod
+    async def create_async(
+        cls,
+        endpoint: str,
+        data_dir: str | os.PathLike[str],
+        identity: bytes,
+        api_key: str | None = None,
+        api_url: str | None = None,
+    ) -> StaticClient:
+        """Like the constructor, without blocking the event loop (the token exchange and the
+        opening of the state run in a worker thread)."""
+        return await _in_thread(cls, endpoint, data_dir, identity, api_key, api_url)
+
+    @property
+    def identity(self) -> bytes:
+        """This agent's identity."""
+        return self._native.identity
+
+    @property
+    def data_dir(self) -> str:
+        """The directory holding this agent's MLS state."""
+        return self._native.data_dir
+
+    def generate_key_package(self) -> bytes:
+        """A fresh MLS key package (bytes) to hand to a member, who adds us with it
+        (:meth:`Channel.add_member`). Each key package is single-use."""
+        return self._native.generate_key_package()
+
+    def create_channel(self, name: str) -> Channel:
+        """Create channel ``name`` (``org/namespace/service``) on the relay with us as the first
+        member of its MLS group.
+
+        :raises InvalidChannelNameError: the name is not of the form ``org/namespace/service``.
+        :raises MLSEngineError: the channel already exists (on the relay, or locally).
+        :raises TransportError: the relay cannot be reached.
+        """
+        validate_channel_name(name)
+        return Channel(self._native.create_channel(name))
+
+    def join_channel(self, name: str, welcome: bytes) -> Channel:
+        """Join channel ``name`` from the Welcome a member's :meth:`Channel.add_member` returned.
+
+        :raises InvalidChannelNameError: the name is malformed.
+        :raises MLSEngineError: the Welcome is invalid, not for us, or for another channel.
+        :raises TransportError: the relay cannot be reached or does not know the channel (channels
+            are scoped to the account that created them).
+        """
+        validate_channel_name(name)
+        return Channel(self._native.join_channel(name, _check_bytes("welcome", welcome)))
+
+    def channels(self) -> list[str]:
+        """The channels this identity is a member of in ``data_dir`` (to reopen after a
+        restart with :meth:`open_channel`)."""
+        return self._native.channels()
+
+    def open_channel(self, name: str) -> Channel:
+        """Reopen a channel of ours: background processing resumes after the last entry of the
+        relay's log applied before, and messages received but not yet read are kept.
+
+        :raises MLSEngineError: we are not a member of ``name``.
+        """
+        validate_channel_name(name)
+        return Channel(self._native.open_channel(name))
+
+    def close(self) -> None:
+        """Stop every channel's background work and release ``data_dir``. Idempotent.
+        Messages received but not read stay stored for the next opening."""
+        self._native.close()
+
+    def __enter__(self) -> StaticClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> StaticClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close_async()
+
+    # --- async variants -------------------------------------------------------------------
+
+    async def generate_key_package_async(self) -> bytes:
+        """Async :meth:`generate_key_package`."""
+        return await _in_thread(self.generate_key_package)
+
+    async def create_channel_async(self, name: str) -> Channel:
+        """Async :meth:`create_channel`."""
+        return await _in_thread(self.create_channel, name)
+
+    async def join_channel_async(self, name: str, welcome: bytes) -> Channel:
+        """Async :meth:`join_channel`."""
+        return await _in_thread(self.join_channel, name, welcome)
+
+    async def channels_async(self) -> list[str]:
+        """Async :meth:`channels`."""
+        return await _in_thread(self.channels)
+
+    async def open_channel_async(self, name: str) -> Channel:
+        """Async :meth:`open_channel`."""
+        return await _in_thread(self.open_channel, name)
+
+    async def close_async(self) -> None:
+        """Async :meth:`close`."""
+        await _in_thread(self.close)
+
+    def __repr__(self) -> str:
+        return f"StaticClient({self._endpoint!r}, {self.data_dir!r}, {self.identity!r})"
+
+
+class Channel:
+    """An MLS-encrypted channel we are a member of. Safe to use from many threads at once:
+    ``send``, ``add_member`` and iteration may run concurrently.
+
+    A background task applies the relay's log in order (commits are merged even when nobody
+    iterates) and stores decrypted messages until they are read. We never receive our own
+    messages.
+    """
+
+    def __init__(self, native: _native.Channel) -> None:
+        self._native = native
+
+    @property
+    def name(self) -> str:
+        """The channel's name, ``org/namespace/service``."""
+        return self._native.name
+
+    @property
+    def closed(self) -> bool:
+        """Whether the channel was closed (or ended: we were removed, or it failed)."""
+        return self._native.closed
+
+    def add_member(self, key_package: bytes) -> bytes:
+        """Add the owner of ``key_package`` (from their :meth:`StaticClient.generate_key_package`)
+        and return the MLS Welcome (bytes) to hand them for :meth:`StaticClient.join_channel`.
+
+        Returns once the commit is in the relay's log and merged here; if another member's
+        commit won the epoch, it is applied and ours retried.
+
+        :raises MLSEngineError: the key package is invalid.
+        :raises TransportError: the relay cannot be reached.
+        """
+        return self._native.add_member(_check_bytes("key_package", key_package))
+
+    def send(self, payload: bytes) -> None:
+        """Encrypt ``payload`` and send it to every other member. Returns once the relay has
+        it in the channel's log. Concurrent sends from several threads are batched.
+
+        :raises TransportError: the relay cannot be reached (after retrying for 30 s), or the
+            payload exceeds :data:`MAX_PAYLOAD` bytes.
+        """
+        self._native.send(_check_bytes("payload", payload))
+
+    def messages(self) -> MessageIterator:
+        """A blocking iterator over the decrypted payloads (bytes) other members send, in the
+        channel's order. It ends when the channel is closed or we are removed."""
+        return MessageIterator(self._native)
+
+    def receive(self, timeout: float | None = None) -> bytes:
+        """The next message, waiting up to ``timeout`` seconds (forever if None).
+
+        :raises TimeoutError: nothing arrived in time.
+        :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
+        """
+        code, payload = self._native.next_message(timeout)
+        if code == _MESSAGE and payload is not None:
+            return payload
+        if code == _END:
+            raise EOFError(f"channel {self.name!r} has ended")
+        raise TimeoutError(f"no message on {self.name!r} within {timeout} s")
+
+    def remove_member(self, identity: bytes) -> None:
+        """Remove the member whose identity is ``identity`` (a commit, like ``add_member``)."""
+        self._native.remove_member(_check_bytes("identity", identity))
+
+    def rotate_keys(self) -> None:
+        """Update our own leaf keys (an MLS self-update commit), for post-compromise security."""
+        self._native.rotate_keys()
+
+    def leave(self) -> None:
+        """Leave the channel: propose our removal, which another member's client commits
+        automatically; returns once it is committed (the channel then ends)."""
+        self._native.leave()
+
+    def members(self) -> list[bytes]:
+        """The identities of the group's members, ourselves included."""
+        return self._native.members()
+
+    def epoch(self) -> int:
+        """The MLS epoch our group state is at."""
+        return self._native.epoch()
+
+    def epoch_authenticator(self) -> bytes:
+        """The epoch authenticator (RFC 9420 §8.7): equal for all members at the same epoch;
+        compare it out of band to detect a fork."""
+        return self._native.epoch_authenticator()
+
+    def pending(self) -> int:
+        """How many received messages wait to be read."""
+        return self._native.pending()
+
+    def close(self) -> None:
+        """Stop this channel's background work (iterators end). Unread messages are kept for
+        :meth:`StaticClient.open_channel`. Idempotent."""
+        self._native.close()
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- async variants -------------------------------------------------------------------
+
+    async def add_member_async(self, key_package: bytes) -> bytes:
+        """Async :meth:`add_member`."""
+        return await _in_thread(self.add_member, key_package)
+
+    async def send_async(self, payload: bytes) -> None:
+        """Async :meth:`send`."""
+        await _in_thread(self.send, payload)
+
+    def messages_async(self) -> AsyncMessageIterator:
+        """An async iterator over received messages (``async for msg in ch.messages_async()``),
+        for trio or asyncio. Waiting uses no thread."""
+        return AsyncMessageIterator(self._native)
+
+    async def receive_async(self) -> bytes:
+        """Async :meth:`receive` (bound the wait with ``anyio.fail_after``, ``trio.fail_after`` or
+        ``asyncio.timeout``; cancelling it consumes nothing).
+
+        :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
+        """
+        iterator = AsyncMessageIterator(self._native)
+        try:
+            return await iterator.__anext__()
+        except StopAsyncIteration:
+            raise EOFError(f"channel {self.name!r} has ended") from None
+        finally:
+            iterator.close()
+
+    async def remove_member_async(self, identity: bytes) -> None:
+        """Async :meth:`remove_member`."""
+        await _in_thread(self.remove_member, identity)
+
+    async def rotate_keys_async(self) -> None:
+        """Async :meth:`rotate_keys`."""
+        await _in_thread(self.rotate_keys)
+
+    async def leave_async(self) -> None:
+        """Async :meth:`leave`."""
+        await _in_thread(self.leave)
+
+    async def members_async(self) -> list[bytes]:
+        """Async :meth:`members`."""
+        return await _in_thread(self.members)
+
+    async def close_async(self) -> None:
+        """Async :meth:`close`."""
+        await _in_thread(self.close)
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close_async()
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.name!r}>"
+
+
+class MessageIterator:
+    """Blocking iterator over a channel's incoming messages (decrypted payloads, ``bytes``).
+
+    ``__next__`` blocks until a message arrives (with the GIL released, answering Ctrl-C within
+    100 ms) and raises ``StopIteration`` once the channel is closed or we were removed and
+    everything received was read. Several iterators (and threads) may share a channel: each
+    message goes to exactly one of them.
+    """
+
+    def __init__(self, native: _native.Channel) -> None:
+        self._native = native
+
+    def __iter__(self) -> MessageIterator:
+        return self
+
+    def __next__(self) -> bytes:
+        code, payload = self._native.next_message(None)
+        if code == _MESSAGE and payload is not None:
+            return payload
+        raise StopIteration
+
+
+class AsyncMessageIterator:
+    """Async iterator over a channel's incoming messages, for trio and asyncio.
+
+    Waiting costs no thread: the iterator waits for a readiness socket the channel writes to
+    when messages arrive. Cancelling a waiting ``__anext__`` consumes nothing and leaves the
+    channel and the iterator usable. Ends (``StopAsyncIteration``) like :class:`MessageIterator`.
+    """
+
+    def __init__(self, native: _native.Channel) -> None:
+        self._native = native
+        self._waker: _native.Waker | None = native.waker()
+
+    def __aiter__(self) -> AsyncMessageIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            code, payload = self._native.poll_next()
+            if code == _MESSAGE and payload is not None:
+                return payload
+            if code == _END:
+                self.close()
+                raise StopAsyncIteration
+            waker = self._waker
+            if waker is None:
+                raise StopAsyncIteration
+            # Drain, then look again, then sleep: a wake-up between the two looks is not lost.
+            waker.drain()
+            code, payload = self._native.poll_next()
+            if code == _MESSAGE and payload is not None:
+                return payload
+            if code == _END:
+                self.close()
+                raise StopAsyncIteration
+            await anyio.wait_readable(waker.fileno())
+
+    def close(self) -> None:
+        """Release the readiness socket (the iterator then ends)."""
+        self._waker = None
+
+    async def aclose(self) -> None:
+        """Async :meth:`close`."""
+        self.close()
