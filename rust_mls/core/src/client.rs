@@ -41,8 +41,17 @@ pub const MAX_PAYLOAD: usize = 1024 * 1024 - 4 * 1024;
 
 /// A subscription that shows nothing (not even a keep-alive) for this long is considered dead.
 const SILENCE: Duration = Duration::from_secs(6);
-/// How long a call keeps retrying a relay that is unreachable before it fails.
+/// How long a call keeps retrying a relay that is unreachable before it fails (override:
+/// environment variable `STATIC_SDK_RETRY_TIMEOUT`, in seconds).
 const RETRY_DEADLINE: Duration = Duration::from_secs(30);
+
+fn retry_deadline_from_env() -> Duration {
+    std::env::var("STATIC_SDK_RETRY_TIMEOUT")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map_or(RETRY_DEADLINE, Duration::from_secs_f64)
+}
 /// How long a call waits for the channel's background processing to reach a point.
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 /// Attempts at getting a commit accepted when other members keep winning the epoch.
@@ -149,14 +158,21 @@ impl Tokens {
 // --- shared state ---------------------------------------------------------------------------
 
 struct Shared {
-    engine: Arc<Engine>,
+    /// `None` once the client is closed: the data directory is released as soon as calls in
+    /// flight (which hold their own reference) finish.
+    engine: Mutex<Option<Arc<Engine>>>,
     relay: RelayClient,
     tokens: Tokens,
     handle: Handle,
     closed: std::sync::atomic::AtomicBool,
+    retry_deadline: Duration,
 }
 
 impl Shared {
+    fn engine(&self) -> Result<Arc<Engine>> {
+        lock(&self.engine).clone().ok_or_else(closed_error)
+    }
+
     fn check_open(&self) -> Result<()> {
         if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
             Err(closed_error())
@@ -184,7 +200,7 @@ impl Shared {
         &self,
         f: impl FnOnce(&Engine) -> Result<T> + Send + 'static,
     ) -> Result<T> {
-        let engine = Arc::clone(&self.engine);
+        let engine = self.engine()?;
         tokio::task::spawn_blocking(move || f(&engine))
             .await
             .map_err(|e| Error::Internal(format!("a background task failed: {e}")))?
@@ -219,6 +235,8 @@ pub struct Client {
     runtime: Mutex<Option<Runtime>>,
     shared: Arc<Shared>,
     channels: Mutex<HashMap<String, Arc<Channel>>>,
+    identity: Vec<u8>,
+    data_dir: std::path::PathBuf,
 }
 
 impl Client {
@@ -240,28 +258,36 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the runtime: {e}")))?;
-        let engine = Arc::new(Engine::open(data_dir, identity)?);
+        let data_dir = data_dir.as_ref().to_owned();
+        let engine = Arc::new(Engine::open(&data_dir, identity)?);
         // connect_lazy spawns onto the current runtime.
         let relay = {
             let _guard = runtime.enter();
             transport::connect_lazy(&endpoint)
         };
         let shared = Arc::new(Shared {
-            engine,
+            engine: Mutex::new(Some(engine)),
             relay,
             tokens: Tokens::new(tokens, initial_token),
             handle: runtime.handle().clone(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            retry_deadline: retry_deadline_from_env(),
         });
         Ok(Self {
             runtime: Mutex::new(Some(runtime)),
             shared,
             channels: Mutex::new(HashMap::new()),
+            identity: identity.to_vec(),
+            data_dir,
         })
     }
 
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.shared.engine
+    pub fn identity(&self) -> &[u8] {
+        &self.identity
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
     }
 
     fn block_on<T>(&self, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
@@ -272,19 +298,19 @@ impl Client {
     /// A fresh key package for a member to add us with.
     pub fn generate_key_package(&self) -> Result<Vec<u8>> {
         self.shared.check_open()?;
-        self.shared.engine.generate_key_package()
+        self.shared.engine()?.generate_key_package()
     }
 
     /// The channels this identity is a member of under its data directory.
     pub fn channels(&self) -> Result<Vec<String>> {
         self.shared.check_open()?;
-        Ok(self.shared.engine.group_names())
+        Ok(self.shared.engine()?.group_names())
     }
 
     /// Creates `name` on the relay and its MLS group with us as the only member.
     pub fn create_channel(&self, name: &str) -> Result<Arc<Channel>> {
         crate::validate_channel_name(name)?;
-        if self.shared.engine.has_group(name) {
+        if self.shared.engine()?.has_group(name) {
             return Err(Error::Mls(format!(
                 "already a member of channel {name:?}; use open_channel to reopen it"
             )));
@@ -292,7 +318,7 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let owned = name.to_owned();
         self.block_on(async move {
-            let deadline = Instant::now() + RETRY_DEADLINE;
+            let deadline = Instant::now() + shared.retry_deadline;
             let mut backoff = BACKOFF_MIN;
             let mut strikes = 0;
             let mut retried = false;
@@ -355,7 +381,7 @@ impl Client {
                 return Ok(Arc::clone(open));
             }
         }
-        if !self.shared.engine.has_group(name) {
+        if !self.shared.engine()?.has_group(name) {
             return Err(Error::Mls(format!("not a member of channel {name:?}")));
         }
         self.start_channel(name)
@@ -394,7 +420,8 @@ impl Client {
         if let Some(runtime) = lock(&self.runtime).take() {
             runtime.shutdown_timeout(Duration::from_secs(2));
         }
-        self.shared.engine.checkpoint();
+        // Dropping the last reference checkpoints the store and releases the directory lock.
+        lock(&self.shared.engine).take();
     }
 }
 
@@ -410,6 +437,7 @@ impl Drop for Client {
         if let Some(runtime) = lock(&self.runtime).take() {
             runtime.shutdown_background();
         }
+        lock(&self.shared.engine).take();
     }
 }
 
@@ -506,7 +534,7 @@ impl Waker {
 
 impl Channel {
     fn start(shared: Arc<Shared>, name: &str) -> Result<Arc<Self>> {
-        let engine = &shared.engine;
+        let engine = shared.engine()?;
         let cursor = engine.cursor(name)?;
         let epoch = engine.epoch(name)?;
         let applied_seq = match cursor {
@@ -615,7 +643,11 @@ impl Channel {
 
     /// Takes the next received message without waiting.
     pub fn poll_next(&self) -> Result<Next> {
-        if let Some(message) = self.shared.engine.inbox_take(&self.name)? {
+        // A closed client ends its channels' iterators.
+        let Ok(engine) = self.shared.engine() else {
+            return Ok(Next::End);
+        };
+        if let Some(message) = engine.inbox_take(&self.name)? {
             return Ok(Next::Message(message.payload));
         }
         let ended = self.progress.borrow().ended.clone();
@@ -623,7 +655,7 @@ impl Channel {
             None => Ok(Next::Empty),
             Some(end) => {
                 // Messages stored before the end are still handed out.
-                if let Some(message) = self.shared.engine.inbox_take(&self.name)? {
+                if let Some(message) = engine.inbox_take(&self.name)? {
                     return Ok(Next::Message(message.payload));
                 }
                 match end {
@@ -660,7 +692,7 @@ impl Channel {
 
     /// How many received messages wait to be read.
     pub fn pending(&self) -> Result<u64> {
-        self.shared.engine.inbox_len(&self.name)
+        self.shared.engine()?.inbox_len(&self.name)
     }
 
     /// Encrypts `payload` and publishes it; returns once the relay has it in the channel's log.
@@ -717,7 +749,7 @@ impl Channel {
     /// Proposes our removal and waits until a member commits it (the channel then ends).
     pub fn leave(&self) -> Result<()> {
         self.check_usable()?;
-        if self.shared.engine.members(&self.name)?.len() < 2 {
+        if self.shared.engine()?.members(&self.name)?.len() < 2 {
             return Err(Error::Mls(format!(
                 "cannot leave channel {:?}: we are its only member",
                 self.name
@@ -757,15 +789,15 @@ impl Channel {
     /// The members' identities, by leaf index.
     pub fn members(&self) -> Result<Vec<Member>> {
         self.shared.check_open()?;
-        self.shared.engine.members(&self.name)
+        self.shared.engine()?.members(&self.name)
     }
 
     pub fn epoch(&self) -> Result<u64> {
-        self.shared.engine.epoch(&self.name)
+        self.shared.engine()?.epoch(&self.name)
     }
 
     pub fn epoch_authenticator(&self) -> Result<Vec<u8>> {
-        self.shared.engine.epoch_authenticator(&self.name)
+        self.shared.engine()?.epoch_authenticator(&self.name)
     }
 
     /// Waits until the first subscription is established (or the channel failed).
@@ -871,7 +903,7 @@ impl Channel {
     /// Publishes a commit or proposal, retrying (with the same idempotency key) while the relay
     /// is unreachable.
     async fn publish_handshake(&self, message: Vec<u8>, welcome: Option<Vec<u8>>) -> Result<Published> {
-        let deadline = Instant::now() + RETRY_DEADLINE;
+        let deadline = Instant::now() + self.shared.retry_deadline;
         let mut backoff = BACKOFF_MIN;
         let mut strikes = 0;
         loop {
@@ -1177,7 +1209,7 @@ async fn publish_payloads(channel: &Channel, jobs: &[SendJob]) -> Vec<Result<()>
             return jobs.iter().map(|_| Err(e.clone())).collect();
         }
     }
-    let deadline = Instant::now() + RETRY_DEADLINE;
+    let deadline = Instant::now() + channel.shared.retry_deadline;
     let mut backoff = BACKOFF_MIN;
     let mut strikes = 0;
     let mut reencrypted = 0;

@@ -380,12 +380,12 @@ impl Client {
 
     #[getter]
     fn identity(&self, py: Python<'_>) -> Py<PyBytes> {
-        bytes(py, self.inner.engine().identity())
+        bytes(py, self.inner.identity())
     }
 
     #[getter]
     fn data_dir(&self) -> String {
-        self.inner.engine().data_dir().to_string_lossy().into_owned()
+        self.inner.data_dir().to_string_lossy().into_owned()
     }
 
     fn generate_key_package(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {

@@ -1,0 +1,236 @@
+"""The spec's typical flow and the channel's core behaviour, against a real server."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import pytest
+
+import static_sdk
+from static_sdk import MAX_PAYLOAD, StaticClient, TransportError
+from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support.server import ServerProcess
+
+
+def test_public_api_names() -> None:
+    for name in ("StaticClient", "Channel", "MessageIterator", "AsyncMessageIterator"):
+        assert name in static_sdk.__all__
+        assert getattr(static_sdk, name).__doc__
+    for error in ("MLSEngineError", "TransportError", "InvalidChannelNameError", "AuthError"):
+        assert issubclass(getattr(static_sdk, error), RuntimeError)
+
+
+def test_typical_flow(relay: ServerProcess, clients: Clients) -> None:
+    alice = clients(relay, b"alice")
+    bob = clients(relay, b"bob")
+    name = channel_name()
+    channel = alice.create_channel(name)
+    key_package = bob.generate_key_package()
+    assert isinstance(key_package, bytes)
+    welcome = channel.add_member(key_package)
+    assert isinstance(welcome, bytes)
+    bobs = bob.join_channel(name, welcome)
+    channel.send(b"hello bob")
+    bobs.send(b"hello alice")
+    assert next(iter(bobs.messages())) == b"hello bob"
+    messages = channel.messages()
+    assert iter(messages) is messages
+    assert next(messages) == b"hello alice"
+    assert sorted(channel.members()) == sorted(bobs.members()) == [b"alice", b"bob"]
+    assert channel.epoch() == bobs.epoch() == 1
+    assert channel.epoch_authenticator() == bobs.epoch_authenticator()
+
+
+def test_member_never_receives_its_own_messages(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    for i in range(5):
+        alices.send(b"a%d" % i)
+    bobs.send(b"from bob")
+    assert receive_n(bobs, 5) == [b"a%d" % i for i in range(5)]
+    assert alices.receive(WAIT) == b"from bob"
+    with pytest.raises(TimeoutError):
+        alices.receive(0.5)
+
+
+def test_three_members(relay: ServerProcess, clients: Clients) -> None:
+    a, b, c = (clients(relay, who) for who in (b"a", b"b", b"c"))
+    name = channel_name()
+    ca = a.create_channel(name)
+    cb = b.join_channel(name, ca.add_member(b.generate_key_package()))
+    # The second add is made by b: any member can add.
+    cc = c.join_channel(name, cb.add_member(c.generate_key_package()))
+    ca.send(b"from a")
+    cb.send(b"from b")
+    cc.send(b"from c")
+    assert sorted(receive_n(ca, 2)) == [b"from b", b"from c"]
+    assert sorted(receive_n(cb, 2)) == [b"from a", b"from c"]
+    assert sorted(receive_n(cc, 2)) == [b"from a", b"from b"]
+    # b's commit was merged by a in the background, without a iterating in between.
+    assert ca.epoch() == cb.epoch() == cc.epoch() == 2
+    assert ca.epoch_authenticator() == cb.epoch_authenticator() == cc.epoch_authenticator()
+    assert sorted(ca.members()) == [b"a", b"b", b"c"]
+
+
+def test_large_payloads_up_to_the_limit(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    for size in (0, 1, 64 * 1024, MAX_PAYLOAD):
+        payload = bytes([size % 251]) * size
+        alices.send(payload)
+        assert bobs.receive(WAIT) == payload
+    with pytest.raises(TransportError, match=r"^transport error: .*exceeds the maximum"):
+        alices.send(b"x" * (MAX_PAYLOAD + 1))
+    alices.send(b"still fine")
+    assert bobs.receive(WAIT) == b"still fine"
+
+
+def test_concurrent_senders_while_another_thread_iterates(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    alices, bobs = clients.pair(relay)
+    senders, per_sender = 4, 60
+    received: list[bytes] = []
+    done = threading.Event()
+
+    def iterate() -> None:
+        for message in bobs.messages():
+            received.append(message)
+            if len(received) == senders * per_sender:
+                break
+        done.set()
+
+    def send(sender: int) -> None:
+        for i in range(per_sender):
+            alices.send(f"{sender}:{i}".encode())
+
+    reader = threading.Thread(target=iterate, daemon=True)
+    reader.start()
+    threads = [threading.Thread(target=send, args=(s,)) for s in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 3)
+    assert done.wait(WAIT * 3), f"received {len(received)} of {senders * per_sender}"
+    assert len(set(received)) == len(received) == senders * per_sender
+    by_sender: dict[int, list[int]] = defaultdict(list)
+    for message in received:
+        sender, i = message.decode().split(":")
+        by_sender[int(sender)].append(int(i))
+    for order in by_sender.values():
+        assert order == list(range(per_sender))
+
+
+def test_send_and_add_member_concurrently_with_iteration(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    alices, bobs = clients.pair(relay)
+    carol = clients(relay, b"carol")
+    results: dict[str, bytes] = {}
+
+    def add() -> None:
+        results["welcome"] = alices.add_member(carol.generate_key_package())
+
+    adder = threading.Thread(target=add)
+    adder.start()
+    for i in range(20):
+        alices.send(b"m%d" % i)
+    adder.join(WAIT)
+    assert sorted(receive_n(bobs, 20)) == sorted(b"m%d" % i for i in range(20))
+    carols = carol.join_channel(alices.name, results["welcome"])
+    alices.send(b"after carol")
+    # Carol also gets the messages Alice sent at the new epoch (after her commit merged).
+    seen = [carols.receive(WAIT)]
+    while seen[-1] != b"after carol":
+        seen.append(carols.receive(WAIT))
+    assert all(m.startswith(b"m") for m in seen[:-1])
+
+
+def test_concurrent_add_member_from_two_members_does_not_fork(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    alices, bobs = clients.pair(relay)
+    carol, dave = clients(relay, b"carol"), clients(relay, b"dave")
+    welcomes: dict[bytes, bytes] = {}
+    errors: list[Exception] = []
+    barrier = threading.Barrier(2)
+
+    def add(channel: static_sdk.Channel, who: StaticClient) -> None:
+        try:
+            kp = who.generate_key_package()
+            barrier.wait(WAIT)
+            welcomes[who.identity] = channel.add_member(kp)
+        except Exception as err:  # noqa: BLE001 - reported by the test thread
+            errors.append(err)
+
+    threads = [
+        threading.Thread(target=add, args=(alices, carol)),
+        threading.Thread(target=add, args=(bobs, dave)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT * 2)
+    assert not errors, errors
+    carols = carol.join_channel(alices.name, welcomes[b"carol"])
+    daves = dave.join_channel(alices.name, welcomes[b"dave"])
+    # Everyone converges on epoch 3 with the same authenticator.
+    alices.send(b"sync")
+    for channel in (bobs, carols, daves):
+        assert channel.receive(WAIT) == b"sync"
+    bobs.send(b"sync2")
+    assert alices.receive(WAIT) == b"sync2"
+    epochs = {c.epoch() for c in (alices, bobs, carols, daves)}
+    assert epochs == {3}
+    authenticators = {c.epoch_authenticator() for c in (alices, bobs, carols, daves)}
+    assert len(authenticators) == 1
+    assert sorted(daves.members()) == [b"alice", b"bob", b"carol", b"dave"]
+
+
+def test_remove_member_rotate_keys_and_leave(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    carol = clients(relay, b"carol")
+    carols = carol.join_channel(alices.name, alices.add_member(carol.generate_key_package()))
+    bobs.rotate_keys()
+    alices.send(b"after rotation")
+    assert bobs.receive(WAIT) == b"after rotation"
+    assert carols.receive(WAIT) == b"after rotation"
+    alices.remove_member(b"carol")
+    assert sorted(alices.members()) == [b"alice", b"bob"]
+    # Carol's channel ends: her iterator stops once she has read what she received.
+    assert list(carols.messages()) == []
+    alices.send(b"carol cannot read this")
+    assert bobs.receive(WAIT) == b"carol cannot read this"
+    # Bob leaves: Alice's client commits his proposal by itself.
+    bobs.leave()
+    assert bobs.closed
+    assert alices.members() == [b"alice"]
+    alices.send(b"alone")
+
+
+def test_closing_and_reopening_in_the_same_process(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    bob = clients.opened[1]
+    alices.send(b"one")
+    assert bobs.receive(WAIT) == b"one"
+    bobs.close()
+    assert list(bobs.messages()) == []
+    alices.send(b"two")
+    alices.send(b"three")
+    assert bob.channels() == [alices.name]
+    reopened = bob.open_channel(alices.name)
+    assert receive_n(reopened, 2) == [b"two", b"three"]
+    bob.close()
+    again = clients(relay, b"bob", data_dir=clients.tmp_path / "agent-bob")
+    assert again.channels() == [alices.name]
+    alices.send(b"four")
+    assert again.open_channel(alices.name).receive(WAIT) == b"four"
+
+
+def test_context_managers(relay: ServerProcess, clients: Clients) -> None:
+    with StaticClient(relay.relay_url, clients.tmp_path / "cm", b"cm") as client:
+        with client.create_channel(channel_name()) as channel:
+            assert channel.members() == [b"cm"]
+        assert channel.closed
+    # The data directory is released: it opens again.
+    with StaticClient(relay.relay_url, clients.tmp_path / "cm", b"cm") as client:
+        assert client.channels() == [channel.name]
