@@ -224,6 +224,22 @@ impl Shared {
     }
 }
 
+/// How long one call may take to be answered (a relay that accepts connections but never
+/// answers, or a TLS handshake that never completes, must not hang a caller).
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Bounds one gRPC call: a call that times out is a transient failure (DEADLINE_EXCEEDED).
+async fn bounded<T>(
+    call: impl std::future::Future<Output = std::result::Result<T, Status>>,
+) -> std::result::Result<T, Status> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(result) => result,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "no answer from the relay within {CALL_TIMEOUT:?}"
+        ))),
+    }
+}
+
 fn backoff_next(current: Duration) -> Duration {
     std::cmp::min(current * 2, BACKOFF_MAX)
 }
@@ -328,7 +344,7 @@ impl Client {
                         channel: owned.clone(),
                     })
                     .await?;
-                match shared.relay.clone().create_channel(request).await {
+                match bounded(shared.relay.clone().create_channel(request)).await {
                     Ok(_) => return Ok(()),
                     // Our own earlier attempt may have created it before its answer was lost.
                     Err(status) if status.code() == Code::AlreadyExists && retried => return Ok(()),
@@ -916,7 +932,7 @@ impl Channel {
                     idempotency_key: Vec::new(),
                 })
                 .await?;
-            match self.shared.relay.clone().publish(request).await {
+            match bounded(self.shared.relay.clone().publish(request)).await {
                 Ok(response) => return Ok(Published::Accepted(response.into_inner().seq)),
                 Err(status) => match status.code() {
                     Code::FailedPrecondition => {
@@ -993,12 +1009,11 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
         let mut relay = shared.relay.clone();
         let subscribed = tokio::select! {
             _ = shutdown.changed() => return,
-            r = relay.subscribe(request) => r,
+            r = bounded(relay.subscribe(request)) => r,
         };
         let failure = match subscribed {
             Ok(response) => {
                 let mut stream = response.into_inner();
-                channel.progress.send_modify(|p| p.connected = true);
                 loop {
                     let item = tokio::select! {
                         _ = shutdown.changed() => return,
@@ -1011,6 +1026,9 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
                         Ok(Ok(Some(response))) => {
                             backoff = BACKOFF_MIN;
                             strikes = 0;
+                            // Live once the relay sends something (it opens with a keep-alive;
+                            // a refusal may come after the response headers).
+                            channel.progress.send_if_modified(|p| !std::mem::replace(&mut p.connected, true));
                             match response.item {
                                 Some(pb::subscribe_response::Item::Entry(entry)) => {
                                     let seen = match start {
@@ -1325,7 +1343,7 @@ async fn publish_batch(
             })
             .await;
         let (request, token) = request?;
-        return Ok(match shared.relay.clone().publish(request).await {
+        return Ok(match bounded(shared.relay.clone().publish(request)).await {
             Ok(_) => (1, None),
             Err(status) => (0, Some((status, token))),
         });
@@ -1341,13 +1359,13 @@ async fn publish_batch(
         .collect();
     let request = shared.request(tokio_stream::iter(requests)).await;
     let (request, token) = request?;
-    let mut stream = match shared.relay.clone().publish_stream(request).await {
+    let mut stream = match bounded(shared.relay.clone().publish_stream(request)).await {
         Ok(response) => response.into_inner(),
         Err(status) => return Ok((0, Some((status, token)))),
     };
     let mut accepted = 0;
     loop {
-        match stream.message().await {
+        match bounded(stream.message()).await {
             Ok(Some(_)) => accepted += 1,
             Ok(None) if accepted >= queue.len() => return Ok((accepted, None)),
             Ok(None) => {

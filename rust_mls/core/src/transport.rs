@@ -62,7 +62,11 @@ pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
     }
     if tls {
         endpoint = endpoint
-            .tls_config(ClientTlsConfig::new().with_native_roots())
+            .tls_config(
+                ClientTlsConfig::new()
+                    .with_native_roots()
+                    .timeout(Duration::from_secs(5)),
+            )
             .map_err(bad)?;
     }
     Ok(endpoint)

@@ -1,0 +1,99 @@
+"""API keys: token exchange at creation, refresh across expiry, revocation, account scoping."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from static_sdk import AuthError, StaticClient, TransportError
+from tests.sdk.conftest import WAIT, Clients, channel_name
+from tests.support.api import Api
+from tests.support.server import ServerProcess
+
+
+@pytest.fixture
+def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A server that requires tokens, minting them with a 2 s lifetime."""
+    return start_server("--token-ttl", "2")
+
+
+@pytest.fixture
+def api(authed: ServerProcess) -> Iterator[Api]:
+    client = Api(authed.http_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_api_key_flow_with_token_refresh_across_expiry(
+    authed: ServerProcess, api: Api, clients: Clients
+) -> None:
+    account = api.signup()
+    second = api.create_key(account.key, name="bob")["key"]
+    alice = clients(authed, b"alice", api_key=account.key, api_url=authed.http_url)
+    bob = clients(authed, b"bob", api_key=second, api_url=authed.http_url)
+    name = channel_name()
+    alices = alice.create_channel(name)
+    bobs = bob.join_channel(name, alices.add_member(bob.generate_key_package()))
+    # Spans three token lifetimes: sends refresh ahead of expiry, Bob's stream is ended by the
+    # relay with UNAUTHENTICATED at expiry and resumes by itself.
+    for i in range(12):
+        alices.send(b"m%d" % i)
+        assert bobs.receive(WAIT) == b"m%d" % i
+        time.sleep(0.5)
+    bobs.send(b"done")
+    assert alices.receive(WAIT) == b"done"
+
+
+def test_bad_key_and_revoked_key(authed: ServerProcess, api: Api, clients: Clients) -> None:
+    with pytest.raises(AuthError, match=r"^auth error: .*invalid or revoked api key"):
+        clients(authed, b"x", api_key="sk_live_" + "0" * 40, api_url=authed.http_url)
+    account = api.signup()
+    second = api.create_key(account.key, name="bob")
+    alice = clients(authed, b"alice", api_key=account.key, api_url=authed.http_url)
+    bob = clients(authed, b"bob", api_key=second["key"], api_url=authed.http_url)
+    name = channel_name()
+    alices = alice.create_channel(name)
+    bobs = bob.join_channel(name, alices.add_member(bob.generate_key_package()))
+    assert api.revoke(account.key, second["id"]).status_code == 204
+    # Bob's stream is ended, the refresh is refused: his iterator raises the auth error.
+    with pytest.raises(AuthError, match=r"^auth error: "):
+        for _ in bobs.messages():
+            pass
+    with pytest.raises(AuthError, match=r"^auth error: "):
+        bobs.send(b"no")
+    alices.send(b"alice still works")
+
+
+def test_anonymous_client_on_a_server_that_requires_tokens(
+    authed: ServerProcess, clients: Clients
+) -> None:
+    with pytest.raises(AuthError, match=r"^auth error: .*api_key"):
+        clients(authed, b"anon").create_channel(channel_name())
+
+
+def test_channels_are_scoped_to_the_account(
+    authed: ServerProcess, api: Api, clients: Clients
+) -> None:
+    one, two = api.signup(), api.signup()
+    alice = clients(authed, b"alice", api_key=one.key, api_url=authed.http_url)
+    eve = clients(authed, b"eve", api_key=two.key, api_url=authed.http_url)
+    channel = alice.create_channel(channel_name())
+    welcome = channel.add_member(eve.generate_key_package())
+    with pytest.raises(TransportError, match=r"^transport error: .*not on the relay"):
+        eve.join_channel(channel.name, welcome)
+
+
+def test_token_endpoint_is_not_the_relay(authed: ServerProcess, tmp_path: object) -> None:
+    # api_url pointing at something that is not the API answers 404: a transport error.
+    with pytest.raises(TransportError, match=r"^transport error: "):
+        StaticClient(
+            authed.relay_url,
+            f"{tmp_path}/x",
+            b"x",
+            api_key="sk_live_abc",
+            api_url=authed.http_url + "/nothing-here",
+        )

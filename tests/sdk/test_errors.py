@@ -1,0 +1,157 @@
+"""Every row of the spec's client error table (SPEC §7), with its prefix, against a real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from static_sdk import (
+    AuthError,
+    InternalError,
+    InvalidChannelNameError,
+    MLSEngineError,
+    StaticClient,
+    TransportError,
+)
+from tests.sdk.conftest import WAIT, Clients, channel_name
+from tests.support.server import ServerProcess
+
+FORM = "org/namespace/service"
+
+
+@pytest.mark.parametrize("bad", ["", "acme", "acme/agents", "a/b/c/d", "a//c", "/a/b", "a b/c/d"])
+def test_invalid_channel_name(relay: ServerProcess, clients: Clients, bad: str) -> None:
+    client = clients(relay, b"alice")
+    for call in (
+        lambda: client.create_channel(bad),
+        lambda: client.join_channel(bad, b"welcome"),
+        lambda: client.open_channel(bad),
+    ):
+        with pytest.raises(InvalidChannelNameError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith("invalid channel name:")
+        assert repr(bad) in message and FORM in message
+        assert isinstance(info.value, RuntimeError)
+
+
+def test_mls_engine_errors(relay: ServerProcess, clients: Clients) -> None:
+    alice, bob = clients(relay, b"alice"), clients(relay, b"bob")
+    channel = alice.create_channel(channel_name())
+    for call in (
+        lambda: channel.add_member(b"not a key package"),
+        lambda: bob.join_channel(channel.name, b"not a welcome"),
+        lambda: alice.create_channel(channel.name),
+        lambda: bob.open_channel(channel.name),
+    ):
+        with pytest.raises(MLSEngineError, match=r"^MLS engine error: "):
+            call()
+    # A Welcome for another channel is refused too.
+    welcome = channel.add_member(bob.generate_key_package())
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: "):
+        bob.join_channel(channel_name(), welcome)
+    # The channel stays usable after every refusal.
+    bobs = bob.join_channel(channel.name, welcome)
+    channel.send(b"ok")
+    assert bobs.receive(WAIT) == b"ok"
+
+
+def test_channel_existing_on_the_relay(relay: ServerProcess, clients: Clients) -> None:
+    name = channel_name()
+    clients(relay, b"alice").create_channel(name)
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: .*already exists on the relay"):
+        clients(relay, b"mallory").create_channel(name)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_transport_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STATIC_SDK_RETRY_TIMEOUT", "1")
+    with StaticClient(f"grpc://127.0.0.1:{_closed_port()}", tmp_path / "a", b"alice") as client:
+        started = time.monotonic()
+        with pytest.raises(TransportError, match=r"^transport error: "):
+            client.create_channel(channel_name())
+        assert time.monotonic() - started < WAIT
+    with pytest.raises(TransportError, match=r"^transport error: .*endpoint"):
+        StaticClient("ftp://127.0.0.1:1", tmp_path / "b", b"bob")
+
+
+def test_endpoint_forms(relay: ServerProcess, tmp_path: Path) -> None:
+    host_port = relay.relay_url.removeprefix("grpc://")
+    for i, endpoint in enumerate([relay.relay_url, f"http://{host_port}", host_port]):
+        with StaticClient(endpoint, tmp_path / str(i), b"agent") as client:
+            assert client.create_channel(channel_name()).members() == [b"agent"]
+
+
+def test_https_endpoint_speaks_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A plaintext relay cannot complete a TLS handshake: the failure is a transport error.
+    monkeypatch.setenv("STATIC_SDK_RETRY_TIMEOUT", "1")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with StaticClient(f"https://localhost:{port}", tmp_path / "tls", b"a") as client:  # noqa: SIM117
+            with pytest.raises(TransportError, match=r"^transport error: "):
+                client.create_channel(channel_name())
+
+
+def test_auth_errors_without_a_server(tmp_path: Path) -> None:
+    with pytest.raises(AuthError, match=r"^auth error: .*api_url"):
+        StaticClient("grpc://127.0.0.1:1", tmp_path / "a", b"a", api_key="sk_live_x")
+    with pytest.raises(TransportError, match=r"^transport error: cannot reach the API"):
+        StaticClient(
+            "grpc://127.0.0.1:1",
+            tmp_path / "b",
+            b"b",
+            api_key="sk_live_x",
+            api_url=f"http://127.0.0.1:{_closed_port()}",
+        )
+
+
+def test_runtime_errors(relay: ServerProcess, clients: Clients, tmp_path: Path) -> None:
+    clients(relay, b"alice", data_dir=tmp_path / "shared")
+    with pytest.raises(InternalError, match=r"^runtime error: .*in use"):
+        StaticClient(relay.relay_url, tmp_path / "shared", b"alice")
+    clients.close()
+    with pytest.raises(InternalError, match=r"^runtime error: .*belongs to identity"):
+        StaticClient(relay.relay_url, tmp_path / "shared", b"bob")
+    client = StaticClient(relay.relay_url, tmp_path / "closed", b"c")
+    client.close()
+    with pytest.raises(InternalError, match=r"^runtime error: .*closed"):
+        client.create_channel(channel_name())
+
+
+def test_type_errors(tmp_path: Path) -> None:
+    with pytest.raises(TypeError):
+        StaticClient("grpc://127.0.0.1:1", tmp_path, "alice")  # type: ignore[arg-type]
+
+
+def test_ctrl_c_interrupts_a_blocked_iterator_within_100_ms(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    alices, _ = clients.pair(relay)
+    sent_at: list[float] = []
+
+    def interrupt() -> None:
+        time.sleep(0.3)
+        sent_at.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        next(alices.messages())
+    latency = time.monotonic() - sent_at[0]
+    assert latency < 0.1, latency
+    # The channel is still usable.
+    alices.send(b"after ctrl-c")
