@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,12 @@ FORM = "org/namespace/service"
 @pytest.mark.parametrize("bad", ["", "acme", "acme/agents", "a/b/c/d", "a//c", "/a/b", "a b/c/d"])
 def test_invalid_channel_name(relay: ServerProcess, clients: Clients, bad: str) -> None:
     client = clients(relay, b"alice")
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: client.create_channel(bad),
         lambda: client.join_channel(bad, b"welcome"),
         lambda: client.open_channel(bad),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(InvalidChannelNameError) as info:
             call()
         message = str(info.value)
@@ -44,12 +46,13 @@ def test_invalid_channel_name(relay: ServerProcess, clients: Clients, bad: str) 
 def test_mls_engine_errors(relay: ServerProcess, clients: Clients) -> None:
     alice, bob = clients(relay, b"alice"), clients(relay, b"bob")
     channel = alice.create_channel(channel_name())
-    for call in (
+    calls: list[Callable[[], object]] = [
         lambda: channel.add_member(b"not a key package"),
         lambda: bob.join_channel(channel.name, b"not a welcome"),
         lambda: alice.create_channel(channel.name),
         lambda: bob.open_channel(channel.name),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(MLSEngineError, match=r"^MLS engine error: "):
             call()
     # A Welcome for another channel is refused too.
