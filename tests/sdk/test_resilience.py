@@ -1,0 +1,173 @@
+"""Relay restarts and killed clients: nothing lost, nothing repeated. Both store backends."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BACKENDS
+from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support.server import ServerProcess
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    value: str = request.param
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_typical_flow_on_both_backends(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    alices.send(b"hello")
+    bobs.send(b"hi")
+    assert bobs.receive(WAIT) == b"hello"
+    assert alices.receive(WAIT) == b"hi"
+
+
+def test_relay_restart_mid_stream_loses_nothing(
+    start_server: Callable[..., ServerProcess], clients: Clients
+) -> None:
+    # Fixed ports, so the restarted relay is where the clients look for it.
+    server = start_server(
+        "--allow-anonymous",
+        "--relay",
+        f"127.0.0.1:{_free_port()}",
+        "--http",
+        f"127.0.0.1:{_free_port()}",
+    )
+    alices, bobs = clients.pair(server)
+    total = 60
+    received: list[bytes] = []
+    done = threading.Event()
+
+    def iterate() -> None:
+        for message in bobs.messages():
+            received.append(message)
+            if len(received) == total:
+                break
+        done.set()
+
+    threading.Thread(target=iterate, daemon=True).start()
+    for i in range(total // 2):
+        alices.send(b"%d" % i)
+    server.restart()
+    # Sends during and after the restart block briefly (reconnect with backoff), never fail.
+    for i in range(total // 2, total):
+        alices.send(b"%d" % i)
+    assert done.wait(WAIT * 2), f"received {len(received)} of {total}"
+    assert received == [b"%d" % i for i in range(total)]
+    # Commits still work after the restart, and so does the other direction.
+    bobs.rotate_keys()
+    bobs.send(b"back")
+    assert alices.receive(WAIT) == b"back"
+
+
+class Agent:
+    """tests/sdk/agent.py in a subprocess, its stdout read line by line."""
+
+    def __init__(self, relay: str, data_dir: Path, name: str, work: Path, stop_after: int):
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.sdk.agent",
+                relay,
+                str(data_dir),
+                "bob",
+                name,
+                str(work),
+                str(stop_after),
+            ],
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
+        self.buffer = b""
+
+    def line(self, timeout: float = WAIT) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"agent said nothing (exit {self.proc.poll()})")
+            if self.selector.select(0.1):
+                self.buffer += os.read(self.proc.stdout.fileno(), 65536)
+        raw, self.buffer = self.buffer.split(b"\n", 1)
+        return raw.decode()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(WAIT)
+        self.selector.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def test_client_process_killed_and_restarted(
+    relay: ServerProcess, clients: Clients, tmp_path: Path
+) -> None:
+    alice = clients(relay, b"alice")
+    name = channel_name()
+    channel = alice.create_channel(name)
+    data_dir = tmp_path / "bob-data"
+    agent = Agent(relay.relay_url, data_dir, name, tmp_path, stop_after=10)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (tmp_path / "kp").exists():
+            assert time.monotonic() < deadline, "no key package"
+            time.sleep(0.02)
+        welcome = channel.add_member((tmp_path / "kp").read_bytes())
+        (tmp_path / "welcome.tmp").write_bytes(welcome)
+        (tmp_path / "welcome.tmp").rename(tmp_path / "welcome")
+        assert agent.line() == "ready"
+        for i in range(10):
+            channel.send(b"m%d" % i)
+        assert [agent.line() for _ in range(10)] == [f"m{i}" for i in range(10)]
+        assert agent.line() == "idle"
+        # The agent no longer reads, but its client applies the log in the background; it is
+        # killed while doing so (a commit among the messages).
+        for i in range(10, 20):
+            channel.send(b"m%d" % i)
+        channel.rotate_keys()
+        for i in range(20, 25):
+            channel.send(b"m%d" % i)
+    finally:
+        agent.kill()
+    # Sent while the agent is down.
+    for i in range(25, 30):
+        channel.send(b"m%d" % i)
+    restarted = Agent(relay.relay_url, data_dir, name, tmp_path, stop_after=20)
+    try:
+        assert restarted.line() == "ready"
+        got = [restarted.line() for _ in range(20)]
+        assert got == [f"m{i}" for i in range(10, 30)]
+        assert restarted.line() == "idle"
+    finally:
+        restarted.kill()
+    # And the restarted agent's group state is consistent with Alice's.
+    with_bob = clients(relay, b"bob", data_dir=data_dir)
+    bobs = with_bob.open_channel(name)
+    assert bobs.epoch() == channel.epoch()
+    assert bobs.epoch_authenticator() == channel.epoch_authenticator()
+    bobs.send(b"bob is back")
+    assert receive_n(channel, 1) == [b"bob is back"]
