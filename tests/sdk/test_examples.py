@@ -1,0 +1,64 @@
+"""Each example in examples/ runs against a real server (so they keep working)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.api import Api
+from tests.support.server import ServerProcess
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("example", ["blocking_agents.py", "trio_agents.py", "asyncio_agents.py"])
+def test_example_runs(relay: ServerProcess, tmp_path: Path, example: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / example),
+            "--relay",
+            relay.relay_url,
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "bob got: question 0" in lines
+    assert "alice got: answer to question 2" in lines
+    assert "bob got: bye" in lines
+    assert lines[-1] == "done"
+
+
+def test_example_with_an_api_key(relay: ServerProcess, tmp_path: Path) -> None:
+    api = Api(relay.http_url)
+    try:
+        key = api.signup().key
+    finally:
+        api.close()
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "blocking_agents.py"),
+            "--relay",
+            relay.relay_url,
+            "--api-url",
+            relay.http_url,
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "STATIC_API_KEY": key},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "done"
