@@ -597,8 +597,9 @@ impl Channel {
         self.progress.borrow().clone()
     }
 
+    /// Closed, removed or failed (set before any waiter is woken).
     pub fn is_closed(&self) -> bool {
-        *self.shutdown.borrow()
+        self.progress.borrow().ended.is_some()
     }
 
     fn block_on<T>(&self, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
