@@ -18,18 +18,24 @@ with its defaults).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# bench/ also holds http.py (the HTTP API benchmark): keep it from shadowing the stdlib's http,
+# here and in the spawned agent process, which is why the imports below come after this (E402).
+# ruff: noqa: E402
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
+
 import argparse
 import multiprocessing as mp
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PAYLOAD = 1024
 CHANNEL = "bench/e2e/channel"
