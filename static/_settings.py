@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Address", "ApiSettings", "RelaySettings", "ServerSettings"]
+__all__ = ["Address", "ApiSettings", "RateLimit", "RelaySettings", "ServerSettings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +30,52 @@ class Address:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimit:
+    """A token bucket: bursts of ``requests``, refilled at ``requests`` per ``per_seconds``."""
+
+    requests: int
+    per_seconds: float
+
+    @classmethod
+    def parse(cls, text: str) -> RateLimit | None:
+        """Parse ``N/SECONDS`` (e.g. ``10/60``); ``off`` disables the limit (None)."""
+        if text.strip().lower() in {"off", "none", "0"}:
+            return None
+        count, sep, seconds = text.partition("/")
+        try:
+            limit = cls(int(count), float(seconds))
+        except ValueError:
+            limit = None
+        if not sep or limit is None or limit.requests < 1 or not limit.per_seconds > 0:
+            raise ValueError(f"expected N/SECONDS or off, got {text!r}")
+        return limit
+
+    def __str__(self) -> str:
+        return f"{self.requests}/{self.per_seconds:g}"
+
+
+@dataclass(frozen=True, slots=True)
 class ApiSettings:
     """The HTTP API's knobs."""
 
     #: Lifetime of the JWTs minted by POST /v1/tokens.
     token_ttl_seconds: int = 900
+    #: The ``iss`` of the JWTs.
+    token_issuer: str = "static"
+    #: The ``aud`` of the JWTs (the relay accepts only this audience).
+    token_audience: str = "static-relay"
     #: Largest request body accepted (413 past it).
     max_body_bytes: int = 64 * 1024
     #: Seconds an in-flight request may take to finish after a shutdown signal.
     graceful_timeout_seconds: float = 10.0
+    #: Active keys an account may hold (409 past it).
+    max_keys_per_account: int = 100
+    #: POST /v1/accounts per client address; None disables.
+    signup_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(10, 60))
+    #: Authenticated requests per API key (JWTs count against the key they came from).
+    key_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(600, 60))
+    #: Seconds between writes of the coalesced ``last_used_at`` updates.
+    last_used_flush_seconds: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from static._settings import Address, ApiSettings, RelaySettings, ServerSettings
+from static._settings import Address, ApiSettings, RateLimit, RelaySettings, ServerSettings
 
 __all__ = ["main"]
 
@@ -74,6 +74,22 @@ def _parser() -> argparse.ArgumentParser:
         help="lifetime of the JWTs minted by POST /v1/tokens [STATIC_TOKEN_TTL] "
         "(default %(default)s)",
     )
+    serve.add_argument(
+        "--signup-rate",
+        type=RateLimit.parse,
+        default=_env("STATIC_SIGNUP_RATE", "10/60"),
+        metavar="N/SECONDS",
+        help="POST /v1/accounts allowed per client address: bursts of N, N per SECONDS; "
+        "'off' disables [STATIC_SIGNUP_RATE] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--key-rate",
+        type=RateLimit.parse,
+        default=_env("STATIC_KEY_RATE", "600/60"),
+        metavar="N/SECONDS",
+        help="authenticated requests allowed per API key (JWTs count against their key); "
+        "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
+    )
     return parser
 
 
@@ -85,7 +101,11 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         relay=args.relay,
         data_dir=args.data_dir,
         database_url=args.database,
-        api=ApiSettings(token_ttl_seconds=args.token_ttl),
+        api=ApiSettings(
+            token_ttl_seconds=args.token_ttl,
+            signup_rate_limit=args.signup_rate,
+            key_rate_limit=args.key_rate,
+        ),
         relay_settings=RelaySettings(allow_anonymous=args.allow_anonymous),
     )
 

@@ -13,6 +13,7 @@ import trio
 
 from static._settings import ServerSettings
 from static.api import serve_http
+from static.auth import open_authority
 from static.store import open_database
 
 __all__ = ["BoundServer", "serve"]
@@ -31,8 +32,18 @@ async def serve(
     *,
     task_status: trio.TaskStatus[BoundServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the server until ``shutdown`` is set, then drain and return."""
+    """Run the server until ``shutdown`` is set, then drain and return.
+
+    The :class:`~static.auth.Authority` (``authority``) is built once here and shared: the HTTP
+    API mints and checks credentials with it, and the relay verifies JWTs through it (it is
+    the concrete :class:`~static.auth.TokenVerifier`). It outlives the servers in the nursery,
+    so its last flush of key use runs after they drained.
+    """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    async with open_database(settings.resolved_database_url) as db, trio.open_nursery() as nursery:
-        http_url: str = await nursery.start(serve_http, db, settings, shutdown)
+    async with (
+        open_database(settings.resolved_database_url) as db,
+        open_authority(db, settings.api) as authority,
+        trio.open_nursery() as nursery,
+    ):
+        http_url: str = await nursery.start(serve_http, db, settings, authority, shutdown)
         task_status.started(BoundServer(http_url=http_url))

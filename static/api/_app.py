@@ -1,32 +1,294 @@
-"""The Quart-Trio application: routes and the one place errors become JSON responses."""
+"""The Quart-Trio application: the routes, and the one place errors become JSON responses.
+
+Routes are thin: read and validate input (``_validation``), authenticate through the
+:class:`~static.auth.Authority`, call the store, shape the JSON. Every failure is an exception
+mapped to ``{"error": text}`` by :func:`_error_response`; nothing reaches the client as HTML or a
+traceback, and a storage failure is a 503.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
 from typing import Any
 
-from quart import Response, jsonify
+from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from static._settings import ServerSettings
-from static.store import Database
+from static.api._errors import (
+    ApiError,
+    Conflict,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    ServiceUnavailable,
+    TooManyRequests,
+    Unauthorized,
+)
+from static.api._openapi import openapi_document
+from static.api._ratelimit import RateLimiter, client_key
+from static.api._validation import (
+    bearer_token,
+    parse_json_object,
+    parse_key_id,
+    parse_new_account,
+    parse_new_key,
+)
+from static.auth import (
+    Authority,
+    Unauthenticated,
+    generate_api_key,
+    is_api_key,
+    looks_like_jwt,
+)
+from static.store import (
+    AccountRecord,
+    Database,
+    DatabaseError,
+    EmailTaken,
+    KeyLimitReached,
+    KeyOwner,
+    NewKey,
+)
 
 __all__ = ["create_app"]
 
+_log = logging.getLogger("static.api")
 
-def create_app(db: Database, settings: ServerSettings) -> QuartTrio:
-    """Build the app over ``db``."""
-    app = QuartTrio(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.api.max_body_bytes
+
+def _timestamp(value: datetime | None) -> str | None:
+    """ISO 8601 UTC with a ``Z`` suffix (microsecond precision), or None."""
+    return None if value is None else value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _account_json(account: AccountRecord) -> dict[str, Any]:
+    return {
+        "id": account.id,
+        "email": account.email,
+        "name": account.name,
+        "plan_tier": account.plan_tier,
+    }
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    from quart import current_app
+
+    response: Response = current_app.json.response(body)  # type: ignore[assignment]
+    response.status_code = status
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+def _error_response(exc: BaseException) -> Response:
+    """The one mapping from an exception to the JSON error a client sees."""
+    if isinstance(exc, ApiError):
+        return _json({"error": exc.text}, exc.status, exc.headers)
+    if isinstance(exc, Unauthenticated):
+        return _error_response(Unauthorized(str(exc)))
+    if isinstance(exc, RequestEntityTooLarge):
+        return _error_response(PayloadTooLarge())
+    if isinstance(exc, HTTPException):
+        code = exc.code or 500
+        if code == 404:
+            return _error_response(NotFound())
+        if code == 405:
+            allow = dict(exc.get_headers()).get("Allow", "")
+            return _error_response(MethodNotAllowed(headers={"Allow": allow} if allow else None))
+        if code >= 500:
+            _log.error("HTTP error %s: %s", code, exc.description)
+        return _json({"error": (exc.name or "error").lower()}, code)
+    if isinstance(exc, DatabaseError):
+        _log.error("storage failure: %s", exc)
+        return _error_response(ServiceUnavailable())
+    _log.error("unexpected error", exc_info=exc)
+    return _json({"error": "internal error"}, 500)
+
+
+def create_app(db: Database, settings: ServerSettings, authority: Authority) -> QuartTrio:
+    """Build the app over ``db`` and ``authority``."""
+    api = settings.api
+    store = authority.store
+    # No static files: Quart would otherwise serve a /static/<path> route.
+    app = QuartTrio(__name__, static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = api.max_body_bytes
+    # A client trickling its body holds a request slot; 60 s (Quart's default) is too generous.
+    app.config["BODY_TIMEOUT"] = 10
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    # "//v1//keys" is not a route of ours: a 404, never a redirect.
+    app.url_map.merge_slashes = False
+    signup_limiter = RateLimiter(api.signup_rate_limit) if api.signup_rate_limit else None
+    key_limiter = RateLimiter(api.key_rate_limit) if api.key_rate_limit else None
+    openapi = openapi_document()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    async def read_json_object() -> dict[str, Any]:
+        body = await request.get_data(cache=False, as_text=False)
+        assert isinstance(body, bytes)
+        return parse_json_object(body, request.headers.get("Content-Type"))
+
+    def limit_key(key_id: str) -> None:
+        if key_limiter is not None:
+            wait = key_limiter.acquire(key_id, time.monotonic())
+            if wait is not None:
+                raise TooManyRequests(wait)
+
+    def found(owner: KeyOwner) -> AccountRecord:
+        # A key whose account row is gone: the spec's 404 of GET /v1/accounts/me.
+        if owner.account is None:
+            raise NotFound()
+        return owner.account
+
+    async def api_key_owner() -> KeyOwner:
+        """The caller of a key endpoint, which takes an API key only (a JWT is refused)."""
+        token = bearer_token(request.headers.getlist("Authorization"))
+        if not is_api_key(token) and looks_like_jwt(token):
+            raise Unauthorized("api key required")
+        owner = await authority.authenticate_key(token)
+        limit_key(owner.key_id)
+        found(owner)
+        return owner
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    @app.before_request
+    async def refuse_oversized_bodies() -> None:
+        # Also for routes that never read their body (Quart checks only when it is read).
+        length = request.content_length
+        if length is not None and length > api.max_body_bytes:
+            raise PayloadTooLarge()
+
+    @app.after_request
+    async def no_store(response: Response) -> Response:
+        # Responses carry secrets or per-caller data: no cache keeps them, unless a route says so.
+        response.headers.setdefault("Cache-Control", "no-store")
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        return response
+
+    @app.errorhandler(Exception)
+    async def any_error(exc: Exception) -> Response:
+        response = _error_response(exc)
+        # An error may be answered before the body was read (a 413, a 401): on HTTP/1.x the
+        # unread rest would be taken for the next request, so the connection ends here.
+        has_body = request.content_length or "Transfer-Encoding" in request.headers
+        if has_body and request.http_version.startswith("1"):
+            response.headers["Connection"] = "close"
+        return response
+
+    # -- routes -----------------------------------------------------------------------------
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
+    async def healthz() -> Response:
         await db.fetchval("SELECT 1")
-        return {"status": "ok"}
+        return _json({"status": "ok"})
 
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> tuple[Response, int]:
-        code = exc.code or 500
-        return jsonify({"error": (exc.name or "error").lower()}), code
+    @app.post("/v1/accounts")
+    async def create_account() -> Response:
+        if signup_limiter is not None:
+            wait = signup_limiter.acquire(client_key(request.remote_addr or ""), time.monotonic())
+            if wait is not None:
+                raise TooManyRequests(wait)
+        new = parse_new_account(await read_json_object())
+        key = generate_api_key()
+        try:
+            account = await store.create_account(
+                account_id=str(uuid.uuid4()),
+                email=new.email,
+                name=new.name,
+                first_key=NewKey(str(uuid.uuid4()), key.digest, key.key_prefix, "default"),
+                now=datetime.now(UTC),
+            )
+        except EmailTaken:
+            raise Conflict("email already registered") from None
+        return _json({"account": _account_json(account), "api_key": key.secret})
+
+    @app.get("/v1/accounts/me")
+    async def me() -> Response:
+        token = bearer_token(request.headers.getlist("Authorization"))
+        if is_api_key(token) or not looks_like_jwt(token):
+            owner = await authority.authenticate_key(token)
+        else:
+            owner = await authority.authenticate_token(token)
+        limit_key(owner.key_id)
+        return _json(_account_json(found(owner)))
+
+    @app.post("/v1/keys")
+    async def create_key() -> Response:
+        owner = await api_key_owner()
+        name = parse_new_key(await read_json_object())
+        key = generate_api_key()
+        try:
+            record = await store.create_key(
+                owner.account_id,
+                NewKey(str(uuid.uuid4()), key.digest, key.key_prefix, name),
+                now=datetime.now(UTC),
+                max_active=api.max_keys_per_account,
+            )
+        except KeyLimitReached:
+            raise Conflict("too many active keys") from None
+        return _json(
+            {
+                "id": record.id,
+                "key_prefix": record.key_prefix,
+                "name": record.name,
+                "key": key.secret,
+            }
+        )
+
+    @app.get("/v1/keys")
+    async def list_keys() -> Response:
+        owner = await api_key_owner()
+        keys = []
+        for record in await store.active_keys(owner.account_id):
+            # A use not flushed yet is newer than the stored one.
+            last_used = authority.last_used(record.id) or record.last_used_at
+            keys.append(
+                {
+                    "id": record.id,
+                    "key_prefix": record.key_prefix,
+                    "name": record.name,
+                    "last_used_at": _timestamp(last_used),
+                    "created_at": _timestamp(record.created_at),
+                }
+            )
+        return _json({"keys": keys})
+
+    @app.delete("/v1/keys/<key_id>")
+    async def revoke_key(key_id: str) -> Response:
+        owner = await api_key_owner()
+        if not await store.revoke_key(
+            owner.account_id, parse_key_id(key_id), now=datetime.now(UTC)
+        ):
+            raise NotFound()
+        response = Response(b"", status=204)
+        del response.headers["Content-Type"]
+        return response
+
+    @app.post("/v1/tokens")
+    async def exchange_token() -> Response:
+        # No body is needed; one sent anyway is ignored (past the size limit it is a 413).
+        owner = await api_key_owner()
+        issued = authority.mint(owner)
+        return _json(
+            {
+                "access_token": issued.access_token,
+                "token_type": "Bearer",
+                "expires_in": issued.expires_in,
+            },
+            headers={"Cache-Control": "no-store", "Pragma": "no-cache"},
+        )
+
+    @app.get("/.well-known/jwks.json")
+    async def jwks() -> Response:
+        return _json(authority.jwks(), headers={"Cache-Control": "public, max-age=300"})
+
+    @app.get("/v1/openapi.json")
+    async def openapi_json() -> Response:
+        return _json(openapi, headers={"Cache-Control": "public, max-age=300"})
 
     return app

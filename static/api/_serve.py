@@ -2,32 +2,115 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 
 from static._settings import ServerSettings
 from static.api._app import create_app
+from static.auth import Authority
 from static.store import Database
 
-__all__ = ["serve_http"]
+__all__ = ["hypercorn_config", "serve_app", "serve_http"]
+
+_log = logging.getLogger("static.api")
+
+
+def hypercorn_config(settings: ServerSettings) -> Config:
+    """The hypercorn configuration of the API (the benchmark's baseline uses it too)."""
+    config = Config()
+    config.bind = [str(settings.http)]
+    config.graceful_timeout = settings.api.graceful_timeout_seconds
+    config.accesslog = None
+    config.include_server_header = False
+    # Bounds the damage of HTTP/2 rapid reset on one connection (DESIGN §7).
+    config.keep_alive_max_requests = 1000
+    config.backlog = 1024
+    return config
 
 
 async def serve_http(
     db: Database,
     settings: ServerSettings,
+    authority: Authority,
     shutdown: trio.Event,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL."""
-    config = Config()
-    config.bind = [str(settings.http)]
-    config.graceful_timeout = settings.api.graceful_timeout_seconds
-    config.accesslog = None
-    app = create_app(db, settings)
+    await serve_app(
+        create_app(db, settings, authority),
+        hypercorn_config(settings),
+        shutdown,
+        task_status=task_status,
+    )
+
+
+class _ShieldFinalSend:
+    """ASGI middleware: the last ``send`` of an HTTP response runs shielded from cancellation.
+
+    hypercorn 0.17.3 recycles a keep-alive connection (and starts its idle timer) inside that
+    last ``send``, which tells the app the stream is over; Quart-Trio reacts by cancelling its
+    request nursery, which cancels the recycling half-way. The connection then never gets an
+    idle timer: idle keep-alive connections live forever, and a shutdown waits the whole
+    graceful timeout for them. Shielding is safe: hypercorn shields its socket writes already.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def shielded_send(message: Any) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await self._app(scope, receive, shielded_send)
+
+
+def _contain_connection_errors() -> None:
+    """Make a failing connection handler end its connection, not the whole server.
+
+    hypercorn 0.17.3 runs every connection in the server's nursery, so an exception in one
+    kills the process. One is reachable by any client: an HTTP/2 (h2c) request answered
+    before its body arrived (a 401, a 413) makes the next DATA frame raise ``KeyError`` in
+    ``H2Protocol._handle_events``. Idempotent; trio.Cancelled passes through.
+    """
+    if getattr(TCPServer.run, "_static_contained", False):
+        return
+    original = TCPServer.run
+
+    async def run(self: TCPServer) -> None:
+        try:
+            await original(self)
+        except* Exception:  # noqa: BLE001  (any failure of one connection, logged below)
+            _log.warning("connection closed after a server error", exc_info=True)
+
+    run._static_contained = True  # type: ignore[attr-defined]
+    TCPServer.run = run  # type: ignore[method-assign]
+
+
+async def serve_app(
+    app: Any,
+    config: Config,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the Quart-Trio ``app`` with ``config`` until ``shutdown`` is set (in-flight
+    requests finish)."""
+    _contain_connection_errors()
+    app.asgi_app = _ShieldFinalSend(app.asgi_app)
     async with trio.open_nursery() as nursery:
         # hypercorn is stopped through its shutdown trigger, never by cancellation (DESIGN §7).
         binds: list[str] = await nursery.start(_hypercorn, app, config, shutdown)

@@ -9,15 +9,33 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from static.store._accounts import (
+    AccountRecord,
+    AccountStore,
+    EmailTaken,
+    KeyLimitReached,
+    KeyOwner,
+    KeyRecord,
+    NewKey,
+    SigningKeyRecord,
+)
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 from static.store._migrations import migrate
 
 __all__ = [
+    "AccountRecord",
+    "AccountStore",
     "Connection",
     "Database",
     "DatabaseError",
+    "EmailTaken",
     "IntegrityError",
+    "KeyLimitReached",
+    "KeyOwner",
+    "KeyRecord",
+    "NewKey",
     "Row",
+    "SigningKeyRecord",
     "open_database",
     "sqlite_url",
 ]

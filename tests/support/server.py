@@ -86,6 +86,7 @@ class ServerProcess:
 
     @staticmethod
     def _has_relay() -> bool:
+        # importlib, not an import statement: mypy must not need static.relay to exist.
         try:
             relay = importlib.import_module("static.relay")
         except ImportError:

@@ -1,0 +1,227 @@
+"""JWTs: the signing key, minting and verification rules (pure; no I/O).
+
+Tokens are EdDSA (Ed25519) JWS, so whoever verifies them (the relay) needs only the public keys
+published as a JWKS. Header: ``alg`` ``EdDSA``, ``typ`` ``JWT``, ``kid`` (the RFC 7638 thumbprint
+of the public key). Claims: ``iss``, ``sub`` (account id), ``aud``, ``iat``, ``nbf``, ``exp``,
+``jti`` and ``key_id`` (the API key the token was minted from, whose revocation voids it).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from static.auth._principal import Unauthenticated
+
+__all__ = [
+    "ALGORITHM",
+    "INVALID_TOKEN",
+    "SigningKey",
+    "TokenClaims",
+    "TokenRules",
+    "TokenVerifierCore",
+    "is_uuid",
+    "looks_like_jwt",
+    "mint_token",
+]
+
+ALGORITHM = "EdDSA"
+#: The one error text of every token that fails verification (which check failed is not shown).
+INVALID_TOKEN = "invalid or expired token"
+_REQUIRED = ["iss", "sub", "aud", "iat", "nbf", "exp", "jti", "key_id"]
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
+# Verified signatures are remembered (never the time checks): Ed25519 verification is the
+# costliest step of a JWT-authenticated request, and a token is typically reused many times.
+_CACHE_SIZE = 4096
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def is_uuid(text: str) -> bool:
+    """Whether ``text`` is a UUID in canonical lower-case form."""
+    return _UUID.fullmatch(text) is not None
+
+
+def looks_like_jwt(text: str) -> bool:
+    """Whether ``text`` has the three-part shape of a compact JWS."""
+    return _JWT_SHAPE.fullmatch(text) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """An Ed25519 key pair and its key id."""
+
+    kid: str
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        return cls.from_private_key(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_private_key(cls, private_key: Ed25519PrivateKey) -> SigningKey:
+        public = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        # RFC 7638 thumbprint: SHA-256 of the required members, sorted, no whitespace.
+        members = json.dumps(
+            {"crv": "Ed25519", "kty": "OKP", "x": _b64url(public)},
+            separators=(",", ":"),
+            sort_keys=True,
+        )
+        return cls(_b64url(hashlib.sha256(members.encode()).digest()), private_key)
+
+    @classmethod
+    def from_pem(cls, pem: str) -> SigningKey:
+        key = serialization.load_pem_private_key(pem.encode("ascii"), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError("the stored signing key is not an Ed25519 key")
+        return cls.from_private_key(key)
+
+    def to_pem(self) -> str:
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode("ascii")
+
+    @property
+    def public_key(self) -> Ed25519PublicKey:
+        return self.private_key.public_key()
+
+    def public_jwk(self) -> dict[str, str]:
+        raw = self.public_key.public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        return {
+            "kty": "OKP",
+            "crv": "Ed25519",
+            "x": _b64url(raw),
+            "kid": self.kid,
+            "alg": ALGORITHM,
+            "use": "sig",
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRules:
+    """Who issues tokens, for whom, and for how long."""
+
+    issuer: str
+    audience: str
+    ttl_seconds: int
+    #: Clock skew tolerated on ``exp``/``nbf``/``iat``, in seconds.
+    leeway_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenClaims:
+    """What a verified token says."""
+
+    account_id: str
+    key_id: str
+    issued_at: int
+    expires_at: int
+    token_id: str
+
+
+def mint_token(
+    key: SigningKey, rules: TokenRules, *, account_id: str, key_id: str, now: float
+) -> str:
+    """A signed token for ``account_id``, minted from API key ``key_id``, valid from ``now``."""
+    issued = math.floor(now)
+    claims = {
+        "iss": rules.issuer,
+        "sub": account_id,
+        "aud": rules.audience,
+        "iat": issued,
+        "nbf": issued,
+        # Rounded up: a token never lives shorter than the ``expires_in`` announced with it.
+        "exp": math.ceil(now) + rules.ttl_seconds,
+        "jti": uuid.uuid4().hex,
+        "key_id": key_id,
+    }
+    return jwt.encode(
+        claims, key.private_key, algorithm=ALGORITHM, headers={"kid": key.kid, "typ": "JWT"}
+    )
+
+
+class TokenVerifierCore:
+    """Verifies tokens against a set of public keys (signature, ``kid``, claims)."""
+
+    def __init__(self, keys: Iterable[SigningKey], rules: TokenRules) -> None:
+        self._keys: dict[str, Ed25519PublicKey] = {k.kid: k.public_key for k in keys}
+        self._rules = rules
+        self._jwt = jwt.PyJWT()
+        self._verified: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def verify(self, token: str) -> TokenClaims:
+        """The claims of ``token``; :class:`Unauthenticated` if it is not valid right now."""
+        payload = self._verified.get(token)
+        if payload is None:
+            payload = self._verify_signature(token)
+            self._verified[token] = payload
+            if len(self._verified) > _CACHE_SIZE:
+                self._verified.popitem(last=False)
+        # pyjwt checked these on first sight; they are re-checked on every use because a
+        # cached token expires like any other.
+        now = time.time()
+        leeway = self._rules.leeway_seconds
+        if not payload["nbf"] - leeway <= now < payload["exp"] + leeway:
+            raise Unauthenticated(INVALID_TOKEN)
+        return TokenClaims(
+            account_id=payload["sub"],
+            key_id=payload["key_id"],
+            issued_at=payload["iat"],
+            expires_at=payload["exp"],
+            token_id=payload["jti"],
+        )
+
+    def _verify_signature(self, token: str) -> dict[str, Any]:
+        if not looks_like_jwt(token):
+            raise Unauthenticated(INVALID_TOKEN)
+        try:
+            header = jwt.get_unverified_header(token)
+            # Only our algorithm: no "none", no HMAC keyed with a public key, no downgrade.
+            if header.get("alg") != ALGORITHM:
+                raise Unauthenticated(INVALID_TOKEN)
+            public = self._keys.get(header.get("kid"))  # type: ignore[arg-type]
+            if public is None:
+                raise Unauthenticated(INVALID_TOKEN)
+            payload: dict[str, Any] = self._jwt.decode(
+                token,
+                public,
+                algorithms=[ALGORITHM],
+                audience=self._rules.audience,
+                issuer=self._rules.issuer,
+                leeway=self._rules.leeway_seconds,
+                options={"require": _REQUIRED},
+            )
+        except (jwt.InvalidTokenError, TypeError, ValueError) as exc:
+            raise Unauthenticated(INVALID_TOKEN) from exc
+        sub, key_id = payload.get("sub"), payload.get("key_id")
+        if not (
+            isinstance(sub, str)
+            and isinstance(key_id, str)
+            and _UUID.fullmatch(sub)
+            and _UUID.fullmatch(key_id)
+            and isinstance(payload.get("jti"), str)
+        ):
+            raise Unauthenticated(INVALID_TOKEN)
+        return payload
