@@ -88,6 +88,20 @@ class RelaySettings:
     max_message_bytes: int = 1024 * 1024
     #: Seconds in-flight calls may take to finish after a shutdown signal.
     graceful_timeout_seconds: float = 5.0
+    #: Application messages are accepted at the channel's epoch or this many epochs before it.
+    application_epoch_window: int = 5
+    #: A subscription without traffic gets a keep-alive this often (a gone peer shows at once).
+    keepalive_interval_seconds: float = 2.0
+    #: How often the API keys behind live streams are re-checked for revocation.
+    revocation_check_seconds: float = 0.5
+    #: Concurrent streams (calls) per connection; more get RESOURCE_EXHAUSTED.
+    max_streams_per_connection: int = 100
+    #: Stream resets a connection may make: a burst, then this many a second; past it the
+    #: connection is closed (HTTP/2 rapid reset).
+    reset_burst: int = 200
+    reset_rate_per_second: float = 50.0
+    #: Publishes per second per agent (API key, or peer address when anonymous); 0 = no limit.
+    publish_rate_per_agent: float = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)

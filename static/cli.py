@@ -67,6 +67,30 @@ def _parser() -> argparse.ArgumentParser:
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
     serve.add_argument(
+        "--relay-keepalive",
+        type=float,
+        default=float(_env("STATIC_RELAY_KEEPALIVE", "2")),
+        metavar="SECONDS",
+        help="keep-alive interval of relay subscriptions [STATIC_RELAY_KEEPALIVE] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--relay-publish-rate",
+        type=float,
+        default=float(_env("STATIC_RELAY_PUBLISH_RATE", "10000")),
+        metavar="PER_SECOND",
+        help="relay publishes per second per agent, 0 for no limit [STATIC_RELAY_PUBLISH_RATE] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--relay-max-streams",
+        type=int,
+        default=int(_env("STATIC_RELAY_MAX_STREAMS", "100")),
+        metavar="N",
+        help="concurrent relay streams per connection [STATIC_RELAY_MAX_STREAMS] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
         "--token-ttl",
         type=int,
         default=int(_env("STATIC_TOKEN_TTL", "900")),
@@ -96,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if not 1 <= args.token_ttl <= 86400:
         raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    if not 0.05 <= args.relay_keepalive <= 300:
+        raise ValueError("--relay-keepalive must be between 0.05 and 300 seconds")
+    if args.relay_publish_rate < 0:
+        raise ValueError("--relay-publish-rate must be >= 0")
+    if not 1 <= args.relay_max_streams <= 10000:
+        raise ValueError("--relay-max-streams must be between 1 and 10000")
     return ServerSettings(
         http=args.http,
         relay=args.relay,
@@ -106,7 +136,12 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
         ),
-        relay_settings=RelaySettings(allow_anonymous=args.allow_anonymous),
+        relay_settings=RelaySettings(
+            allow_anonymous=args.allow_anonymous,
+            keepalive_interval_seconds=args.relay_keepalive,
+            publish_rate_per_agent=args.relay_publish_rate,
+            max_streams_per_connection=args.relay_max_streams,
+        ),
     )
 
 
@@ -118,6 +153,7 @@ async def _run(settings: ServerSettings) -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(serve, settings, shutdown)
             print(f"http: {bound.http_url}", flush=True)
+            print(f"relay: {bound.relay_url}", flush=True)
             async for _ in signals:
                 shutdown.set()
                 break

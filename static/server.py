@@ -14,6 +14,7 @@ import trio
 from static._settings import ServerSettings
 from static.api import serve_http
 from static.auth import open_authority
+from static.relay import serve_relay
 from static.store import open_database
 
 __all__ = ["BoundServer", "serve"]
@@ -24,6 +25,7 @@ class BoundServer:
     """Where the server listens, once it does."""
 
     http_url: str
+    relay_url: str
 
 
 async def serve(
@@ -46,4 +48,5 @@ async def serve(
         trio.open_nursery() as nursery,
     ):
         http_url: str = await nursery.start(serve_http, db, settings, authority, shutdown)
-        task_status.started(BoundServer(http_url=http_url))
+        relay_url: str = await nursery.start(serve_relay, db, settings, authority, shutdown)
+        task_status.started(BoundServer(http_url=http_url, relay_url=relay_url))

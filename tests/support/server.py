@@ -68,19 +68,24 @@ class ServerProcess:
         # The server prints "http: URL" and "relay: URL" once both listen.
         expected = {"http"} | ({"relay"} if self._has_relay() else set())
         seen: set[str] = set()
+        # Read the raw pipe: both lines may arrive in one chunk, and a buffered readline would
+        # keep the second where select() cannot see it.
+        pending = b""
         while seen != expected:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.kill()
                 raise RuntimeError(f"server did not start:\n{self.stderr()}")
             if not selector.select(timeout=0.2):
                 continue
-            line = self.proc.stdout.readline()
-            key, _, value = line.strip().partition(": ")
-            if key == "http":
-                self.http_url = value
-            elif key == "relay":
-                self.relay_url = value
-            seen.add(key) if key in expected else None
+            pending += os.read(self.proc.stdout.fileno(), 4096)
+            while b"\n" in pending:
+                raw, pending = pending.split(b"\n", 1)
+                key, _, value = raw.decode(errors="replace").strip().partition(": ")
+                if key == "http":
+                    self.http_url = value
+                elif key == "relay":
+                    self.relay_url = value
+                seen.add(key) if key in expected else None
         selector.close()
         return self
 

@@ -1,0 +1,361 @@
+"""Channel logs in the relay: the in-memory view, the group-committing writer, subscriptions.
+
+One writer task appends for every channel of the process: publishes queue up, and each batch the
+writer takes (everything queued, up to ``_MAX_BATCH``) is fenced, numbered and stored in ONE
+transaction, so durability (fsync) is paid once per batch rather than once per message. Only
+after the commit are the entries published to memory: the channel's head advances, its recent
+entries ring gets them and its subscribers wake up.
+
+Subscribers pull: each holds a cursor (its last seq) and reads what is after it, from the ring
+when the ring still covers it, else from the store. So a slow subscriber costs no memory beyond
+its cursor and never holds anyone up, and it catches up from the log by itself.
+
+The relay assumes it is the only writer of its database (one ``static serve`` per database).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import trio
+
+from static.relay._errors import NotFound, RelayError, StaleEpoch, Unavailable
+from static.relay._framing import MessageHeader, WelcomeHeader
+from static.relay._rules import check_fence, epoch_after
+from static.store import DatabaseError, IntegrityError
+from static.store._channels import (
+    ChannelRecord,
+    ChannelStore,
+    EntryRecord,
+    NewEntry,
+    NewWelcome,
+    WelcomeRecord,
+)
+
+__all__ = ["ChannelLog", "ChannelState", "PublishResult", "Submitted"]
+
+_MAX_BATCH = 512
+_READ_PAGE = 256
+_RING_ENTRIES = 2048
+_RING_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    seq: int
+    epoch: int
+    duplicate: bool
+
+
+@dataclass(slots=True)
+class ChannelState:
+    """What the relay keeps in memory of one channel: authoritative while the process runs."""
+
+    record: ChannelRecord
+    epoch: int
+    head_seq: int
+    ring: collections.deque[EntryRecord] = field(default_factory=collections.deque)
+    ring_bytes: int = 0
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def entries_after(self, cursor: int) -> list[EntryRecord] | None:
+        """The ring's entries after ``cursor``, or None when the ring no longer reaches back."""
+        if not self.ring or self.ring[0].seq > cursor + 1:
+            return None
+        start = cursor + 1 - self.ring[0].seq
+        return [self.ring[i] for i in range(start, min(len(self.ring), start + _READ_PAGE))]
+
+    def push(self, entry: EntryRecord) -> None:
+        self.ring.append(entry)
+        self.ring_bytes += len(entry.message)
+        while len(self.ring) > _RING_ENTRIES or self.ring_bytes > _RING_BYTES:
+            self.ring_bytes -= len(self.ring.popleft().message)
+
+
+@dataclass(slots=True)
+class _Pending:
+    state: ChannelState
+    header: MessageHeader
+    message: bytes
+    key: bytes
+    welcome: bytes
+    welcome_header: WelcomeHeader | None
+    done: trio.Event = field(default_factory=trio.Event)
+    result: PublishResult | RelayError | None = None
+
+
+def _keys_by_channel(batch: list[_Pending]) -> dict[int, list[bytes]]:
+    keys: dict[int, list[bytes]] = {}
+    for p in batch:
+        keys.setdefault(p.state.record.id, []).append(p.key)
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A publish queued for the writer."""
+
+    pending: _Pending
+
+
+class ChannelLog:
+    """The relay's channels: load, create, publish (group-committed), read and follow."""
+
+    def __init__(self, store: ChannelStore, *, application_window: int) -> None:
+        self._store = store
+        self._window = application_window
+        self._states: dict[tuple[str, str], ChannelState] = {}
+        self._loading: dict[tuple[str, str], trio.Lock] = {}
+        self._send, self._receive = trio.open_memory_channel[_Pending](math.inf)
+
+    # -- channels -----------------------------------------------------------------------------
+
+    async def create(self, scope: str, name: str) -> ChannelState:
+        record = await self._store.create_channel(scope, name)
+        state = ChannelState(record, record.epoch, record.head_seq)
+        self._states[(scope, name)] = state
+        return state
+
+    async def channel(self, scope: str, name: str) -> ChannelState:
+        """The channel ``name`` of ``scope``; :class:`NotFound` when it does not exist."""
+        state = self._states.get((scope, name))
+        if state is not None:
+            return state
+        lock = self._loading.setdefault((scope, name), trio.Lock())
+        async with lock:
+            state = self._states.get((scope, name))
+            if state is None:
+                record = await self._store.load_channel(scope, name)
+                if record is None:
+                    raise NotFound(f"no channel {name!r}")
+                state = ChannelState(record, record.epoch, record.head_seq)
+                self._states[(scope, name)] = state
+        self._loading.pop((scope, name), None)
+        return state
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def submit(
+        self,
+        state: ChannelState,
+        header: MessageHeader,
+        message: bytes,
+        key: bytes,
+        welcome: bytes = b"",
+        welcome_header: WelcomeHeader | None = None,
+    ) -> Submitted:
+        """Queue ``message`` (its header already parsed and checked against the channel) for the
+        next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
+        the order they were submitted."""
+        pending = _Pending(state, header, message, key, welcome, welcome_header)
+        self._send.send_nowait(pending)
+        return Submitted(pending)
+
+    @staticmethod
+    async def outcome(submitted: Submitted) -> PublishResult:
+        pending = submitted.pending
+        if not pending.done.is_set():
+            # Shielded: once queued, the append may happen; the caller waits for its outcome so
+            # that a shutdown lets in-flight publishes finish (the writer drains the queue).
+            # (No checkpoint when the answer is already there: answers sent back to back leave
+            # together in one socket write.)
+            with trio.CancelScope(shield=True):
+                await pending.done.wait()
+        result = pending.result
+        if isinstance(result, RelayError):
+            raise result
+        assert result is not None
+        return result
+
+    async def publish(
+        self,
+        state: ChannelState,
+        header: MessageHeader,
+        message: bytes,
+        key: bytes,
+        welcome: bytes = b"",
+        welcome_header: WelcomeHeader | None = None,
+    ) -> PublishResult:
+        """Append ``message`` and wait for the answer."""
+        return await self.outcome(self.submit(state, header, message, key, welcome, welcome_header))
+
+    async def run_writer(self) -> None:
+        """The writer task: group-commit queued publishes until cancelled."""
+        while True:
+            batch = [await self._receive.receive()]
+            while len(batch) < _MAX_BATCH:
+                try:
+                    batch.append(self._receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await self._commit(batch)
+
+    def queued(self) -> int:
+        return self._receive.statistics().current_buffer_used
+
+    async def _commit(self, batch: list[_Pending]) -> None:
+        # Optimistic: no idempotency lookup up front. The unique index on (channel, key) refuses
+        # a retried publish, and only then are the batch's keys looked up and the batch decided
+        # again: one store round trip less per batch in the common case.
+        try:
+            try:
+                accepted = await self._decide_and_store(batch, {})
+                looked_up = False
+            except IntegrityError:
+                existing: dict[int, dict[bytes, tuple[int, int]]] = {}
+                for p in batch:
+                    p.result = None
+                for channel_id, keys in _keys_by_channel(batch).items():
+                    existing[channel_id] = await self._store.find_keys(channel_id, keys)
+                accepted = await self._decide_and_store(batch, existing)
+                looked_up = True
+        except DatabaseError as exc:
+            # Nothing of the batch was stored: fail all but the refusals (a duplicate found
+            # within the batch would point at an entry that does not exist).
+            for p in batch:
+                if not isinstance(p.result, RelayError):
+                    p.result = Unavailable(f"store unavailable: {exc}")
+                p.done.set()
+            return
+        woken: set[int] = set()
+        for p, entry in accepted:
+            state = p.state
+            state.head_seq = entry.seq
+            state.epoch = entry.channel_epoch
+            state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
+            p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
+            if id(state) not in woken:
+                woken.add(id(state))
+                event, state.changed = state.changed, trio.Event()
+                event.set()
+        try:
+            if not looked_up:
+                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
+        finally:
+            for p in batch:
+                p.done.set()
+
+    async def _answer_retries(self, refused: list[_Pending]) -> None:
+        """A refusal may be the retry of a message already in the log (the optimistic path did
+        not look): that gets its original answer, never a refusal."""
+        try:
+            for channel_id, keys in _keys_by_channel(refused).items():
+                found = await self._store.find_keys(channel_id, keys)
+                for p in refused:
+                    seen = found.get(p.key) if p.state.record.id == channel_id else None
+                    if seen is not None:
+                        p.result = PublishResult(seen[0], seen[1], duplicate=True)
+        except DatabaseError as exc:
+            for p in refused:
+                p.result = Unavailable(f"store unavailable: {exc}")
+
+    async def _decide_and_store(
+        self, batch: list[_Pending], existing: dict[int, dict[bytes, tuple[int, int]]]
+    ) -> list[tuple[_Pending, NewEntry]]:
+        """Fence and number the batch on tentative copies of the channels' state and store the
+        accepted entries in one transaction; memory changes only after it committed."""
+        tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
+        entries: list[NewEntry] = []
+        epoch_starts: list[tuple[int, int, int]] = []
+        welcomes: list[NewWelcome] = []
+        accepted: list[tuple[_Pending, NewEntry]] = []
+        for p in batch:
+            cid = p.state.record.id
+            head, epoch = tentative.get(cid, (p.state.head_seq, p.state.epoch))
+            seen = existing.setdefault(cid, {}).get(p.key)
+            if seen is not None:
+                p.result = PublishResult(seen[0], seen[1], duplicate=True)
+                continue
+            try:
+                check_fence(p.header, epoch, self._window)
+            except RelayError as exc:
+                p.result = exc
+                continue
+            new_epoch = epoch_after(p.header, epoch)
+            entry = NewEntry(
+                cid,
+                head + 1,
+                p.header.epoch,
+                int(p.header.content_type),
+                new_epoch,
+                p.key,
+                p.message,
+            )
+            entries.append(entry)
+            existing[cid][p.key] = (entry.seq, new_epoch)
+            if new_epoch != epoch:
+                epoch_starts.append((cid, new_epoch, entry.seq))
+            if p.welcome_header is not None:
+                welcomes.append(
+                    NewWelcome(
+                        cid,
+                        hashlib.sha256(p.welcome).digest(),
+                        entry.seq,
+                        new_epoch,
+                        p.welcome,
+                        p.welcome_header.key_package_refs,
+                    )
+                )
+            tentative[cid] = (entry.seq, new_epoch)
+            accepted.append((p, entry))
+        if entries:
+            heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
+            with trio.CancelScope(shield=True):
+                await self._store.append(entries, heads, epoch_starts, welcomes)
+        return accepted
+
+    # -- reading ------------------------------------------------------------------------------
+
+    async def start_of_epoch(self, state: ChannelState, epoch: int) -> int:
+        """The seq after which ``epoch`` starts; :class:`NotFound` if the channel never had it."""
+        if epoch == 0:
+            return 0
+        start = await self._store.epoch_start(state.record.id, epoch)
+        if start is None:
+            raise NotFound(
+                f"channel {state.record.name!r} has no epoch {epoch} (it is at {state.epoch})"
+            )
+        return start
+
+    async def fetch_welcome(
+        self,
+        state: ChannelState,
+        *,
+        digest: bytes | None = None,
+        key_package_ref: bytes | None = None,
+    ) -> WelcomeRecord | None:
+        return await self._store.fetch_welcome(
+            state.record.id, digest=digest, key_package_ref=key_package_ref
+        )
+
+    async def follow(
+        self, state: ChannelState, after_seq: int, keepalive_seconds: float
+    ) -> AsyncIterator[EntryRecord | None]:
+        """Entries after ``after_seq``, then live ones, forever; None every ``keepalive_seconds``
+        without an entry. Gap-free and duplicate-free by construction (a cursor over seqs)."""
+        cursor = after_seq
+        while True:
+            if cursor < state.head_seq:
+                page = state.entries_after(cursor)
+                if page is None:
+                    try:
+                        page = await self._store.read(state.record.id, cursor, _READ_PAGE)
+                    except DatabaseError as exc:
+                        raise Unavailable(f"store unavailable: {exc}") from exc
+                if not page:  # never expected: head_seq is only advanced after a commit
+                    raise Unavailable(f"log ends before seq {state.head_seq}")
+                for entry in page:
+                    if entry.seq != cursor + 1:  # never expected: the log is gap-free
+                        raise Unavailable(f"log gap after seq {cursor}")
+                    yield entry
+                    cursor = entry.seq
+                continue
+            changed = state.changed
+            with trio.move_on_after(keepalive_seconds) as idle:
+                await changed.wait()
+            if idle.cancelled_caught:
+                yield None

@@ -1,0 +1,374 @@
+"""The Relay service: one handler per gRPC stream, over purerpc's stream API.
+
+Every refusal is a :class:`RelayError`, mapped to a gRPC status (and trailers) in one place,
+:func:`_finish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import h2.exceptions
+import trio
+from google.protobuf.message import DecodeError
+from google.protobuf.message import Message as ProtoMessage
+from purerpc.grpc_proto import GRPCProtoStream
+from purerpc.grpc_socket import GRPCStreamState
+from purerpc.grpclib.events import MessageReceived, RequestEnded, RequestReceived
+from purerpc.grpclib.exceptions import GRPCError
+from purerpc.grpclib.status import Status, StatusCode
+
+from static._channel_name import validate_channel_name
+from static._errors import InvalidChannelNameError
+from static._settings import RelaySettings
+from static.relay._auth import Authenticator, Caller, StreamGuard
+from static.relay._errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    RelayError,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
+from static.relay._framing import (
+    ContentType,
+    MalformedMessage,
+    MessageHeader,
+    WelcomeHeader,
+    parse_message,
+    parse_welcome,
+)
+from static.relay._generated import relay_pb2 as pb
+from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
+from static.relay._rules import TokenBucket, idempotency_key
+from static.relay._transport import MessageTooLarge
+from static.store import DatabaseError
+from static.store._channels import ChannelExists
+
+__all__ = ["SERVICE_NAME", "RelayService"]
+
+SERVICE_NAME = "static.relay.v1.Relay"
+_log = logging.getLogger("static.relay")
+_MAX_BUCKETS = 10_000
+#: Publishes of one PublishStream call queued ahead of their answers.
+_PIPELINE_DEPTH = 256
+#: Bytes a connection may have queued for its socket before subscriptions on it wait.
+_OUTBOUND_LIMIT = 1024 * 1024
+
+# The stream or its connection is gone: there is nobody left to answer.
+_GONE = (
+    GRPCError,
+    h2.exceptions.H2Error,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    anyio.EndOfStream,
+)
+
+_Handler = Callable[[GRPCProtoStream, Caller], Awaitable[None]]
+
+
+class RelayService:
+    """The relay's RPCs. ``handle`` serves one stream from its first event to its trailers."""
+
+    def __init__(self, log: ChannelLog, auth: Authenticator, settings: RelaySettings) -> None:
+        self._log = log
+        self._auth = auth
+        self._settings = settings
+        self._buckets: dict[str, TokenBucket] = {}
+        self._subscriptions: set[StreamGuard] = set()
+        self._draining = False
+        self._methods: dict[str, tuple[type[ProtoMessage], _Handler]] = {
+            "CreateChannel": (pb.CreateChannelRequest, self._create_channel),
+            "Publish": (pb.PublishRequest, self._publish),
+            "PublishStream": (pb.PublishRequest, self._publish_stream),
+            "Subscribe": (pb.SubscribeRequest, self._subscribe),
+            "FetchWelcome": (pb.FetchWelcomeRequest, self._fetch_welcome),
+        }
+
+    def drain(self) -> None:
+        """Shutdown: refuse new calls, end live subscriptions with UNAVAILABLE."""
+        self._draining = True
+        for guard in list(self._subscriptions):
+            guard.end(Unavailable("relay is shutting down"))
+
+    async def refuse(self, stream: GRPCProtoStream, error: RelayError) -> None:
+        """Answer a stream with ``error`` without serving it."""
+        await _finish(stream, error)
+
+    async def handle(self, stream: GRPCProtoStream, peer: str) -> None:
+        outcome: RelayError | None = None
+        try:
+            event = await stream.receive_event()
+            if not isinstance(event, RequestReceived):  # never expected from purerpc
+                raise InvalidArgument("expected request headers")
+            if self._draining:
+                raise Unavailable("relay is shutting down")
+            method = (
+                self._methods.get(event.method_name) if event.service_name == SERVICE_NAME else None
+            )
+            if method is None:
+                outcome = Unimplemented(f"no method /{event.service_name}/{event.method_name}")
+            else:
+                request_type, handler = method
+                caller = await self._auth.authenticate(event.custom_metadata, peer)
+                stream.expect_message_type(request_type)
+                await stream.start_response()
+                await handler(stream, caller)
+        except RelayError as exc:
+            outcome = exc
+        except DecodeError:
+            outcome = InvalidArgument("request is not a valid protobuf message")
+        except DatabaseError as exc:
+            outcome = Unavailable(f"store unavailable: {exc}")
+        except _GONE:
+            return
+        except Exception:  # noqa: BLE001  (logged; the caller gets INTERNAL, the relay goes on)
+            _log.exception("relay: unexpected error")
+            outcome = RelayError("internal error")
+        await _finish(stream, outcome)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def _create_channel(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        request: Any = await _request(stream)
+        name = _channel_name(request.channel)
+        try:
+            await self._log.create(caller.scope, name)
+        except ChannelExists:
+            raise AlreadyExists(f"channel {name!r} already exists") from None
+        await stream.send_message(pb.CreateChannelResponse(channel=name, epoch=0))
+
+    async def _publish(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        request: Any = await _request(stream)
+        result = await self._publish_one(request, caller)
+        await stream.send_message(_publish_response(result))
+
+    async def _publish_stream(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        """Pipelined: requests are read and queued while earlier ones are being committed (so a
+        batch shares group commits); answers go out in request order. The first refusal ends
+        the call after the answers before it."""
+        queue_in, queue_out = trio.open_memory_channel[Submitted | RelayError](_PIPELINE_DEPTH)
+        failure: list[BaseException] = []
+
+        async def read(nursery: trio.Nursery) -> None:
+            async with queue_in:
+                try:
+                    while True:
+                        event = await stream.receive_event()
+                        if isinstance(event, MessageTooLarge):
+                            raise _too_large(event.limit)
+                        if isinstance(event, RequestEnded):
+                            return
+                        if isinstance(event, MessageReceived):
+                            await queue_in.send(await self._submit(event.data, caller))
+                except RelayError as exc:
+                    await queue_in.send(exc)
+                except DecodeError:
+                    await queue_in.send(InvalidArgument("request is not a valid protobuf message"))
+                except DatabaseError as exc:
+                    await queue_in.send(Unavailable(f"store unavailable: {exc}"))
+
+        async def answer(nursery: trio.Nursery) -> None:
+            try:
+                async for first in queue_out:
+                    # Answer everything already queued without yielding in between, so that
+                    # the answers of one group commit leave in one socket write.
+                    items = [first]
+                    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                        while len(items) < _PIPELINE_DEPTH:
+                            items.append(queue_out.receive_nowait())
+                    for item in items:
+                        if isinstance(item, RelayError):
+                            raise item
+                        result = await self._log.outcome(item)
+                        await stream.send_message(_publish_response(result))
+            except (RelayError, *_GONE) as exc:
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, nursery)
+            nursery.start_soon(answer, nursery)
+        if failure:
+            raise failure[0]
+
+    async def _publish_one(self, request: Any, caller: Caller) -> PublishResult:
+        return await self._log.outcome(await self._submit(request, caller))
+
+    async def _submit(self, request: Any, caller: Caller) -> Submitted:
+        name = _channel_name(request.channel)
+        message: bytes = request.message
+        welcome: bytes = request.welcome
+        limit = self._settings.max_message_bytes
+        if len(message) > limit or len(welcome) > limit:
+            raise ResourceExhausted(f"message larger than {limit} bytes")
+        if not message:
+            raise InvalidArgument("empty message")
+        key = idempotency_key(request.idempotency_key, message)
+        header = _parse(message)
+        if header.group_id != name.encode():
+            raise InvalidArgument(f"the message belongs to another group than channel {name!r}")
+        welcome_header: WelcomeHeader | None = None
+        if welcome:
+            if header.content_type is not ContentType.COMMIT:
+                raise InvalidArgument("a welcome can only be published with a commit")
+            try:
+                welcome_header = parse_welcome(welcome)
+            except MalformedMessage as exc:
+                raise InvalidArgument(f"malformed welcome: {exc}") from None
+        self._rate_limit(caller)
+        state = await self._log.channel(caller.scope, name)
+        return self._log.submit(state, header, message, key, welcome, welcome_header)
+
+    def _rate_limit(self, caller: Caller) -> None:
+        rate = self._settings.publish_rate_per_agent
+        if rate <= 0:
+            return
+        now = time.monotonic()
+        bucket = self._buckets.get(caller.agent)
+        if bucket is None:
+            if len(self._buckets) >= _MAX_BUCKETS:
+                self._buckets = {
+                    agent: b for agent, b in self._buckets.items() if now - b.updated < 60
+                }
+            bucket = self._buckets[caller.agent] = TokenBucket.full(rate, rate, now)
+        wait = bucket.take(now)
+        if wait > 0:
+            raise ResourceExhausted(
+                f"publish rate limit of {rate:g} messages/s per agent exceeded", wait
+            )
+
+    async def _subscribe(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        request: Any = await _request(stream)
+        name = _channel_name(request.channel)
+        state = await self._log.channel(caller.scope, name)
+        start = request.WhichOneof("start")
+        after_seq = (
+            await self._log.start_of_epoch(state, request.from_epoch)
+            if start == "from_epoch"
+            else int(request.after_seq)
+        )
+        with self._auth.watch(caller) as guard:
+            self._subscriptions.add(guard)
+            try:
+                if self._draining:
+                    guard.end(Unavailable("relay is shutting down"))
+                with guard.scope:
+                    await self._stream_entries(stream, state, after_seq)
+            finally:
+                self._subscriptions.discard(guard)
+        outcome = guard.outcome()
+        if outcome is not None:
+            raise outcome
+
+    async def _stream_entries(
+        self, stream: GRPCProtoStream, state: ChannelState, after_seq: int
+    ) -> None:
+        keepalive = self._settings.keepalive_interval_seconds
+        # A first keep-alive right away tells the client the subscription is live.
+        await stream.send_message(
+            pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
+        )
+        async for entry in self._log.follow(state, after_seq, keepalive):
+            await _outbound_room(stream)
+            if entry is None:
+                response = pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
+            else:
+                response = pb.SubscribeResponse(
+                    entry=pb.Entry(
+                        seq=entry.seq,
+                        epoch=entry.epoch,
+                        content_type=entry.content_type,
+                        message=entry.message,
+                    )
+                )
+            await stream.send_message(response)
+
+    async def _fetch_welcome(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        request: Any = await _request(stream)
+        name = _channel_name(request.channel)
+        state = await self._log.channel(caller.scope, name)
+        which = request.WhichOneof("key")
+        if which == "welcome_sha256":
+            found = await self._log.fetch_welcome(state, digest=bytes(request.welcome_sha256))
+        elif which == "key_package_ref":
+            found = await self._log.fetch_welcome(
+                state, key_package_ref=bytes(request.key_package_ref)
+            )
+        else:
+            raise InvalidArgument("set welcome_sha256 or key_package_ref")
+        if found is None:
+            raise NotFound("no such welcome")
+        await stream.send_message(
+            pb.FetchWelcomeResponse(
+                welcome=found.welcome, commit_seq=found.commit_seq, epoch=found.epoch
+            )
+        )
+
+
+async def _outbound_room(stream: GRPCProtoStream) -> None:
+    """Wait while the connection has more than ``_OUTBOUND_LIMIT`` bytes queued for its socket.
+
+    HTTP/2 flow control is the peer's to grant: a peer that grants large windows and then stops
+    reading would otherwise make the relay queue everything it is sent (purerpc does not bound
+    its output). Such a subscriber simply falls behind and is served from the log later.
+    """
+    h2_connection = stream._grpc_connection.h2_connection
+    while len(h2_connection._data_to_send) > _OUTBOUND_LIMIT:  # noqa: ASYNC110  (no event to wait on)
+        await trio.sleep(0.01)
+
+
+def _too_large(limit: int) -> ResourceExhausted:
+    return ResourceExhausted(f"request larger than the transport limit of {limit} bytes")
+
+
+async def _request(stream: GRPCProtoStream) -> Any:
+    """The one request message of a unary-request call."""
+    while True:
+        event = await stream.receive_event()
+        if isinstance(event, MessageTooLarge):
+            raise _too_large(event.limit)
+        if isinstance(event, MessageReceived):
+            return event.data
+        if isinstance(event, RequestEnded):
+            raise InvalidArgument("expected a request message")
+
+
+def _channel_name(name: str) -> str:
+    try:
+        return validate_channel_name(name)
+    except InvalidChannelNameError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
+def _parse(message: bytes) -> MessageHeader:
+    try:
+        return parse_message(message)
+    except MalformedMessage as exc:
+        raise InvalidArgument(f"malformed MLS message: {exc}") from None
+
+
+def _publish_response(result: PublishResult) -> pb.PublishResponse:
+    return pb.PublishResponse(seq=result.seq, epoch=result.epoch, duplicate=result.duplicate)
+
+
+async def _finish(stream: GRPCProtoStream, error: RelayError | None) -> None:
+    """End the call with OK or ``error``'s status; quietly when the stream is already gone."""
+    if stream.state in (GRPCStreamState.HALF_CLOSED_LOCAL, GRPCStreamState.CLOSED):
+        return
+    if error is None:
+        status = Status(StatusCode.OK)
+        trailers: tuple[tuple[str, str], ...] = ()
+    else:
+        status = Status(StatusCode(int(error.code)), status_message=error.message)
+        trailers = error.trailers
+    try:
+        await stream.close(status, custom_metadata=trailers)
+    except _GONE:
+        _log.debug("stream gone before its status was sent")

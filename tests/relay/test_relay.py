@@ -1,0 +1,312 @@
+"""The relay against a real ``static serve`` process, on both store backends, with grpcio."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from tests.relay import mls_vectors as mls
+from tests.relay.client import Relay, pb, status_of
+from tests.support.server import ServerProcess
+
+CHANNEL = "acme/agents/chat"
+Start = Callable[..., ServerProcess]
+
+
+@pytest.fixture
+def anon(start_server: Start) -> ServerProcess:
+    return start_server("--allow-anonymous")
+
+
+@pytest.fixture
+def relay(anon: ServerProcess) -> Iterator[Relay]:
+    with Relay(anon.relay_url) as client:
+        yield client
+
+
+def test_prints_relay_url_and_round_trips(anon: ServerProcess, relay: Relay) -> None:
+    assert anon.relay_url.startswith("grpc://127.0.0.1:")
+    created = relay.create(CHANNEL)
+    assert (created.channel, created.epoch) == (CHANNEL, 0)
+    with pytest.raises(grpc.RpcError) as exists:
+        relay.create(CHANNEL)
+    assert status_of(exists.value)[0] == grpc.StatusCode.ALREADY_EXISTS
+    first = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"one"))
+    assert (first.seq, first.epoch, first.duplicate) == (1, 0, False)
+    sub = relay.subscribe(CHANNEL, after_seq=0)
+    sub.wait_keepalives(1)
+    relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"two"))
+    entries = sub.wait_for(2)
+    assert [e.seq for e in entries] == [1, 2]
+    assert entries[1].message == mls.application(CHANNEL, 0, b"two")
+    assert entries[1].content_type == mls.APPLICATION
+    sub.cancel()
+    unknown = relay.channel.unary_unary(
+        "/static.relay.v1.Relay/Nope",
+        request_serializer=pb.CreateChannelRequest.SerializeToString,
+        response_deserializer=pb.CreateChannelResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as unimplemented:
+        unknown(pb.CreateChannelRequest(channel=CHANNEL), timeout=5)
+    assert status_of(unimplemented.value)[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_concurrent_publishers_one_order(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    sub = relay.subscribe(CHANNEL)
+    publishers, per_publisher = 4, 40
+
+    def publish(n: int) -> None:
+        with Relay(relay.url) as own:
+            half = per_publisher // 2
+            for i in range(half):  # one at a time...
+                own.publish(CHANNEL, mls.application(CHANNEL, 0, f"{n}:{i}".encode()))
+            own.publish_stream(  # ...then batched on one call
+                [
+                    pb.PublishRequest(
+                        channel=CHANNEL, message=mls.application(CHANNEL, 0, f"{n}:{i}".encode())
+                    )
+                    for i in range(half, per_publisher)
+                ]
+            )
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(publishers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    total = publishers * per_publisher
+    entries = sub.wait_for(total)
+    assert [e.seq for e in entries] == list(range(1, total + 1))
+    payloads = [e.message for e in entries]
+    for n in range(publishers):  # each publisher's messages in the order it sent them
+        expected = [mls.application(CHANNEL, 0, f"{n}:{i}".encode()) for i in range(per_publisher)]
+        assert [p for p in payloads if p in expected] == expected
+    # A second subscriber replaying from the log sees the very same order.
+    replay = relay.subscribe(CHANNEL, after_seq=0)
+    assert [e.message for e in replay.wait_for(total)] == payloads
+    sub.cancel()
+    replay.cancel()
+
+
+def test_two_commits_on_one_epoch_exactly_one_wins(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    barrier = threading.Barrier(6)
+    outcomes: list[object] = []
+
+    def commit(n: int) -> None:
+        with Relay(relay.url) as own:
+            barrier.wait(10)
+            try:
+                outcomes.append(own.publish(CHANNEL, mls.commit(CHANNEL, 0, str(n).encode())))
+            except grpc.RpcError as exc:
+                outcomes.append(status_of(exc))
+
+    threads = [threading.Thread(target=commit, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [o for o in outcomes if isinstance(o, pb.PublishResponse)]
+    lost = [o for o in outcomes if isinstance(o, tuple)]
+    assert len(won) == 1 and len(lost) == 5
+    assert (won[0].seq, won[0].epoch) == (1, 1)
+    for code, details, trailers in lost:
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert trailers["static-current-epoch"] == "1"
+        assert "channel epoch 1" in details
+    # The loser catches up and commits on the new epoch.
+    assert relay.publish(CHANNEL, mls.commit(CHANNEL, 1, b"retry")).epoch == 2
+
+
+def test_epoch_rules_for_applications_and_proposals(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    for epoch in range(7):
+        relay.publish(CHANNEL, mls.commit(CHANNEL, epoch))
+    # At epoch 7: applications of epochs 2..7 are accepted, older or future ones refused.
+    assert relay.publish(CHANNEL, mls.application(CHANNEL, 2)).epoch == 7
+    for stale in (1, 8):
+        with pytest.raises(grpc.RpcError) as refused:
+            relay.publish(CHANNEL, mls.application(CHANNEL, stale))
+        code, _, trailers = status_of(refused.value)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert trailers["static-current-epoch"] == "7"
+    with pytest.raises(grpc.RpcError) as proposal:
+        relay.publish(CHANNEL, mls.public_message(CHANNEL, 6, mls.PROPOSAL))
+    assert status_of(proposal.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert relay.publish(CHANNEL, mls.public_message(CHANNEL, 7, mls.PROPOSAL)).epoch == 7
+
+
+def test_idempotent_retry_returns_the_original_seq(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    message = mls.application(CHANNEL, 0, b"once")
+    first = relay.publish(CHANNEL, message)
+    relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"other"))
+    again = relay.publish(CHANNEL, message)
+    assert (again.seq, again.duplicate, first.duplicate) == (first.seq, True, False)
+    keyed = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"a"), key=b"id-1")
+    retried = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"a2"), key=b"id-1")
+    assert (retried.seq, retried.duplicate) == (keyed.seq, True)
+    # A retried commit is not fenced again: it gets its original answer.
+    commit = mls.commit(CHANNEL, 0)
+    won = relay.publish(CHANNEL, commit)
+    assert relay.publish(CHANNEL, commit) == pb.PublishResponse(
+        seq=won.seq, epoch=1, duplicate=True
+    )
+    # Retries mixed with new messages in one batch (and twice within it).
+    fresh = [mls.application(CHANNEL, 1, f"new{i}".encode()) for i in range(3)]
+    batch = [fresh[0], message, fresh[1], fresh[1], fresh[2]]
+    answers = relay.publish_stream([pb.PublishRequest(channel=CHANNEL, message=m) for m in batch])
+    assert [(a.seq, a.duplicate) for a in answers] == [
+        (5, False),
+        (first.seq, True),
+        (6, False),
+        (6, True),
+        (7, False),
+    ]
+    sub = relay.subscribe(CHANNEL)
+    assert len(sub.wait_for(7)) == 7
+    sub.wait_keepalives(2)
+    assert len(sub.entries) == 7  # nothing appended twice
+    sub.cancel()
+
+
+def test_replay_then_live_across_a_restart(anon: ServerProcess) -> None:
+    with Relay(anon.relay_url) as relay:
+        relay.create(CHANNEL)
+        for i in range(10):
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0, f"m{i}".encode()))
+        live = relay.subscribe(CHANNEL, after_seq=4)
+        assert [e.seq for e in live.wait_for(6)] == list(range(5, 11))
+        for i in range(10, 15):
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0, f"m{i}".encode()))
+        assert [e.seq for e in live.wait_for(11)] == list(range(5, 16))
+        last = live.entries[-1].seq
+        anon.restart()
+        error = live.wait_end()
+        assert error is not None
+    with Relay(anon.relay_url) as relay:
+        resumed = relay.subscribe(CHANNEL, after_seq=last)
+        for i in range(15, 20):
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0, f"m{i}".encode()))
+        entries = resumed.wait_for(5)
+        assert [e.seq for e in entries] == list(range(16, 21))
+        assert entries[0].message == mls.application(CHANNEL, 0, b"m15")
+        everything = relay.subscribe(CHANNEL).wait_for(20)
+        assert [e.message for e in everything] == [
+            mls.application(CHANNEL, 0, f"m{i}".encode()) for i in range(20)
+        ]
+
+
+def test_subscribe_from_epoch_and_welcomes(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"before"))
+    welcome = mls.welcome([b"kp-ref-1", b"kp-ref-2"])
+    commit = relay.publish(CHANNEL, mls.commit(CHANNEL, 0), welcome=welcome)
+    assert (commit.seq, commit.epoch) == (2, 1)
+    relay.publish(CHANNEL, mls.application(CHANNEL, 1, b"after"))
+    joined = relay.subscribe(CHANNEL, from_epoch=1)
+    assert [e.seq for e in joined.wait_for(1)] == [3]
+    assert joined.entries[0].message == mls.application(CHANNEL, 1, b"after")
+    assert [e.seq for e in relay.subscribe(CHANNEL, from_epoch=0).wait_for(3)] == [1, 2, 3]
+    with pytest.raises(grpc.RpcError) as future:
+        list(relay.stub.Subscribe(pb.SubscribeRequest(channel=CHANNEL, from_epoch=9), timeout=5))
+    assert status_of(future.value)[0] == grpc.StatusCode.NOT_FOUND
+    fetched = relay.stub.FetchWelcome(
+        pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=b"kp-ref-2"), timeout=5
+    )
+    assert (fetched.welcome, fetched.commit_seq, fetched.epoch) == (welcome, 2, 1)
+    by_digest = relay.stub.FetchWelcome(
+        pb.FetchWelcomeRequest(channel=CHANNEL, welcome_sha256=hashlib.sha256(welcome).digest()),
+        timeout=5,
+    )
+    assert by_digest.commit_seq == 2
+    with pytest.raises(grpc.RpcError) as unknown:
+        relay.stub.FetchWelcome(
+            pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=b"nope"), timeout=5
+        )
+    assert status_of(unknown.value)[0] == grpc.StatusCode.NOT_FOUND
+    # A refused commit keeps no welcome.
+    with pytest.raises(grpc.RpcError):
+        relay.publish(CHANNEL, mls.commit(CHANNEL, 0, b"late"), welcome=mls.welcome([b"kp-x"]))
+    with pytest.raises(grpc.RpcError):
+        relay.stub.FetchWelcome(
+            pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=b"kp-x"), timeout=5
+        )
+
+
+def test_malformed_oversized_and_misaddressed_messages(relay: Relay) -> None:
+    relay.create(CHANNEL)
+
+    def refused(call: Callable[[], object]) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        return status_of(info.value)
+
+    code, details, _ = refused(lambda: relay.publish(CHANNEL, b"\x00\x01garbage"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed MLS message" in details
+    code, details, _ = refused(
+        lambda: relay.publish(CHANNEL, mls.application("acme/agents/other", 0))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "another group" in details
+    code, details, _ = refused(
+        lambda: relay.publish(CHANNEL, mls.application(CHANNEL, 0), welcome=mls.welcome([b"r"]))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "with a commit" in details
+    code, _, _ = refused(lambda: relay.publish(CHANNEL, mls.welcome([b"r"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, details, _ = refused(lambda: relay.create("not-a-channel"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "org/namespace/service" in details
+    code, _, _ = refused(lambda: relay.create("a/b/" + "c" * 200))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    code, _, _ = refused(
+        lambda: relay.publish("acme/agents/none", mls.application("acme/agents/none", 0))
+    )
+    assert code == grpc.StatusCode.NOT_FOUND
+    big = mls.application(CHANNEL, 0, b"x" * (1024 * 1024))
+    code, details, _ = refused(lambda: relay.publish(CHANNEL, big))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1048576" in details
+    huge = mls.application(CHANNEL, 0, b"x" * (5 * 1024 * 1024))
+    code, details, _ = refused(lambda: relay.publish(CHANNEL, huge))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "transport limit" in details
+    # The connection survived all of it.
+    at_limit = mls.application(CHANNEL, 0, b"x" * (1024 * 1024 - 100))
+    assert relay.publish(CHANNEL, at_limit).seq == 1
+
+
+def test_batched_publish_stops_at_the_first_refusal(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    requests = [
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"1")),
+        pb.PublishRequest(channel=CHANNEL, message=mls.commit(CHANNEL, 0)),
+        pb.PublishRequest(channel=CHANNEL, message=mls.commit(CHANNEL, 0, b"stale")),
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 1, b"never")),
+    ]
+    call = relay.stub.PublishStream(iter(requests), timeout=10)
+    answers = []
+    with pytest.raises(grpc.RpcError) as refused:
+        for answer in call:
+            answers.append(answer)
+    assert [(a.seq, a.epoch) for a in answers] == [(1, 0), (2, 1)]
+    code, _, trailers = status_of(refused.value)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and trailers["static-current-epoch"] == "1"
+    # The stale commit was not appended; the request after it may have been (pipelined).
+    log = relay.subscribe(CHANNEL)
+    log.wait_keepalives(1)
+    assert [e.message for e in log.wait_for(2)][:2] == [r.message for r in requests[:2]]
+    assert requests[2].message not in [e.message for e in log.entries]
+    log.cancel()
+
+
+def test_batched_publish_shares_commits_and_keeps_order(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    messages = [mls.application(CHANNEL, 0, str(i).encode()) for i in range(500)]
+    answers = relay.publish_stream(
+        [pb.PublishRequest(channel=CHANNEL, message=m) for m in messages]
+    )
+    assert [a.seq for a in answers] == list(range(1, 501))
+    assert [e.message for e in relay.subscribe(CHANNEL).wait_for(500)] == messages

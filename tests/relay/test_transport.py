@@ -1,0 +1,300 @@
+"""The relay's transport under stress and its purerpc workarounds (DESIGN §7): one backend is
+enough here, the store is not what is under test."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import h2.errors
+import pytest
+
+from tests.relay import mls_vectors as mls
+from tests.relay.client import Relay, pb, status_of
+from tests.relay.raw_h2 import RawH2
+from tests.support.server import ServerProcess
+
+CHANNEL = "acme/agents/chat"
+Start = Callable[..., ServerProcess]
+pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
+
+
+def _port(server: ServerProcess) -> int:
+    return int(server.relay_url.rpartition(":")[2])
+
+
+def _rss_kib(server: ServerProcess) -> int:
+    assert server.proc is not None
+    for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def _established(port: int) -> int:
+    """Established TCP connections whose local port is ``port`` (the server's side)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
+def test_binds_only_the_configured_host_without_reuseport(start_server: Start) -> None:
+    server = start_server("--allow-anonymous")
+    port = _port(server)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    # purerpc's own server sets SO_REUSEPORT, which would let this second bind succeed.
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        with pytest.raises(OSError) as bind:
+            other.bind(("127.0.0.1", port))
+        assert bind.value.errno == errno.EADDRINUSE
+
+
+def test_keepalives_flow_on_an_idle_subscription(start_server: Start) -> None:
+    server = start_server("--allow-anonymous", "--relay-keepalive", "0.2")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        sub = relay.subscribe(CHANNEL)
+        started = time.monotonic()
+        sub.wait_keepalives(6, timeout=5)
+        assert time.monotonic() - started < 3
+        assert sub.entries == []
+        sub.cancel()
+
+
+def test_a_cancelled_stream_is_forgotten_at_once(start_server: Start) -> None:
+    # One stream per connection: the next one is accepted only if the server noticed the
+    # cancellation (RST_STREAM) of the previous one without waiting for any traffic on it.
+    server = start_server(
+        "--allow-anonymous", "--relay-max-streams", "1", "--relay-keepalive", "60"
+    )
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        for _ in range(20):
+            sub = relay.subscribe(CHANNEL)
+            sub.wait_keepalives(1)
+            sub.cancel()
+            time.sleep(0.05)
+        assert relay.publish(CHANNEL, mls.application(CHANNEL, 0)).seq == 1
+
+
+def test_streams_per_connection_are_capped(start_server: Start) -> None:
+    server = start_server("--allow-anonymous", "--relay-max-streams", "3")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        subs = [relay.subscribe(CHANNEL) for _ in range(3)]
+        for sub in subs:
+            sub.wait_keepalives(1)
+        with pytest.raises(grpc.RpcError) as refused:
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0))
+        code, details, _ = status_of(refused.value)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit 3" in details
+        with Relay(server.relay_url) as other:  # another connection is not affected
+            assert other.publish(CHANNEL, mls.application(CHANNEL, 0)).seq == 1
+        for sub in subs:
+            sub.wait_for(1)
+            sub.cancel()
+
+
+def test_a_vanished_subscriber_is_noticed_without_traffic(start_server: Start) -> None:
+    server = start_server("--allow-anonymous")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+    port = _port(server)
+    raw = RawH2(server.relay_url)
+    stream = raw.start("Subscribe", pb.SubscribeRequest(channel=CHANNEL))
+    assert raw.pump(1.0)
+    assert raw.buffers[stream], "no keep-alive on the subscription"
+    assert _established(port) == 1
+    raw.sock.close()  # gone: no RST_STREAM, no GOAWAY
+    deadline = time.monotonic() + 3
+    while _established(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _established(port) == 0
+
+
+def test_a_slow_subscriber_stalls_nobody_and_catches_up(start_server: Start) -> None:
+    server = start_server("--allow-anonymous")
+    count, payload = 1500, b"x" * 1024
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        slow = RawH2(server.relay_url)  # never reads until the end
+        slow_stream = slow.start("Subscribe", pb.SubscribeRequest(channel=CHANNEL))
+        fast = relay.subscribe(CHANNEL)
+        fast.wait_keepalives(1)
+        started = time.monotonic()
+        for start in range(0, count, 100):
+            relay.publish_stream(
+                [
+                    pb.PublishRequest(
+                        channel=CHANNEL,
+                        message=mls.application(
+                            CHANNEL, 0, payload + bytes([i % 256]) + str(start + i).encode()
+                        ),
+                    )
+                    for i in range(100)
+                ]
+            )
+        assert [e.seq for e in fast.wait_for(count, timeout=20)] == list(range(1, count + 1))
+        assert time.monotonic() - started < 20
+        fast.cancel()
+        # The slow one gets everything, in order, once it reads.
+        deadline = time.monotonic() + 20
+        while len(slow.entries(slow_stream)) < count and time.monotonic() < deadline:
+            assert slow.pump(0.2)
+        assert [e.seq for e in slow.entries(slow_stream)] == list(range(1, count + 1))
+        slow.close()
+
+
+def test_rapid_reset_flood_is_cut_off_and_memory_stays_bounded(start_server: Start) -> None:
+    server = start_server("--allow-anonymous")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        sub = relay.subscribe(CHANNEL)
+        sub.wait_keepalives(1)
+        before = _rss_kib(server)
+        for round_ in range(10):
+            raw = RawH2(server.relay_url)
+            request = pb.SubscribeRequest(channel=CHANNEL)
+            closed = False
+            for i in range(3000):
+                try:
+                    stream = raw.start("Subscribe", request)
+                    raw.conn.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+                    if i % 50 == 0:
+                        raw.flush()
+                except OSError:
+                    closed = True
+                    break
+            if not closed:
+                closed = not raw.pump(3.0)
+            assert closed, "the flooding connection was not closed"
+            if raw.goaway is not None:  # when it reached us before the connection closed
+                assert raw.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+            raw.close()
+            # Everyone else is unaffected meanwhile.
+            assert (
+                relay.publish(CHANNEL, mls.application(CHANNEL, 0, str(round_).encode())).seq
+                == round_ + 1
+            )
+        assert [e.seq for e in sub.wait_for(10)] == list(range(1, 11))
+        assert server.stderr().count("too many stream resets") == 10
+        grown = _rss_kib(server) - before
+        assert grown < 30 * 1024, f"RSS grew by {grown} KiB"
+        sub.cancel()
+
+
+def test_publish_rate_limit_per_agent(start_server: Start) -> None:
+    server = start_server("--allow-anonymous", "--relay-publish-rate", "5")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        outcomes: list[str | tuple[grpc.StatusCode, str, dict[str, str]]] = []
+        for i in range(12):
+            try:
+                relay.publish(CHANNEL, mls.application(CHANNEL, 0, str(i).encode()))
+                outcomes.append("ok")
+            except grpc.RpcError as exc:
+                outcomes.append(status_of(exc))
+        refused = [o for o in outcomes if isinstance(o, tuple)]
+        assert outcomes[:5] == ["ok"] * 5 and refused
+        code, details, trailers = refused[0]
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit" in details
+        assert 0 < int(trailers["static-retry-after-ms"]) <= 1000
+        time.sleep(0.5)
+        relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"later"))
+
+
+def test_calls_need_a_token_without_allow_anonymous(start_server: Start) -> None:
+    server = start_server()
+    for token in (None, "not-a-jwt"):
+        with Relay(server.relay_url, token=token) as relay:
+            with pytest.raises(grpc.RpcError) as refused:
+                relay.create(CHANNEL)
+            assert status_of(refused.value)[0] == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as stream_refused:
+                list(relay.stub.Subscribe(pb.SubscribeRequest(channel=CHANNEL), timeout=5))
+            assert status_of(stream_refused.value)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_graceful_shutdown_ends_streams_cleanly(start_server: Start) -> None:
+    server = start_server("--allow-anonymous")
+    relay = Relay(server.relay_url)
+    relay.create(CHANNEL)
+    subs = [relay.subscribe(CHANNEL) for _ in range(3)]
+    for sub in subs:
+        sub.wait_keepalives(1)
+    stop = threading.Thread(target=lambda: outcome.append(server.stop()))
+    outcome: list[int] = []
+    started = time.monotonic()
+    stop.start()
+    for sub in subs:
+        error = sub.wait_end()
+        assert error is not None
+        code, details, _ = status_of(error)
+        assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+    stop.join(20)
+    assert outcome == [0]
+    assert time.monotonic() - started < 10
+    stderr = server.stderr()
+    assert "Got exception in main dispatch loop" not in stderr
+    assert "Traceback" not in stderr
+    relay.close()
+
+
+def test_illegal_header_values_are_refused(start_server: Start) -> None:
+    # h2 3.2.0 lets control characters through (CVE-2025-57804): the relay checks what it reads.
+    server = start_server("--allow-anonymous")
+    raw = RawH2(server.relay_url, validate_headers=False)
+    request = pb.CreateChannelRequest(channel=CHANNEL)
+    bad = raw.start("CreateChannel", request, metadata=(("authorization", "Bearer ab\x01cd"),))
+    assert raw.pump(1.0)
+    trailers = dict(raw.ended[bad].headers)
+    assert trailers[b"grpc-status"] == b"16"  # UNAUTHENTICATED
+    assert b"illegal%20characters" in trailers[b"grpc-message"]
+    with Relay(server.relay_url) as relay:  # nothing was created, the server is fine
+        assert relay.create(CHANNEL).epoch == 0
+    raw.close()
+
+
+def test_a_peer_that_grants_windows_but_stops_reading_costs_bounded_memory(
+    start_server: Start,
+) -> None:
+    server = start_server("--allow-anonymous")
+    count, payload = 2000, b"y" * (16 * 1024)
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        greedy = RawH2(server.relay_url)
+        stream = greedy.start("Subscribe", pb.SubscribeRequest(channel=CHANNEL))
+        # Grant a gigabyte of window up front, then never read the socket again.
+        greedy.conn.increment_flow_control_window(2**30)
+        greedy.conn.increment_flow_control_window(2**30, stream_id=stream)
+        greedy.flush()
+        fair = relay.subscribe(CHANNEL)
+        fair.wait_keepalives(1)
+        before = _rss_kib(server)
+        for start in range(0, count, 100):
+            relay.publish_stream(
+                [
+                    pb.PublishRequest(
+                        channel=CHANNEL,
+                        message=mls.application(CHANNEL, 0, payload + str(start + i).encode()),
+                    )
+                    for i in range(100)
+                ]
+            )
+        assert len(fair.wait_for(count, timeout=30)) == count
+        grown = _rss_kib(server) - before
+        # 32 MiB went out; the ring keeps at most 8 MiB, the greedy peer's queue about 1 MiB.
+        assert grown < 20 * 1024, f"RSS grew by {grown} KiB"
+        fair.cancel()
+        greedy.close()
