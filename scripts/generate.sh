@@ -3,7 +3,7 @@
 #   static/relay/_generated/  protobuf messages + purerpc stubs (the server)
 #   tests/relay/_generated/   protobuf messages + grpcio stubs (the tests' client: another gRPC
 #                             implementation than the server's)
-# grpc_tools is a dev dependency: without it only the server's stubs are generated.
+# grpc_tools comes with the 'server' extra (it ships protoc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=".venv/bin/python"
@@ -20,7 +20,7 @@ gen() {  # gen OUT_DIR PLUGIN_ARGS...
 }
 
 if ! "$python" -c "import grpc_tools" 2>/dev/null; then
-    echo "generate: grpcio-tools is missing (pip install -e '.[dev]')" >&2
+    echo "generate: grpcio-tools is missing (pip install -e '.[server]')" >&2
     exit 1
 fi
 gen static/relay/_generated --purerpc_out=static/relay/_generated \

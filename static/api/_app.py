@@ -30,7 +30,7 @@ from static.api._errors import (
     Unauthorized,
 )
 from static.api._openapi import openapi_document
-from static.api._ratelimit import RateLimiter
+from static.api._ratelimit import RateLimiter, client_key
 from static.api._validation import (
     bearer_token,
     parse_json_object,
@@ -190,7 +190,7 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     @app.post("/v1/accounts")
     async def create_account() -> Response:
         if signup_limiter is not None:
-            wait = signup_limiter.acquire(request.remote_addr or "", time.monotonic())
+            wait = signup_limiter.acquire(client_key(request.remote_addr or ""), time.monotonic())
             if wait is not None:
                 raise TooManyRequests(wait)
         new = parse_new_account(await read_json_object())

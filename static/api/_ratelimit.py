@@ -1,16 +1,32 @@
 """Token-bucket rate limiting (pure; the caller passes the clock).
 
 One bucket per key (a client address or an API key id). Memory is bounded: past ``max_keys``
-buckets, the full ones (idle clients) are dropped first, then the oldest.
+buckets, the full ones (idle clients) are dropped first, then the oldest, down to 90% so that
+the sweep runs once per many new keys rather than on each.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 
 from static._settings import RateLimit
 
-__all__ = ["RateLimiter"]
+__all__ = ["RateLimiter", "client_key"]
+
+
+def client_key(address: str) -> str:
+    """The rate-limit key of a client address: the address itself, but the /64 for IPv6 (one
+    subscriber typically holds a whole /64, so single addresses would be free to rotate)."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 class RateLimiter:
@@ -43,5 +59,6 @@ class RateLimiter:
         ]
         for key in full:
             del self._buckets[key]
-        while len(self._buckets) >= self._max_keys:
+        target = self._max_keys * 9 // 10
+        while len(self._buckets) > target:
             del self._buckets[next(iter(self._buckets))]

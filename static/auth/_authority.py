@@ -24,7 +24,6 @@ from static.auth._principal import Principal, Unauthenticated
 from static.auth._tokens import (
     ALGORITHM,
     SigningKey,
-    TokenClaims,
     TokenRules,
     TokenVerifierCore,
     is_uuid,
@@ -109,10 +108,6 @@ class Authority:
         """The public keys that verify our tokens, as a JWK Set."""
         return {"keys": [key.public_jwk() for key in self._signing_keys]}
 
-    def verify_claims(self, token: str) -> TokenClaims:
-        """Signature, ``aud``, ``iss`` and time checks only (no revocation check)."""
-        return self._verifier.verify(token)
-
     async def authenticate_token(self, token: str) -> KeyOwner:
         """A JWT's key (still active) and account, in one query."""
         claims = self._verifier.verify(token)
@@ -144,7 +139,10 @@ async def _load_signing_keys(store: AccountStore) -> list[SigningKey]:
             SigningKeyRecord(fresh.kid, ALGORITHM, fresh.to_pem(), datetime.now(UTC))
         )
         records = await store.signing_keys()
-    return [SigningKey.from_pem(r.private_key_pem) for r in records if r.algorithm == ALGORITHM]
+    keys = [SigningKey.from_pem(r.private_key_pem) for r in records if r.algorithm == ALGORITHM]
+    if not keys:
+        raise RuntimeError(f"the store holds no active {ALGORITHM} signing key")
+    return keys
 
 
 @asynccontextmanager

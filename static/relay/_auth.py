@@ -13,6 +13,7 @@ from static.auth import Principal, TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
 from static.relay._errors import RelayError, Unauthenticated
 from static.relay._rules import bearer_token
+from static.store import DatabaseError
 
 __all__ = ["Authenticator", "Caller", "StreamGuard"]
 
@@ -116,8 +117,8 @@ class Authenticator:
             for key in list(self._guards):
                 try:
                     active = await verifier.key_is_active(key)
-                except Exception:  # noqa: BLE001  (a store hiccup must not end the checks)
-                    continue
+                except DatabaseError:
+                    continue  # A store hiccup must not end the checks: try again next round.
                 if not active:
                     for guard in list(self._guards.get(key, ())):
                         guard.end(Unauthenticated("api key revoked"))

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import trio
 
-from static.relay._errors import NotFound, RelayError, Unavailable
+from static.relay._errors import NotFound, RelayError, StaleEpoch, Unavailable
 from static.relay._framing import MessageHeader, WelcomeHeader
 from static.relay._rules import check_fence, epoch_after
-from static.store import DatabaseError
+from static.store import DatabaseError, IntegrityError
 from static.store._channels import (
     ChannelRecord,
     ChannelStore,
@@ -86,6 +86,13 @@ class _Pending:
     welcome_header: WelcomeHeader | None
     done: trio.Event = field(default_factory=trio.Event)
     result: PublishResult | RelayError | None = None
+
+
+def _keys_by_channel(batch: list[_Pending]) -> dict[int, list[bytes]]:
+    keys: dict[int, list[bytes]] = {}
+    for p in batch:
+        keys.setdefault(p.state.record.id, []).append(p.key)
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,17 +198,66 @@ class ChannelLog:
         return self._receive.statistics().current_buffer_used
 
     async def _commit(self, batch: list[_Pending]) -> None:
+        # Optimistic: no idempotency lookup up front. The unique index on (channel, key) refuses
+        # a retried publish, and only then are the batch's keys looked up and the batch decided
+        # again: one store round trip less per batch in the common case.
         try:
-            existing: dict[int, dict[bytes, tuple[int, int]]] = {}
-            by_channel: dict[int, list[bytes]] = {}
-            for p in batch:
-                by_channel.setdefault(p.state.record.id, []).append(p.key)
-            for channel_id, keys in by_channel.items():
-                existing[channel_id] = await self._store.find_keys(channel_id, keys)
+            try:
+                accepted = await self._decide_and_store(batch, {})
+                looked_up = False
+            except IntegrityError:
+                existing: dict[int, dict[bytes, tuple[int, int]]] = {}
+                for p in batch:
+                    p.result = None
+                for channel_id, keys in _keys_by_channel(batch).items():
+                    existing[channel_id] = await self._store.find_keys(channel_id, keys)
+                accepted = await self._decide_and_store(batch, existing)
+                looked_up = True
         except DatabaseError as exc:
-            self._fail(batch, exc)
+            # Nothing of the batch was stored: fail all but the refusals (a duplicate found
+            # within the batch would point at an entry that does not exist).
+            for p in batch:
+                if not isinstance(p.result, RelayError):
+                    p.result = Unavailable(f"store unavailable: {exc}")
+                p.done.set()
             return
-        # Decide on tentative copies; memory changes only once the transaction committed.
+        woken: set[int] = set()
+        for p, entry in accepted:
+            state = p.state
+            state.head_seq = entry.seq
+            state.epoch = entry.channel_epoch
+            state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
+            p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
+            if id(state) not in woken:
+                woken.add(id(state))
+                event, state.changed = state.changed, trio.Event()
+                event.set()
+        try:
+            if not looked_up:
+                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
+        finally:
+            for p in batch:
+                p.done.set()
+
+    async def _answer_retries(self, refused: list[_Pending]) -> None:
+        """A refusal may be the retry of a message already in the log (the optimistic path did
+        not look): that gets its original answer, never a refusal."""
+        try:
+            for channel_id, keys in _keys_by_channel(refused).items():
+                found = await self._store.find_keys(channel_id, keys)
+                for p in refused:
+                    seen = found.get(p.key) if p.state.record.id == channel_id else None
+                    if seen is not None:
+                        p.result = PublishResult(seen[0], seen[1], duplicate=True)
+        except DatabaseError as exc:
+            for p in refused:
+                p.result = Unavailable(f"store unavailable: {exc}")
+
+    async def _decide_and_store(
+        self, batch: list[_Pending], existing: dict[int, dict[bytes, tuple[int, int]]]
+    ) -> list[tuple[_Pending, NewEntry]]:
+        """Fence and number the batch on tentative copies of the channels' state and store the
+        accepted entries in one transaction; memory changes only after it committed."""
         tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
         entries: list[NewEntry] = []
         epoch_starts: list[tuple[int, int, int]] = []
@@ -210,7 +266,7 @@ class ChannelLog:
         for p in batch:
             cid = p.state.record.id
             head, epoch = tentative.get(cid, (p.state.head_seq, p.state.epoch))
-            seen = existing[cid].get(p.key)
+            seen = existing.setdefault(cid, {}).get(p.key)
             if seen is not None:
                 p.result = PublishResult(seen[0], seen[1], duplicate=True)
                 continue
@@ -248,36 +304,9 @@ class ChannelLog:
             accepted.append((p, entry))
         if entries:
             heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
-            try:
-                with trio.CancelScope(shield=True):
-                    await self._store.append(entries, heads, epoch_starts, welcomes)
-            except DatabaseError as exc:
-                # Nothing of the batch was stored: fail all but the refusals (a duplicate found
-                # within the batch would point at an entry that does not exist).
-                for p in batch:
-                    if not isinstance(p.result, RelayError):
-                        p.result = Unavailable(f"store unavailable: {exc}")
-                    p.done.set()
-                return
-        woken: set[int] = set()
-        for p, entry in accepted:
-            state = p.state
-            state.head_seq = entry.seq
-            state.epoch = entry.channel_epoch
-            state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
-            p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
-            if id(state) not in woken:
-                woken.add(id(state))
-                event, state.changed = state.changed, trio.Event()
-                event.set()
-        for p in batch:
-            p.done.set()
-
-    @staticmethod
-    def _fail(batch: list[_Pending], exc: DatabaseError) -> None:
-        for p in batch:
-            p.result = Unavailable(f"store unavailable: {exc}")
-            p.done.set()
+            with trio.CancelScope(shield=True):
+                await self._store.append(entries, heads, epoch_starts, welcomes)
+        return accepted
 
     # -- reading ------------------------------------------------------------------------------
 

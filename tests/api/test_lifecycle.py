@@ -113,7 +113,17 @@ def test_revocation_while_requests_are_in_flight(
         response = api.revoke(signed.key, victim["id"])
         revoked = time.monotonic()
         assert response.status_code == 204
-        time.sleep(0.5)
+        # Until every worker has made two requests that started after the revocation.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with lock:
+                late_kinds = [kind for kind, start, _ in results if start > revoked]
+            if all(
+                late_kinds.count(kind) >= 2 * [w[0] for w in workers].count(kind)
+                for kind in {"key", "jwt", "exchange", "list"}
+            ):
+                break
+            time.sleep(0.05)
     finally:
         stop.set()
         for thread in threads:
@@ -155,6 +165,9 @@ def test_sigterm_lets_an_in_flight_request_finish(
     assert server.proc is not None
     body = json.dumps({"email": unique_email()}).encode()
     with open_raw(server.http_url) as sock:
+        # A first request on the connection: the server has surely accepted it.
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_response(sock).status == 200
         sock.sendall(
             b"POST /v1/accounts HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body) + body[:5]

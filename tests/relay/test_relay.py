@@ -157,10 +157,21 @@ def test_idempotent_retry_returns_the_original_seq(relay: Relay) -> None:
     assert relay.publish(CHANNEL, commit) == pb.PublishResponse(
         seq=won.seq, epoch=1, duplicate=True
     )
+    # Retries mixed with new messages in one batch (and twice within it).
+    fresh = [mls.application(CHANNEL, 1, f"new{i}".encode()) for i in range(3)]
+    batch = [fresh[0], message, fresh[1], fresh[1], fresh[2]]
+    answers = relay.publish_stream([pb.PublishRequest(channel=CHANNEL, message=m) for m in batch])
+    assert [(a.seq, a.duplicate) for a in answers] == [
+        (5, False),
+        (first.seq, True),
+        (6, False),
+        (6, True),
+        (7, False),
+    ]
     sub = relay.subscribe(CHANNEL)
-    assert len(sub.wait_for(4)) == 4
+    assert len(sub.wait_for(7)) == 7
     sub.wait_keepalives(2)
-    assert len(sub.entries) == 4  # nothing appended twice
+    assert len(sub.entries) == 7  # nothing appended twice
     sub.cancel()
 
 
