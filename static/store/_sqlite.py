@@ -102,6 +102,25 @@ def _executemany(sql: str, rows: Sequence[Sequence[Any]]) -> Callable[[sqlite3.C
     return run
 
 
+def _transact(
+    operations: Sequence[tuple[str, Sequence[Sequence[Any]]]],
+) -> Callable[[sqlite3.Connection], None]:
+    def run(conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, rows in operations:
+                if rows:
+                    conn.executemany(_to_sqlite(sql), [tuple(r) for r in rows])
+            conn.execute("COMMIT")
+        except BaseException:
+            # Also after a failed COMMIT: the next writer must not find the transaction open.
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    return run
+
+
 def _script(script: str) -> Callable[[sqlite3.Connection], None]:
     def run(conn: sqlite3.Connection) -> None:
         for statement in _split_script(script):
@@ -176,6 +195,15 @@ class SQLiteDatabase(Database):
     async def execute_script(self, sql: str) -> None:
         async with self.transaction() as tx:
             await tx.execute_script(sql)
+
+    async def transact(self, operations: Sequence[tuple[str, Sequence[Sequence[Any]]]]) -> None:
+        """Run each ``(statement, rows)`` for every row of its rows, all in one transaction, in
+        ONE worker-thread hop (BEGIN IMMEDIATE .. COMMIT included), where :meth:`transaction`
+        pays a hop per statement; rolled back if any statement (or the COMMIT) fails."""
+        async with self._writer.lock:
+            # Shielded: the thread runs to its end anyway; the lock must be held until then.
+            with trio.CancelScope(shield=True):
+                await self._writer.run(_transact(operations))
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Connection]:
