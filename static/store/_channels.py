@@ -184,6 +184,11 @@ class ChannelStore:
                 if rows:
                     await tx.executemany(sql, rows)
 
+    async def checkpoint(self) -> None:
+        """Fold the write-ahead log into the database, off the commit path (SQLite only)."""
+        if isinstance(self._db, SQLiteDatabase):
+            await self._db.checkpoint()
+
     async def read(self, channel_id: int, after_seq: int, limit: int) -> list[EntryRecord]:
         rows = await self._db.fetch(
             "SELECT seq, epoch, content_type, message FROM relay_entries"
