@@ -13,11 +13,14 @@ import sqlite3
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
+
+if TYPE_CHECKING:
+    import outcome
 
 __all__ = ["SQLiteDatabase", "open_sqlite"]
 
@@ -57,6 +60,28 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
+async def _in_thread(fn: Callable[[sqlite3.Connection], _T], conn: sqlite3.Connection) -> _T:
+    """``trio.to_thread.run_sync(fn, conn)`` without its scheduling round before the thread
+    starts (the capacity limiter's checkpoint: the calling task goes to the back of the run
+    queue first). Threads are bounded here by the handles, one use of each at a time. Like
+    ``run_sync``'s default, not abandoned on cancellation: a cancelled caller waits for the
+    thread, and is not started when already cancelled."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(result: outcome.Outcome[_T]) -> None:
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+    trio.lowlevel.start_thread_soon(functools.partial(fn, conn), deliver)
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        return trio.lowlevel.Abort.FAILED
+
+    result: _T = await trio.lowlevel.wait_task_rescheduled(abort)  # the outcome, unwrapped
+    return result
+
+
 class _Handle:
     """One sqlite3 connection; every use runs in a worker thread, one use at a time."""
 
@@ -66,7 +91,7 @@ class _Handle:
 
     async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         try:
-            return await trio.to_thread.run_sync(fn, self.conn)
+            return await _in_thread(fn, self.conn)
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(str(exc)) from exc
         except sqlite3.Error as exc:
