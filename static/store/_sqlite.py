@@ -89,6 +89,20 @@ class _Handle:
         self.conn = conn
         self.lock = trio.Lock()
 
+    @asynccontextmanager
+    async def locked(self) -> AsyncIterator[None]:
+        """``async with self.lock``, without a scheduling round when the lock is free (trio's
+        ``acquire`` always yields first; the relay's writer would wait behind every runnable
+        task before each group commit)."""
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         try:
             return await _in_thread(fn, self.conn)
@@ -198,7 +212,7 @@ class SQLiteDatabase(Database):
             self._free_readers.send_nowait(reader)
 
     async def _write(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        async with self._writer.lock:
+        async with self._writer.locked():
             return await self._writer.run(fn)
 
     async def execute(self, sql: str, *args: Any) -> int:
@@ -225,7 +239,7 @@ class SQLiteDatabase(Database):
         """Run each ``(statement, rows)`` for every row of its rows, all in one transaction, in
         ONE worker-thread hop (BEGIN IMMEDIATE .. COMMIT included), where :meth:`transaction`
         pays a hop per statement; rolled back if any statement (or the COMMIT) fails."""
-        async with self._writer.lock:
+        async with self._writer.locked():
             # Shielded: the thread runs to its end anyway; the lock must be held until then.
             with trio.CancelScope(shield=True):
                 await self._writer.run(_transact(operations))
@@ -239,7 +253,7 @@ class SQLiteDatabase(Database):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Connection]:
-        async with self._writer.lock:
+        async with self._writer.locked():
             await self._writer.run(_execute("BEGIN IMMEDIATE", ()))
             try:
                 yield _TransactionConnection(self._writer)
