@@ -699,7 +699,7 @@ impl Engine {
         result
     }
 
-    /// Applies entries of the channel's log in order, in ONE durable transaction: each entry's
+    /// Applies entries of the channel's log in order, in ONE transaction: each entry's
     /// MLS state change, the channel's cursor (the last seq applied) and, for application
     /// messages, the decrypted payload in the inbox land together, so a crash can neither lose
     /// a decrypted message nor apply an entry twice. An entry that cannot be processed (not
@@ -709,7 +709,10 @@ impl Engine {
     pub fn process_entries(&self, channel: &str, entries: &[(u64, &[u8])]) -> Result<Vec<Applied>> {
         let mut removed = false;
         let mut epoch_changed = false;
-        let result = self.with_group(channel, |group, provider, conn| {
+        // Not synced to disk (synchronous=NORMAL): everything it writes (state, cursor, inbox)
+        // commits atomically, survives a killed process, and after a power loss the entries it
+        // lost are applied again from the relay's log.
+        let result = self.with_group_durability(channel, false, |group, provider, conn| {
             let mut out = Vec::with_capacity(entries.len());
             for &(seq, message) in entries {
                 conn.execute_batch("SAVEPOINT entry").map_err(StoreError::from)?;
@@ -913,16 +916,37 @@ impl Engine {
         channel: &str,
         f: impl FnOnce(&mut MlsGroup, &Provider<'_>, &rusqlite::Connection) -> Result<T>,
     ) -> Result<T> {
+        self.with_group_durability(channel, true, f)
+    }
+
+    /// [`Engine::with_group`] with a choice of durability: `durable == false` commits with
+    /// `synchronous=NORMAL` (see [`crate::store::Db::light_transaction`]): atomic and safe
+    /// against the process being killed, but a power loss may take back the last commits.
+    /// Only for changes that can be redone from the relay's log (applying entries); never for
+    /// encryption, whose ratchet advance must be on disk before the message leaves (a lost
+    /// advance would reuse a nonce). A later durable commit syncs the earlier light ones too
+    /// (the WAL is written in order).
+    fn with_group_durability<T>(
+        &self,
+        channel: &str,
+        durable: bool,
+        f: impl FnOnce(&mut MlsGroup, &Provider<'_>, &rusqlite::Connection) -> Result<T>,
+    ) -> Result<T> {
         let slot = self.slot(channel)?;
         let mut slot = lock(&slot);
         let Some(group) = slot.group.as_mut() else {
             return Err(Error::Mls(format!("not a member of channel {channel:?}")));
         };
         let db = lock(&self.db);
-        let result = db.transaction(|conn| {
+        let body = |conn: &rusqlite::Connection| {
             let provider = Provider::new(&self.crypto, conn);
             f(group, &provider, conn)
-        });
+        };
+        let result = if durable {
+            db.transaction(body)
+        } else {
+            db.light_transaction(body)
+        };
         if result.is_err() {
             let provider = Provider::new(&self.crypto, &db.conn);
             match MlsGroup::load(provider.storage(), &group_id_of(channel)) {

@@ -13,7 +13,9 @@
 //!   is reloaded from the database, so memory and disk never disagree. `journal_mode=WAL` with
 //!   `synchronous=FULL` makes the commit durable (the WAL is fsynced) before the call returns:
 //!   killing the process at any moment, or losing power, leaves the last committed state, which
-//!   loads. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
+//!   loads. Applying the relay's log (and taking from the inbox) commits with
+//!   `synchronous=NORMAL` instead ([`Db::light_transaction`]): still atomic and safe against a
+//!   killed process; a power loss may take back such commits, which are redone from the log. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
 //!   group state per message and would still need a journal across the several keys OpenMLS
 //!   writes per operation.
 //! * **Deleted secrets are gone.** `secure_delete=ON` overwrites deleted rows (used message keys,
