@@ -31,42 +31,22 @@ sys.path.insert(0, str(_HERE.parent))
 import argparse
 import multiprocessing as mp
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
 
+from tests.support.server import ServerProcess
+
 PAYLOAD = 1024
 CHANNEL = "bench/e2e/channel"
 
 
-def _start_static(data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "static",
-            "serve",
-            "--http",
-            "127.0.0.1:0",
-            "--relay",
-            "127.0.0.1:0",
-            "--data-dir",
-            data_dir,
-            "--allow-anonymous",
-            "--relay-publish-rate",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.decode().strip()
-        if line.startswith("relay: "):
-            return proc, line.removeprefix("relay: ")
-    raise RuntimeError("static serve did not start")
+def _start_static(data_dir: str) -> ServerProcess:
+    """A real ``static serve`` (anonymous relay, no publish rate limit) on loopback."""
+    return ServerProcess(
+        Path(data_dir), extra_args=["--allow-anonymous", "--relay-publish-rate", "0"]
+    ).start()
 
 
 def bob(relay: str, data_dir: str, conn: Connection) -> None:
@@ -127,7 +107,8 @@ def main() -> None:
     from static_sdk import StaticClient
 
     with tempfile.TemporaryDirectory(prefix="static-e2e-") as tmp:
-        server, relay = _start_static(f"{tmp}/server")
+        server = _start_static(f"{tmp}/server")
+        relay = server.relay_url
         ctx = mp.get_context("spawn")
         ours, theirs = ctx.Pipe()
         receiver = ctx.Process(target=bob, args=(relay, f"{tmp}/bob", theirs))
@@ -156,8 +137,7 @@ def main() -> None:
                 ours.send("stop")
         finally:
             receiver.join(30)
-            server.terminate()
-            server.wait(30)
+            server.stop(30)
 
     rtts.sort()
     p99 = rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))]

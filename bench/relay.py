@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -41,6 +40,7 @@ from typing import Any
 import grpc
 
 from static.relay._generated import relay_pb2 as pb
+from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
 PAYLOAD = 1024
@@ -310,32 +310,11 @@ def commit_cost(directory: str) -> float:
 # -- main --------------------------------------------------------------------------------------
 
 
-def _start_static(data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "static",
-            "serve",
-            "--http",
-            "127.0.0.1:0",
-            "--relay",
-            "127.0.0.1:0",
-            "--data-dir",
-            data_dir,
-            "--allow-anonymous",
-            "--relay-publish-rate",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.decode().strip()
-        if line.startswith("relay: "):
-            return proc, line.removeprefix("relay: grpc://")
-    raise RuntimeError("static serve did not start")
+def _start_static(data_dir: str) -> ServerProcess:
+    """A real ``static serve`` (anonymous relay, no publish rate limit) on loopback."""
+    return ServerProcess(
+        Path(data_dir), extra_args=["--allow-anonymous", "--relay-publish-rate", "0"]
+    ).start()
 
 
 def main() -> None:
@@ -350,7 +329,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="static-bench-") as tmp:
         port_file = os.path.join(tmp, "echo.port")
         echo = subprocess.Popen([sys.executable, __file__, "--echo-server", port_file])
-        server, target = _start_static(os.path.join(tmp, "data"))
+        server = _start_static(os.path.join(tmp, "data"))
+        target = server.relay_url.removeprefix("grpc://")
+        assert server.proc is not None
+        server_pid = server.proc.pid
         try:
             while not os.path.exists(port_file) or not Path(port_file).read_text():
                 time.sleep(0.05)
@@ -361,11 +343,10 @@ def main() -> None:
             one = fan_out(target, "bench/one/one", n, 1)
             ten = fan_out(target, "bench/fan/out", n // 4, 10)
             p50, p99 = latency(target, "bench/lat/ency", 1000.0, 5.0)
-            per_idle, total_mib = idle_rss(target, server.pid, "bench/idle/subs", args.idle)
+            per_idle, total_mib = idle_rss(target, server_pid, "bench/idle/subs", args.idle)
         finally:
-            server.send_signal(signal.SIGTERM)
+            server.stop(30)
             echo.kill()
-            server.wait(30)
             echo.wait(10)
     rows = [
         (
