@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets everything up and runs every check: ruff, mypy, clippy, cargo test, pytest (SQLite and
+# Sets everything up and runs every check: ruff, mypy, rustfmt, clippy, cargo test, pytest (SQLite and
 # PostgreSQL). PostgreSQL is installed from Debian's packages when missing; the tests start a
 # throwaway cluster of their own.
 set -euo pipefail
@@ -15,6 +15,8 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== mypy"
 .venv/bin/mypy
+echo "== rustfmt"
+(cd rust_mls && cargo fmt --all --check)
 echo "== clippy"
 (cd rust_mls && cargo clippy --workspace --all-targets --locked -- -D warnings)
 echo "== cargo test"

@@ -208,7 +208,12 @@ impl Shared {
 
     /// Handles an `UNAUTHENTICATED` answer: a refused token is dropped so the next call fetches
     /// a fresh one; `strikes` counts refusals in a row (a fresh token refused too is final).
-    fn on_unauthenticated(&self, status: &Status, token: Option<&str>, strikes: &mut u32) -> Result<()> {
+    fn on_unauthenticated(
+        &self,
+        status: &Status,
+        token: Option<&str>,
+        strikes: &mut u32,
+    ) -> Result<()> {
         if self.tokens.anonymous() {
             return Err(Error::Auth(format!(
                 "the relay requires a token ({}); pass api_key and api_url",
@@ -357,7 +362,9 @@ impl Client {
                     Err(status) if status.code() == Code::Unauthenticated => {
                         shared.on_unauthenticated(&status, token.as_deref(), &mut strikes)?;
                     }
-                    Err(status) if transport::is_transient(&status) && Instant::now() < deadline => {
+                    Err(status)
+                        if transport::is_transient(&status) && Instant::now() < deadline =>
+                    {
                         retried = true;
                         tokio::time::sleep(backoff).await;
                         backoff = backoff_next(backoff);
@@ -582,7 +589,9 @@ impl Channel {
             shared
                 .handle
                 .spawn(reader(Arc::clone(&channel), cursor, entries_tx)),
-            shared.handle.spawn(applier(Arc::clone(&channel), entries_rx)),
+            shared
+                .handle
+                .spawn(applier(Arc::clone(&channel), entries_rx)),
             shared.handle.spawn(sender(Arc::clone(&channel), send_rx)),
         ];
         *lock(&channel.tasks) = tasks;
@@ -725,9 +734,7 @@ impl Channel {
         self.sends
             .send(SendJob { payload, reply })
             .map_err(|_| self.ended_error())?;
-        self.block_on(async move {
-            answer.await.map_err(|_| self.ended_error())?
-        })
+        self.block_on(async move { answer.await.map_err(|_| self.ended_error())? })
     }
 
     fn ended_error(&self) -> Error {
@@ -775,11 +782,13 @@ impl Channel {
         self.block_on(async {
             let _guard = self.commit_lock.lock().await;
             for _ in 0..COMMIT_ATTEMPTS {
-                let proposal = self.shared.blocking({
-                    let name = self.name.clone();
-                    move |e| e.leave(&name)
-                })
-                .await?;
+                let proposal = self
+                    .shared
+                    .blocking({
+                        let name = self.name.clone();
+                        move |e| e.leave(&name)
+                    })
+                    .await?;
                 match self.publish_handshake(proposal, None).await? {
                     Published::Accepted(_) => {
                         let mut rx = self.progress.subscribe();
@@ -799,7 +808,9 @@ impl Channel {
                     Published::Stale(epoch) => self.wait_epoch(epoch).await?,
                 }
             }
-            Err(Error::Transport("the channel is too busy to leave now".into()))
+            Err(Error::Transport(
+                "the channel is too busy to leave now".into(),
+            ))
         })
     }
 
@@ -820,8 +831,8 @@ impl Channel {
     /// Waits until the first subscription is established (or the channel failed).
     async fn wait_connected(&self, timeout: Duration) -> Result<()> {
         let mut rx = self.progress.subscribe();
-        let _ = tokio::time::timeout(timeout, rx.wait_for(|p| p.connected || p.ended.is_some()))
-            .await;
+        let _ =
+            tokio::time::timeout(timeout, rx.wait_for(|p| p.connected || p.ended.is_some())).await;
         let ended = self.progress.borrow().ended.clone();
         match ended {
             Some(end @ End::Failed(_)) => Err(end.error(&self.name)),
@@ -919,7 +930,11 @@ impl Channel {
 
     /// Publishes a commit or proposal, retrying (with the same idempotency key) while the relay
     /// is unreachable.
-    async fn publish_handshake(&self, message: Vec<u8>, welcome: Option<Vec<u8>>) -> Result<Published> {
+    async fn publish_handshake(
+        &self,
+        message: Vec<u8>,
+        welcome: Option<Vec<u8>>,
+    ) -> Result<Published> {
         let deadline = Instant::now() + self.shared.retry_deadline;
         let mut backoff = BACKOFF_MIN;
         let mut strikes = 0;
@@ -937,9 +952,8 @@ impl Channel {
                 Ok(response) => return Ok(Published::Accepted(response.into_inner().seq)),
                 Err(status) => match status.code() {
                     Code::FailedPrecondition => {
-                        let epoch = transport::current_epoch(&status).ok_or_else(|| {
-                            transport::status_error("Publish", &status)
-                        })?;
+                        let epoch = transport::current_epoch(&status)
+                            .ok_or_else(|| transport::status_error("Publish", &status))?;
                         return Ok(Published::Stale(epoch));
                     }
                     Code::Unauthenticated => {
@@ -1029,7 +1043,9 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
                             strikes = 0;
                             // Live once the relay sends something (it opens with a keep-alive;
                             // a refusal may come after the response headers).
-                            channel.progress.send_if_modified(|p| !std::mem::replace(&mut p.connected, true));
+                            channel
+                                .progress
+                                .send_if_modified(|p| !std::mem::replace(&mut p.connected, true));
                             match response.item {
                                 Some(pb::subscribe_response::Item::Entry(entry)) => {
                                     let seen = match start {
@@ -1063,7 +1079,9 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
         if let Some(status) = failure {
             match status.code() {
                 Code::Unauthenticated => {
-                    if let Err(e) = shared.on_unauthenticated(&status, token.as_deref(), &mut strikes) {
+                    if let Err(e) =
+                        shared.on_unauthenticated(&status, token.as_deref(), &mut strikes)
+                    {
                         channel.end(End::Failed(e));
                         return;
                     }
@@ -1379,4 +1397,3 @@ async fn publish_batch(
         }
     }
 }
-

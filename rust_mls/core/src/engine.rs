@@ -715,7 +715,8 @@ impl Engine {
         let result = self.with_group_durability(channel, false, |group, provider, conn| {
             let mut out = Vec::with_capacity(entries.len());
             for &(seq, message) in entries {
-                conn.execute_batch("SAVEPOINT entry").map_err(StoreError::from)?;
+                conn.execute_batch("SAVEPOINT entry")
+                    .map_err(StoreError::from)?;
                 let outcome = parse_for_channel(channel, message).and_then(|protocol| {
                     apply_message(channel, group, provider, conn, protocol, message)
                 });
@@ -732,7 +733,8 @@ impl Engine {
                         if !removed {
                             store::set_cursor(conn, channel, Cursor::After(seq))?;
                         }
-                        conn.execute_batch("RELEASE entry").map_err(StoreError::from)?;
+                        conn.execute_batch("RELEASE entry")
+                            .map_err(StoreError::from)?;
                         out.push(Applied {
                             seq,
                             outcome: Ok(incoming),
@@ -750,7 +752,9 @@ impl Engine {
                         *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
                             .map_err(StoreError::from)?
                             .ok_or_else(|| {
-                                Error::Internal(format!("the state of group {channel:?} is missing"))
+                                Error::Internal(format!(
+                                    "the state of group {channel:?} is missing"
+                                ))
                             })?;
                         store::set_cursor(conn, channel, Cursor::After(seq))?;
                         out.push(Applied {

@@ -20,8 +20,8 @@ pub mod transport;
 pub use channel_name::{validate_channel_name, MAX_CHANNEL_NAME_LENGTH};
 pub use client::{Channel, Client, Next, Token, TokenProvider, Waker, MAX_PAYLOAD};
 pub use engine::{AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
-pub use store::Cursor;
 pub use error::{Error, ErrorKind, Result};
+pub use store::Cursor;
 
 /// The crate version, reported by `static._native.__version__`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -370,9 +370,8 @@ impl Client {
             value,
             expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
         });
-        let client = py.allow_threads(|| {
-            CoreClient::open(endpoint, &data_dir, identity, provider, initial)
-        });
+        let client =
+            py.allow_threads(|| CoreClient::open(endpoint, &data_dir, identity, provider, initial));
         Ok(Self {
             inner: Arc::new(native(client)?),
         })
