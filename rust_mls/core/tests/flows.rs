@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{agent, app, group_of, CH};
+use common::{agent, app, group_of, member_names, CH};
 use static_core::{Engine, ErrorKind, Incoming};
 
 #[test]
@@ -31,14 +31,7 @@ fn two_members_exchange_messages_and_skip_own_echo() {
         app(b"bob", b"hi alice", 1)
     );
 
-    let names: Vec<Vec<u8>> = a
-        .engine
-        .members(CH)
-        .unwrap()
-        .into_iter()
-        .map(|m| m.identity)
-        .collect();
-    assert_eq!(names, vec![b"alice".to_vec(), b"bob".to_vec()]);
+    assert_eq!(member_names(&a), vec![b"alice".to_vec(), b"bob".to_vec()]);
     assert_eq!(a.engine.group_names(), vec![CH.to_string()]);
 }
 
@@ -90,14 +83,7 @@ fn third_member_self_update_remove_and_messages_across_epochs() {
     assert!(!c.engine.has_group(CH));
     let err = c.engine.encrypt(CH, b"x").unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Mls);
-    let names: Vec<Vec<u8>> = b
-        .engine
-        .members(CH)
-        .unwrap()
-        .into_iter()
-        .map(|m| m.identity)
-        .collect();
-    assert_eq!(names, vec![b"alice".to_vec(), b"bob".to_vec()]);
+    assert_eq!(member_names(&b), vec![b"alice".to_vec(), b"bob".to_vec()]);
 
     // Carol can no longer read the channel.
     let secret = a.engine.encrypt(CH, b"carol must not read this").unwrap();

@@ -52,3 +52,14 @@ pub fn app(from: &[u8], payload: &[u8], epoch: u64) -> Incoming {
         epoch,
     }
 }
+
+/// The identities of `CH`'s members as `agent` sees them, in leaf order.
+pub fn member_names(agent: &Agent) -> Vec<Vec<u8>> {
+    agent
+        .engine
+        .members(CH)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.identity)
+        .collect()
+}
