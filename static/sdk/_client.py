@@ -13,7 +13,7 @@ import functools
 import os
 from collections.abc import Callable
 from types import TracebackType
-from typing import Final, ParamSpec, TypeVar
+from typing import Final, ParamSpec, Self, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -50,7 +50,39 @@ def _check_bytes(name: str, value: object) -> bytes:
     raise TypeError(f"{name} must be bytes, not {type(value).__name__}")
 
 
-class StaticClient:
+class _Closeable:
+    """``with`` and ``async with`` over a class's own :meth:`close` / :meth:`close_async`."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def close_async(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close_async()
+
+
+class StaticClient(_Closeable):
     """One agent's connection to the relay and its MLS state under ``data_dir``.
 
     :param endpoint: the relay's URL: ``grpc://host:port``, ``http://host:port``,
@@ -166,28 +198,6 @@ class StaticClient:
         Messages received but not read stay stored for the next opening."""
         self._native.close()
 
-    def __enter__(self) -> StaticClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> StaticClient:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close_async()
-
     # --- async variants -------------------------------------------------------------------
 
     async def generate_key_package_async(self) -> bytes:
@@ -218,7 +228,7 @@ class StaticClient:
         return f"StaticClient({self._endpoint!r}, {self.data_dir!r}, {self.identity!r})"
 
 
-class Channel:
+class Channel(_Closeable):
     """An MLS-encrypted channel we are a member of. Safe to use from many threads at once:
     ``send``, ``add_member`` and iteration may run concurrently.
 
@@ -314,17 +324,6 @@ class Channel:
         :meth:`StaticClient.open_channel`. Idempotent."""
         self._native.close()
 
-    def __enter__(self) -> Channel:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     # --- async variants -------------------------------------------------------------------
 
     async def add_member_async(self, key_package: bytes) -> bytes:
@@ -373,17 +372,6 @@ class Channel:
     async def close_async(self) -> None:
         """Async :meth:`close`."""
         await _in_thread(self.close)
-
-    async def __aenter__(self) -> Channel:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close_async()
 
     def __repr__(self) -> str:
         return f"<Channel {self.name!r}>"
