@@ -61,8 +61,11 @@ class ResourceExhausted(RelayError):
 
     def __init__(self, message: str, retry_after_seconds: float | None = None) -> None:
         trailers: tuple[tuple[str, str], ...] = ()
+        #: When to retry (rate limits), in milliseconds; 0 when retrying will not help.
+        self.retry_after_ms = 0
         if retry_after_seconds is not None:
-            trailers = (("static-retry-after-ms", str(max(1, round(retry_after_seconds * 1000)))),)
+            self.retry_after_ms = max(1, round(retry_after_seconds * 1000))
+            trailers = (("static-retry-after-ms", str(self.retry_after_ms)),)
         super().__init__(message, trailers)
 
 

@@ -367,9 +367,10 @@ class ChannelLog:
 
     async def follow(
         self, state: ChannelState, after_seq: int, keepalive_seconds: float
-    ) -> AsyncIterator[EntryRecord | None]:
-        """Entries after ``after_seq``, then live ones, forever; None every ``keepalive_seconds``
-        without an entry. Gap-free and duplicate-free by construction (a cursor over seqs)."""
+    ) -> AsyncIterator[list[EntryRecord] | None]:
+        """Pages of consecutive entries after ``after_seq`` (what is available at once, never
+        empty), then live ones, forever; None every ``keepalive_seconds`` without an entry.
+        Gap-free and duplicate-free by construction (a cursor over seqs)."""
         cursor = after_seq
         while True:
             if cursor < state.head_seq:
@@ -381,11 +382,11 @@ class ChannelLog:
                         raise Unavailable(f"store unavailable: {exc}") from exc
                 if not page:  # never expected: head_seq is only advanced after a commit
                     raise Unavailable(f"log ends before seq {state.head_seq}")
-                for entry in page:
-                    if entry.seq != cursor + 1:  # never expected: the log is gap-free
-                        raise Unavailable(f"log gap after seq {cursor}")
-                    yield entry
-                    cursor = entry.seq
+                for offset, entry in enumerate(page, start=1):
+                    if entry.seq != cursor + offset:  # never expected: the log is gap-free
+                        raise Unavailable(f"log gap after seq {cursor + offset - 1}")
+                cursor = page[-1].seq
+                yield page
                 continue
             changed = state.changed
             with trio.move_on_after(keepalive_seconds) as idle:

@@ -33,6 +33,7 @@ from static.relay._errors import (
     NotFound,
     RelayError,
     ResourceExhausted,
+    StaleEpoch,
     Unavailable,
     Unimplemented,
 )
@@ -49,7 +50,7 @@ from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
 from static.relay._transport import MessageTooLarge
 from static.store import DatabaseError
-from static.store._channels import ChannelExists
+from static.store._channels import ChannelExists, EntryRecord
 
 __all__ = ["SERVICE_NAME", "RelayService"]
 
@@ -58,6 +59,12 @@ _log = logging.getLogger("static.relay")
 _MAX_BUCKETS = 10_000
 #: Publishes of one PublishStream call queued ahead of their answers.
 _PIPELINE_DEPTH = 256
+#: Items of one PublishBatches request, and requests of one call read ahead of their answers.
+_BATCH_ITEMS = 1024
+_BATCHES_AHEAD = 64
+#: Messages per Subscribe response when the subscriber asks for batches (and its max_batch).
+_SUBSCRIBE_BATCH_BYTES = 1024 * 1024
+_SUBSCRIBE_BATCH_ENTRIES = 1024
 #: Bytes a connection may have queued for its socket before subscriptions on it wait.
 _OUTBOUND_LIMIT = 1024 * 1024
 
@@ -87,6 +94,7 @@ class RelayService:
             "CreateChannel": (pb.CreateChannelRequest, self._create_channel),
             "Publish": (pb.PublishRequest, self._publish),
             "PublishStream": (pb.PublishRequest, self._publish_stream),
+            "PublishBatches": (pb.PublishBatchRequest, self._publish_batches),
             "Subscribe": (pb.SubscribeRequest, self._subscribe),
             "FetchWelcome": (pb.FetchWelcomeRequest, self._fetch_welcome),
         }
@@ -198,6 +206,68 @@ class RelayService:
         if failure:
             raise failure[0]
 
+    async def _publish_batches(self, stream: GRPCProtoStream, caller: Caller) -> None:
+        """Pipelined batches: every item is submitted as it is read (so batches share group
+        commits), each request is answered once all its items are decided, in request order.
+        A refused item is answered as such; only a failure of the call itself ends it."""
+        queue_in, queue_out = trio.open_memory_channel[list[Submitted | RelayError] | RelayError](
+            _BATCHES_AHEAD
+        )
+        failure: list[BaseException] = []
+
+        async def read(nursery: trio.Nursery) -> None:
+            async with queue_in:
+                try:
+                    while True:
+                        event = await stream.receive_event()
+                        if isinstance(event, MessageTooLarge):
+                            raise _too_large(event.limit)
+                        if isinstance(event, RequestEnded):
+                            return
+                        if isinstance(event, MessageReceived):
+                            requests = event.data.requests
+                            if len(requests) > _BATCH_ITEMS:
+                                raise InvalidArgument(
+                                    f"{len(requests)} requests in one batch; at most {_BATCH_ITEMS}"
+                                )
+                            await queue_in.send(
+                                [await self._try_submit(r, caller) for r in requests]
+                            )
+                except RelayError as exc:
+                    await queue_in.send(exc)
+                except DecodeError:
+                    await queue_in.send(InvalidArgument("request is not a valid protobuf message"))
+
+        async def answer(nursery: trio.Nursery) -> None:
+            try:
+                async for first in queue_out:
+                    batches = [first]
+                    with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
+                        while len(batches) < _BATCHES_AHEAD:
+                            batches.append(queue_out.receive_nowait())
+                    for batch in batches:
+                        if isinstance(batch, RelayError):
+                            raise batch
+                        results = [await _batch_result(item) for item in batch]
+                        await stream.send_message(pb.PublishBatchResponse(results=results))
+            except (RelayError, *_GONE) as exc:
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, nursery)
+            nursery.start_soon(answer, nursery)
+        if failure:
+            raise failure[0]
+
+    async def _try_submit(self, request: Any, caller: Caller) -> Submitted | RelayError:
+        try:
+            return await self._submit(request, caller)
+        except RelayError as exc:
+            return exc
+        except DatabaseError as exc:
+            return Unavailable(f"store unavailable: {exc}")
+
     async def _publish_one(self, request: Any, caller: Caller) -> PublishResult:
         return await self._log.outcome(await self._submit(request, caller))
 
@@ -260,7 +330,9 @@ class RelayService:
                 if self._draining:
                     guard.end(Unavailable("relay is shutting down"))
                 with guard.scope:
-                    await self._stream_entries(stream, state, after_seq)
+                    await self._stream_entries(
+                        stream, state, after_seq, min(request.max_batch, _SUBSCRIBE_BATCH_ENTRIES)
+                    )
             finally:
                 self._subscriptions.discard(guard)
         outcome = guard.outcome()
@@ -268,27 +340,29 @@ class RelayService:
             raise outcome
 
     async def _stream_entries(
-        self, stream: GRPCProtoStream, state: ChannelState, after_seq: int
+        self, stream: GRPCProtoStream, state: ChannelState, after_seq: int, max_batch: int
     ) -> None:
         keepalive = self._settings.keepalive_interval_seconds
         # A first keep-alive right away tells the client the subscription is live.
         await stream.send_message(
             pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
         )
-        async for entry in self._log.follow(state, after_seq, keepalive):
-            await _outbound_room(stream)
-            if entry is None:
-                response = pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
-            else:
-                response = pb.SubscribeResponse(
-                    entry=pb.Entry(
-                        seq=entry.seq,
-                        epoch=entry.epoch,
-                        content_type=entry.content_type,
-                        message=entry.message,
-                    )
+        async for page in self._log.follow(state, after_seq, keepalive):
+            if page is None:
+                await _outbound_room(stream)
+                await stream.send_message(
+                    pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
                 )
-            await stream.send_message(response)
+            elif max_batch > 1:
+                for chunk in _chunks(page, max_batch):
+                    await _outbound_room(stream)
+                    await stream.send_message(
+                        pb.SubscribeResponse(entries=pb.Entries(entries=[_entry(e) for e in chunk]))
+                    )
+            else:
+                for entry in page:
+                    await _outbound_room(stream)
+                    await stream.send_message(pb.SubscribeResponse(entry=_entry(entry)))
 
     async def _fetch_welcome(self, stream: GRPCProtoStream, caller: Caller) -> None:
         request: Any = await _request(stream)
@@ -322,6 +396,46 @@ async def _outbound_room(stream: GRPCProtoStream) -> None:
     h2_connection = stream._grpc_connection.h2_connection
     while len(h2_connection._data_to_send) > _OUTBOUND_LIMIT:  # noqa: ASYNC110  (no event to wait on)
         await trio.sleep(0.01)
+
+
+def _entry(entry: EntryRecord) -> pb.Entry:
+    return pb.Entry(
+        seq=entry.seq, epoch=entry.epoch, content_type=entry.content_type, message=entry.message
+    )
+
+
+def _chunks(page: list[EntryRecord], max_entries: int) -> list[list[EntryRecord]]:
+    """``page`` cut into runs of at most ``max_entries`` entries and about
+    ``_SUBSCRIBE_BATCH_BYTES`` of messages (a larger entry travels alone)."""
+    chunks: list[list[EntryRecord]] = []
+    current: list[EntryRecord] = []
+    size = 0
+    for entry in page:
+        if current and (
+            len(current) >= max_entries or size + len(entry.message) > _SUBSCRIBE_BATCH_BYTES
+        ):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += len(entry.message)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+async def _batch_result(item: Submitted | RelayError) -> pb.PublishResult:
+    """One item's answer in a PublishBatchResponse."""
+    if isinstance(item, Submitted):
+        try:
+            return pb.PublishResult(accepted=_publish_response(await ChannelLog.outcome(item)))
+        except RelayError as exc:
+            item = exc
+    refusal = pb.Refusal(code=int(item.code), message=item.message)
+    if isinstance(item, StaleEpoch):
+        refusal.current_epoch = item.current_epoch
+    elif isinstance(item, ResourceExhausted):
+        refusal.retry_after_ms = item.retry_after_ms
+    return pb.PublishResult(refused=refusal)
 
 
 def _too_large(limit: int) -> ResourceExhausted:

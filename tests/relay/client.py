@@ -67,18 +67,24 @@ class Relay:
             self.stub.PublishStream(iter(requests), timeout=TIMEOUT, metadata=self.metadata)
         )
 
+    def publish_batches(self, batches: list[list[Any]]) -> list[Any]:
+        """PublishBatches with these batches of PublishRequests; the responses."""
+        requests = (pb.PublishBatchRequest(requests=batch) for batch in batches)
+        return list(self.stub.PublishBatches(requests, timeout=TIMEOUT, metadata=self.metadata))
+
     def subscribe(
         self,
         channel: str,
         *,
         after_seq: int | None = None,
         from_epoch: int | None = None,
+        max_batch: int = 0,
         timeout: float = 30.0,
     ) -> Subscription:
         request = (
-            pb.SubscribeRequest(channel=channel, from_epoch=from_epoch)
+            pb.SubscribeRequest(channel=channel, from_epoch=from_epoch, max_batch=max_batch)
             if from_epoch is not None
-            else pb.SubscribeRequest(channel=channel, after_seq=after_seq or 0)
+            else pb.SubscribeRequest(channel=channel, after_seq=after_seq or 0, max_batch=max_batch)
         )
         call = self.stub.Subscribe(request, timeout=timeout, metadata=self.metadata)
         return Subscription(call)
@@ -90,6 +96,8 @@ class Subscription:
     def __init__(self, call: Any) -> None:
         self.call = call
         self.entries: list[Any] = []
+        #: How many entries each batched response (``entries``) carried.
+        self.batch_sizes: list[int] = []
         self.keepalives = 0
         self.error: grpc.RpcError | None = None
         self.ended = threading.Event()
@@ -103,6 +111,9 @@ class Subscription:
                 with self._changed:
                     if response.HasField("entry"):
                         self.entries.append(response.entry)
+                    elif response.HasField("entries"):
+                        self.entries.extend(response.entries.entries)
+                        self.batch_sizes.append(len(response.entries.entries))
                     else:
                         self.keepalives += 1
                     self._changed.notify_all()

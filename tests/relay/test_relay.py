@@ -310,3 +310,73 @@ def test_batched_publish_shares_commits_and_keeps_order(relay: Relay) -> None:
     )
     assert [a.seq for a in answers] == list(range(1, 501))
     assert [e.message for e in relay.subscribe(CHANNEL).wait_for(500)] == messages
+
+
+def test_publish_batches_answers_every_item_and_goes_on(relay: Relay) -> None:
+    relay.create(CHANNEL)
+
+    def request(message: bytes) -> object:
+        return pb.PublishRequest(channel=CHANNEL, message=message)
+
+    first = [request(mls.application(CHANNEL, 0, str(i).encode())) for i in range(3)]
+    second = [
+        request(mls.commit(CHANNEL, 0)),
+        request(mls.commit(CHANNEL, 0, b"stale")),  # loses the epoch: refused, call goes on
+        request(b"not mls"),
+        request(mls.application(CHANNEL, 0, b"0")),  # a retry of the first item: duplicate
+        pb.PublishRequest(
+            channel="acme/agents/other", message=mls.application("acme/agents/other", 1)
+        ),
+        request(mls.application(CHANNEL, 1, b"after")),
+    ]
+    third = [request(mls.application(CHANNEL, 1, b"last"))]
+    answers = relay.publish_batches([first, second, third])
+    assert [len(a.results) for a in answers] == [3, 6, 1]
+    results = [r for a in answers for r in a.results]
+    kinds = [r.WhichOneof("outcome") for r in results]
+    assert (
+        kinds == ["accepted"] * 4 + ["refused", "refused", "accepted", "refused"] + ["accepted"] * 2
+    )
+    assert [(r.accepted.seq, r.accepted.epoch) for r in results[:4]] == [
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 1),
+    ]
+    stale = results[4].refused
+    assert stale.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert stale.current_epoch == 1 and "stale epoch" in stale.message
+    assert results[5].refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert (results[6].accepted.seq, results[6].accepted.duplicate) == (1, True)
+    assert results[7].refused.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert [r.accepted.seq for r in results[8:]] == [5, 6]
+    log = relay.subscribe(CHANNEL)
+    assert len(log.wait_for(6)) == 6
+    log.cancel()
+
+
+def test_publish_batches_refuses_oversized_batches(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    batch = [
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, str(i).encode()))
+        for i in range(1025)
+    ]
+    with pytest.raises(grpc.RpcError) as refused:
+        relay.publish_batches([batch])
+    code, details, _ = status_of(refused.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in details
+
+
+def test_subscribe_in_batches_replays_then_follows_without_gaps(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    messages = [mls.application(CHANNEL, 0, str(i).encode()) for i in range(300)]
+    relay.publish_batches([[pb.PublishRequest(channel=CHANNEL, message=m) for m in messages]])
+    sub = relay.subscribe(CHANNEL, after_seq=10, max_batch=100)
+    assert [e.seq for e in sub.wait_for(290)] == list(range(11, 301))
+    more = [mls.application(CHANNEL, 0, f"live {i}".encode()) for i in range(50)]
+    relay.publish_batches([[pb.PublishRequest(channel=CHANNEL, message=m) for m in more]])
+    entries = sub.wait_for(340)
+    assert [e.seq for e in entries] == list(range(11, 351))
+    assert [e.message for e in entries[-50:]] == more
+    assert max(sub.batch_sizes) == 100 and len(sub.batch_sizes) < 340
+    sub.cancel()

@@ -1004,6 +1004,7 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
             .request(pb::SubscribeRequest {
                 channel: channel.name.clone(),
                 start: Some(start_field),
+                max_batch: 0,
             })
             .await;
         let (request, token) = match request {
@@ -1046,28 +1047,31 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
                             channel
                                 .progress
                                 .send_if_modified(|p| !std::mem::replace(&mut p.connected, true));
-                            match response.item {
-                                Some(pb::subscribe_response::Item::Entry(entry)) => {
-                                    let seen = match start {
-                                        Cursor::After(seq) => seq,
-                                        Cursor::FromEpoch(_) => 0,
-                                    };
-                                    if entry.seq <= seen {
-                                        continue;
-                                    }
-                                    start = Cursor::After(entry.seq);
-                                    if entries.send((entry.seq, entry.message)).await.is_err() {
-                                        return;
-                                    }
-                                }
+                            let batch = match response.item {
+                                Some(pb::subscribe_response::Item::Entry(entry)) => vec![entry],
+                                Some(pb::subscribe_response::Item::Entries(batch)) => batch.entries,
                                 Some(pb::subscribe_response::Item::KeepAlive(k)) => {
                                     channel.progress.send_if_modified(|p| {
                                         let changed = p.head_seq != k.head_seq;
                                         p.head_seq = k.head_seq;
                                         changed
                                     });
+                                    continue;
                                 }
-                                None => {}
+                                None => continue,
+                            };
+                            for entry in batch {
+                                let seen = match start {
+                                    Cursor::After(seq) => seq,
+                                    Cursor::FromEpoch(_) => 0,
+                                };
+                                if entry.seq <= seen {
+                                    continue;
+                                }
+                                start = Cursor::After(entry.seq);
+                                if entries.send((entry.seq, entry.message)).await.is_err() {
+                                    return;
+                                }
                             }
                         }
                     }
