@@ -23,6 +23,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -58,6 +59,8 @@ const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 const COMMIT_ATTEMPTS: usize = 16;
 /// Largest batch the applier and the sender take at once.
 const BATCH: usize = 512;
+/// Entries per Subscribe response we ask the relay for (it sends what is available at once).
+const SUBSCRIBE_BATCH: u32 = 256;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
@@ -155,6 +158,106 @@ impl Tokens {
     }
 }
 
+// --- the inbox ------------------------------------------------------------------------------
+
+/// File of the hand-out marks inside the data directory.
+const MARKS_FILE: &str = "inbox.marks";
+/// Inbox rows read ahead into memory at once.
+const INBOX_READ_AHEAD: usize = 256;
+/// Handed-out rows deleted together.
+const INBOX_PRUNE: usize = 256;
+
+/// Per channel, the id of the last inbox row handed to the caller, 8 bytes (little endian) at
+/// `8 * slot` of `<data_dir>/inbox.marks`.
+///
+/// Taking a message must never hand it out twice, even after a kill; deleting its row (a
+/// SQLite write transaction, ~60 µs) per message was the receiving side's largest cost. A
+/// write of 8 bytes to a file (~1 µs) survives a killed process just as well (it is in the
+/// OS's page cache once the call returns), so a message is handed out only once its mark is
+/// written, and handed-out rows are deleted in bulk later. A power loss may take back the last
+/// marks (and the message is handed out again), as it may take back light SQLite commits.
+struct Marks {
+    file: std::fs::File,
+}
+
+impl Marks {
+    fn open(data_dir: &Path) -> Result<Self> {
+        let path = data_dir.join(MARKS_FILE);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::Internal(format!("cannot open {}: {e}", path.display())))?;
+        Ok(Self { file })
+    }
+
+    fn offset(slot: u64) -> u64 {
+        slot.saturating_mul(8)
+    }
+
+    fn read(&self, slot: u64) -> Result<i64> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 8];
+        match self.file.read_exact_at(&mut buf, Self::offset(slot)) {
+            Ok(()) => Ok(i64::from_le_bytes(buf)),
+            // Never written: nothing handed out yet.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+            Err(e) => Err(Error::Internal(format!("cannot read the inbox marks: {e}"))),
+        }
+    }
+
+    fn write(&self, slot: u64, id: i64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(&id.to_le_bytes(), Self::offset(slot))
+            .map_err(|e| Error::Internal(format!("cannot write the inbox marks: {e}")))
+    }
+}
+
+/// A channel's inbox as its readers see it: rows read ahead, and what was handed out.
+struct Inbox {
+    slot: u64,
+    /// The last row handed out (its mark).
+    handed: i64,
+    /// The last row read into `ahead`.
+    loaded: i64,
+    ahead: VecDeque<crate::store::InboxMessage>,
+    /// Rows handed out and not yet deleted.
+    unpruned: usize,
+}
+
+impl Inbox {
+    fn take(
+        &mut self,
+        engine: &Engine,
+        marks: &Marks,
+        name: &str,
+    ) -> Result<Option<crate::store::InboxMessage>> {
+        if self.ahead.is_empty() {
+            let rows = engine.inbox_after(name, self.loaded, INBOX_READ_AHEAD)?;
+            if let Some(last) = rows.last() {
+                self.loaded = last.id;
+            }
+            self.ahead.extend(rows);
+        }
+        let Some(id) = self.ahead.front().map(|m| m.id) else {
+            return Ok(None);
+        };
+        marks.write(self.slot, id)?;
+        self.handed = id;
+        self.unpruned += 1;
+        if self.unpruned >= INBOX_PRUNE {
+            // Best effort: rows left behind are deleted by the next prune.
+            if engine.inbox_prune(name, id).is_ok() {
+                self.unpruned = 0;
+            }
+        }
+        Ok(self.ahead.pop_front())
+    }
+}
+
 // --- shared state ---------------------------------------------------------------------------
 
 struct Shared {
@@ -166,11 +269,41 @@ struct Shared {
     handle: Handle,
     closed: std::sync::atomic::AtomicBool,
     retry_deadline: Duration,
+    marks: Marks,
+    inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
 }
 
 impl Shared {
     fn engine(&self) -> Result<Arc<Engine>> {
         lock(&self.engine).clone().ok_or_else(closed_error)
+    }
+
+    /// The channel's inbox (the same for every [`Channel`] object of one name, so a reopened
+    /// channel and the iterators of its closed predecessor never hand out a message twice).
+    fn inbox(&self, engine: &Engine, name: &str) -> Result<Arc<Mutex<Inbox>>> {
+        let mut inboxes = lock(&self.inboxes);
+        if let Some(inbox) = inboxes.get(name) {
+            return Ok(Arc::clone(inbox));
+        }
+        let slot = engine.inbox_slot(name)?;
+        let handed = self.marks.read(slot)?;
+        engine.inbox_prune(name, handed)?;
+        let inbox = Arc::new(Mutex::new(Inbox {
+            slot,
+            handed,
+            loaded: handed,
+            ahead: VecDeque::new(),
+            unpruned: 0,
+        }));
+        inboxes.insert(name.to_owned(), Arc::clone(&inbox));
+        Ok(inbox)
+    }
+
+    /// Takes the next received message of `name`, marking it handed out.
+    fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Vec<u8>>> {
+        let inbox = self.inbox(engine, name)?;
+        let mut inbox = lock(&inbox);
+        Ok(inbox.take(engine, &self.marks, name)?.map(|m| m.payload))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -281,6 +414,8 @@ impl Client {
             .map_err(|e| Error::Internal(format!("cannot start the runtime: {e}")))?;
         let data_dir = data_dir.as_ref().to_owned();
         let engine = Arc::new(Engine::open(&data_dir, identity)?);
+        // Opened under the engine's directory lock.
+        let marks = Marks::open(&data_dir)?;
         // connect_lazy spawns onto the current runtime.
         let relay = {
             let _guard = runtime.enter();
@@ -293,6 +428,8 @@ impl Client {
             handle: runtime.handle().clone(),
             closed: std::sync::atomic::AtomicBool::new(false),
             retry_deadline: retry_deadline_from_env(),
+            marks,
+            inboxes: Mutex::new(HashMap::new()),
         });
         Ok(Self {
             runtime: Mutex::new(Some(runtime)),
@@ -511,9 +648,41 @@ pub enum Next {
     End,
 }
 
-struct SendJob {
-    payload: Vec<u8>,
-    reply: oneshot::Sender<Result<()>>,
+/// When the latest message of a channel passed each stage, in nanoseconds of the system
+/// clock (comparable across processes on one machine): what `bench/e2e.py` breaks a round
+/// trip down with. Relaxed atomic stores, a few nanoseconds per message.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// A send began (its payload was queued for encryption).
+    pub send_started: AtomicU64,
+    /// Its message was encrypted and handed to the publisher.
+    pub send_encrypted: AtomicU64,
+    /// The relay acknowledged it.
+    pub send_acked: AtomicU64,
+    /// Entries arrived from the relay.
+    pub received: AtomicU64,
+    /// They were applied (decrypted, stored in the inbox).
+    pub applied: AtomicU64,
+    /// A message was handed to the caller.
+    pub handed_out: AtomicU64,
+}
+
+/// Now, in nanoseconds since the Unix epoch.
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+fn stamp(at: &AtomicU64) {
+    at.store(now_ns(), Ordering::Relaxed);
+}
+
+/// A payload waiting to be encrypted (see [`Channel::send`]).
+struct Pending {
+    payload: Arc<Vec<u8>>,
+    deadline: Instant,
+    reply: oneshot::Sender<Outcome>,
 }
 
 /// One channel of ours, with its background tasks. See the module docs.
@@ -525,7 +694,13 @@ pub struct Channel {
     signal: (Mutex<u64>, Condvar),
     wakers: Mutex<Vec<UnixStream>>,
     commit_lock: tokio::sync::Mutex<()>,
-    sends: mpsc::UnboundedSender<SendJob>,
+    /// Payloads waiting for the encryption lock; whoever holds it encrypts them all.
+    encrypt_queue: Mutex<Vec<Pending>>,
+    /// Held while encrypting and handing the messages to the publisher, so the log gets them
+    /// in the order they were encrypted.
+    encrypt_lock: Mutex<()>,
+    outbound: mpsc::UnboundedSender<Vec<Outbound>>,
+    timings: Timings,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -569,7 +744,7 @@ impl Channel {
             epoch,
             ..Progress::default()
         });
-        let (sends, send_rx) = mpsc::unbounded_channel();
+        let (outbound, outbound_rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let channel = Arc::new(Self {
             name: name.to_owned(),
@@ -578,11 +753,14 @@ impl Channel {
             signal: (Mutex::new(0), Condvar::new()),
             wakers: Mutex::new(Vec::new()),
             commit_lock: tokio::sync::Mutex::new(()),
-            sends,
+            encrypt_queue: Mutex::new(Vec::new()),
+            encrypt_lock: Mutex::new(()),
+            outbound,
+            timings: Timings::default(),
             shutdown,
             tasks: Mutex::new(Vec::new()),
         });
-        let (entries_tx, entries_rx) = mpsc::channel(4 * BATCH);
+        let (entries_tx, entries_rx) = mpsc::channel(16);
         // The tasks hold the channel weakly where they can, strongly where they must finish a
         // step; all stop when `shutdown` flips.
         let tasks = vec![
@@ -592,7 +770,9 @@ impl Channel {
             shared
                 .handle
                 .spawn(applier(Arc::clone(&channel), entries_rx)),
-            shared.handle.spawn(sender(Arc::clone(&channel), send_rx)),
+            shared
+                .handle
+                .spawn(publisher(Arc::clone(&channel), outbound_rx)),
         ];
         *lock(&channel.tasks) = tasks;
         Ok(channel)
@@ -600,6 +780,11 @@ impl Channel {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// When the latest message passed each stage (see [`Timings`]).
+    pub fn timings(&self) -> &Timings {
+        &self.timings
     }
 
     pub fn progress(&self) -> Progress {
@@ -673,16 +858,17 @@ impl Channel {
         let Ok(engine) = self.shared.engine() else {
             return Ok(Next::End);
         };
-        if let Some(message) = engine.inbox_take(&self.name)? {
-            return Ok(Next::Message(message.payload));
+        if let Some(payload) = self.shared.inbox_take(&engine, &self.name)? {
+            stamp(&self.timings.handed_out);
+            return Ok(Next::Message(payload));
         }
         let ended = self.progress.borrow().ended.clone();
         match ended {
             None => Ok(Next::Empty),
             Some(end) => {
                 // Messages stored before the end are still handed out.
-                if let Some(message) = engine.inbox_take(&self.name)? {
-                    return Ok(Next::Message(message.payload));
+                if let Some(payload) = self.shared.inbox_take(&engine, &self.name)? {
+                    return Ok(Next::Message(payload));
                 }
                 match end {
                     End::Failed(_) => Err(end.error(&self.name)),
@@ -718,10 +904,20 @@ impl Channel {
 
     /// How many received messages wait to be read.
     pub fn pending(&self) -> Result<u64> {
-        self.shared.engine()?.inbox_len(&self.name)
+        let engine = self.shared.engine()?;
+        let inbox = self.shared.inbox(&engine, &self.name)?;
+        let handed = lock(&inbox).handed;
+        engine.inbox_count_after(&self.name, handed)
     }
 
     /// Encrypts `payload` and publishes it; returns once the relay has it in the channel's log.
+    ///
+    /// Runs on the caller's thread up to the publishing: concurrent senders queue their
+    /// payloads, and the one that gets the encryption lock encrypts everything queued in one
+    /// transaction (flat combining) and hands the messages to the publisher task, which keeps
+    /// one pipelined `PublishBatches` call open. Refusals are handled here: a stale epoch is
+    /// caught up with and the payload encrypted again; a transient refusal is retried with the
+    /// same bytes (the relay's idempotency makes that safe) until the retry deadline.
     pub fn send(&self, payload: Vec<u8>) -> Result<()> {
         if payload.len() > MAX_PAYLOAD {
             return Err(Error::Transport(format!(
@@ -730,11 +926,104 @@ impl Channel {
             )));
         }
         self.check_usable()?;
+        stamp(&self.timings.send_started);
+        let payload = Arc::new(payload);
+        let deadline = Instant::now() + self.shared.retry_deadline;
+        let mut answer = self.encrypt_and_publish(&payload, deadline);
+        let mut reencrypted = 0;
+        let mut strikes = 0;
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let outcome = answer.blocking_recv().map_err(|_| self.ended_error())?;
+            let (refusal, message) = match outcome {
+                Outcome::Accepted => {
+                    stamp(&self.timings.send_acked);
+                    return Ok(());
+                }
+                Outcome::Failed(e) => return Err(e),
+                Outcome::Refused(refusal, message) => (refusal, message),
+            };
+            let status = Status::new(Code::from(refusal.code as i32), refusal.message.clone());
+            match status.code() {
+                Code::FailedPrecondition if reencrypted < 3 => {
+                    // Encrypted at an epoch the relay no longer accepts (the group moved on by
+                    // more than its window): catch up and encrypt again.
+                    reencrypted += 1;
+                    self.block_on(self.wait_epoch(refusal.current_epoch))?;
+                    answer = self.encrypt_and_publish(&payload, deadline);
+                    continue;
+                }
+                Code::Unauthenticated => {
+                    self.shared
+                        .on_unauthenticated(&status, None, &mut strikes)?;
+                }
+                Code::ResourceExhausted if refusal.retry_after_ms > 0 => {
+                    std::thread::sleep(Duration::from_millis(refusal.retry_after_ms));
+                }
+                _ if transport::is_transient(&status) && Instant::now() < deadline => {
+                    std::thread::sleep(backoff);
+                    backoff = backoff_next(backoff);
+                }
+                _ => return Err(transport::status_error("Publish", &status)),
+            }
+            self.check_usable()?;
+            let (reply, next) = oneshot::channel();
+            self.outbound
+                .send(vec![Outbound {
+                    message,
+                    deadline,
+                    reply,
+                }])
+                .map_err(|_| self.ended_error())?;
+            answer = next;
+        }
+    }
+
+    /// Queues `payload` for encryption, encrypts the queue if nobody else is doing it, and
+    /// returns where the outcome of its publishing will come.
+    fn encrypt_and_publish(
+        &self,
+        payload: &Arc<Vec<u8>>,
+        deadline: Instant,
+    ) -> oneshot::Receiver<Outcome> {
         let (reply, answer) = oneshot::channel();
-        self.sends
-            .send(SendJob { payload, reply })
-            .map_err(|_| self.ended_error())?;
-        self.block_on(async move { answer.await.map_err(|_| self.ended_error())? })
+        lock(&self.encrypt_queue).push(Pending {
+            payload: Arc::clone(payload),
+            deadline,
+            reply,
+        });
+        let _encrypting = lock(&self.encrypt_lock);
+        let batch = std::mem::take(&mut *lock(&self.encrypt_queue));
+        if batch.is_empty() {
+            // Another sender encrypted ours along with its own.
+            return answer;
+        }
+        let encrypted = self.shared.engine().and_then(|engine| {
+            let refs: Vec<&[u8]> = batch.iter().map(|p| p.payload.as_slice()).collect();
+            engine.encrypt_many(&self.name, &refs)
+        });
+        match encrypted {
+            Ok(messages) => {
+                let items = batch
+                    .into_iter()
+                    .zip(messages)
+                    .map(|(p, message)| Outbound {
+                        message,
+                        deadline: p.deadline,
+                        reply: p.reply,
+                    })
+                    .collect();
+                stamp(&self.timings.send_encrypted);
+                // A publisher that is gone drops the replies: the senders see the channel's end.
+                let _ = self.outbound.send(items);
+            }
+            Err(e) => {
+                for p in batch {
+                    let _ = p.reply.send(Outcome::Failed(e.clone()));
+                }
+            }
+        }
+        answer
     }
 
     fn ended_error(&self) -> Error {
@@ -986,7 +1275,7 @@ enum Published {
 // --- background tasks -------------------------------------------------------------------------
 
 /// Subscribes to the channel's log and forwards entries, in order, to the applier.
-async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u64, Vec<u8>)>) {
+async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<Received>) {
     let mut shutdown = channel.shutdown.subscribe();
     let mut start = cursor;
     let mut backoff = BACKOFF_MIN;
@@ -1004,7 +1293,7 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
             .request(pb::SubscribeRequest {
                 channel: channel.name.clone(),
                 start: Some(start_field),
-                max_batch: 0,
+                max_batch: SUBSCRIBE_BATCH,
             })
             .await;
         let (request, token) = match request {
@@ -1060,18 +1349,25 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
                                 }
                                 None => continue,
                             };
-                            for entry in batch {
-                                let seen = match start {
-                                    Cursor::After(seq) => seq,
-                                    Cursor::FromEpoch(_) => 0,
-                                };
-                                if entry.seq <= seen {
-                                    continue;
-                                }
-                                start = Cursor::After(entry.seq);
-                                if entries.send((entry.seq, entry.message)).await.is_err() {
-                                    return;
-                                }
+                            let seen = match start {
+                                Cursor::After(seq) => seq,
+                                Cursor::FromEpoch(_) => 0,
+                            };
+                            let batch: Vec<(u64, Vec<u8>)> = batch
+                                .into_iter()
+                                .filter(|entry| entry.seq > seen)
+                                .map(|entry| (entry.seq, entry.message))
+                                .collect();
+                            let Some(&(last, _)) = batch.last() else {
+                                continue;
+                            };
+                            start = Cursor::After(last);
+                            let received = Received {
+                                entries: batch,
+                                at: now_ns(),
+                            };
+                            if entries.send(received).await.is_err() {
+                                return;
                             }
                         }
                     }
@@ -1124,7 +1420,14 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, wait: Duration)
 }
 
 /// Applies the log's entries in order, in batches: the one writer of the group's state.
-async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8>)>) {
+/// Consecutive entries of the log from one Subscribe response.
+struct Received {
+    entries: Vec<(u64, Vec<u8>)>,
+    /// When they arrived (see [`Timings`]).
+    at: u64,
+}
+
+async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
     let mut shutdown = channel.shutdown.subscribe();
     loop {
         let first = tokio::select! {
@@ -1132,10 +1435,11 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
             e = entries.recv() => e,
         };
         let Some(first) = first else { return };
-        let mut batch = vec![first];
+        let received_at = first.at;
+        let mut batch = first.entries;
         while batch.len() < BATCH {
             match entries.try_recv() {
-                Ok(e) => batch.push(e),
+                Ok(more) => batch.extend(more.entries),
                 Err(_) => break,
             }
         }
@@ -1182,6 +1486,12 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
             }
         });
         if messages {
+            // Only batches with messages for us: our own messages come back too.
+            channel
+                .timings
+                .received
+                .store(received_at, Ordering::Relaxed);
+            stamp(&channel.timings.applied);
             channel.notify();
         }
         if removed {
@@ -1202,202 +1512,323 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
     }
 }
 
-/// Encrypts and publishes [`Channel::send`] payloads in batches, in submission order.
-async fn sender(channel: Arc<Channel>, mut jobs: mpsc::UnboundedReceiver<SendJob>) {
+/// Publishes encrypted messages on one long-lived `PublishBatches` call, pipelined: batches
+/// go out while earlier ones are in flight, and each message's result goes back to its sender.
+/// Failures of the call itself (connection lost, token expired, relay restarting) are handled
+/// here: the call is reopened and the messages in flight are sent again with the same bytes
+/// (the relay's idempotency answers those it already has). Refusals of single messages go to
+/// their senders, who decide (see [`Channel::send`]).
+async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<Vec<Outbound>>) {
     let mut shutdown = channel.shutdown.subscribe();
-    loop {
-        let first = tokio::select! {
-            _ = shutdown.changed() => return,
-            j = jobs.recv() => j,
-        };
-        let Some(first) = first else { return };
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match jobs.try_recv() {
-                Ok(j) => batch.push(j),
-                Err(_) => break,
-            }
-        }
-        let results = publish_payloads(&channel, &batch).await;
-        for (job, result) in batch.into_iter().zip(results) {
-            let _ = job.reply.send(result);
-        }
-    }
-}
-
-/// Encrypts the payloads in one transaction and publishes them in order; one result each.
-async fn publish_payloads(channel: &Channel, jobs: &[SendJob]) -> Vec<Result<()>> {
-    let mut results: Vec<Option<Result<()>>> = (0..jobs.len()).map(|_| None).collect();
-    // (job index, encrypted message) still to publish, in order.
-    let mut queue: VecDeque<(usize, Vec<u8>)>;
-    let encrypt = |indices: Vec<usize>| {
-        let payloads: Vec<Vec<u8>> = indices.iter().map(|&i| jobs[i].payload.clone()).collect();
-        let name = channel.name.clone();
-        async move {
-            let messages = channel
-                .shared
-                .blocking(move |e| {
-                    let refs: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
-                    e.encrypt_many(&name, &refs)
-                })
-                .await?;
-            Ok::<_, Error>(indices.into_iter().zip(messages).collect::<VecDeque<_>>())
-        }
-    };
-    match encrypt((0..jobs.len()).collect()).await {
-        Ok(q) => queue = q,
-        Err(e) => {
-            return jobs.iter().map(|_| Err(e.clone())).collect();
-        }
-    }
-    let deadline = Instant::now() + channel.shared.retry_deadline;
+    let shared = Arc::clone(&channel.shared);
+    let mut queue: VecDeque<Outbound> = VecDeque::new();
+    let mut inflight: VecDeque<InFlight> = VecDeque::new();
+    let mut inflight_bytes = 0usize;
+    let mut call: Option<BatchCall> = None;
     let mut backoff = BACKOFF_MIN;
     let mut strikes = 0;
-    let mut reencrypted = 0;
-    while !queue.is_empty() {
-        let (accepted, failure) = match publish_batch(channel, &queue).await {
-            Ok(outcome) => outcome,
-            Err(e) if e.kind() == ErrorKind::Auth || Instant::now() >= deadline => {
-                for (i, _) in queue.drain(..) {
-                    results[i] = Some(Err(e.clone()));
+    // When the oldest batch in flight must have been answered by.
+    let mut answer_by = Instant::now();
+    loop {
+        while let Ok(more) = incoming.try_recv() {
+            queue.extend(more);
+        }
+        // Send what may go now.
+        let mut failure: Option<(Status, Option<String>)> = None;
+        while !queue.is_empty()
+            && inflight.len() < MAX_INFLIGHT_BATCHES
+            && inflight_bytes < MAX_INFLIGHT_BYTES
+        {
+            if call.is_none() {
+                match open_batch_call(&shared).await {
+                    Ok(opened) => call = Some(opened),
+                    Err(OpenFailure::Status(status, token)) => {
+                        failure = Some((status, token));
+                        break;
+                    }
+                    Err(OpenFailure::Final(e)) => {
+                        for item in queue.drain(..) {
+                            item.fail(e.clone());
+                        }
+                        break;
+                    }
+                    Err(OpenFailure::Token) => {
+                        // The token endpoint is unreachable for now.
+                        expire(&mut queue, "Publish: cannot get a relay token in time");
+                        if sleep_or_shutdown(&mut shutdown, backoff).await {
+                            return;
+                        }
+                        backoff = backoff_next(backoff);
+                        break;
+                    }
                 }
-                continue;
             }
-            Err(_) => {
-                // The token endpoint is unreachable for now.
-                tokio::time::sleep(backoff).await;
-                backoff = backoff_next(backoff);
-                continue;
+            let Some(open) = call.as_mut() else { break };
+            let batch = take_batch(&mut queue);
+            let request = pb::PublishBatchRequest {
+                requests: batch
+                    .items
+                    .iter()
+                    .map(|o| pb::PublishRequest {
+                        channel: channel.name.clone(),
+                        message: o.message.clone(),
+                        welcome: Vec::new(),
+                        idempotency_key: Vec::new(),
+                    })
+                    .collect(),
+            };
+            if inflight.is_empty() {
+                answer_by = Instant::now() + CALL_TIMEOUT;
             }
-        };
-        for _ in 0..accepted {
-            if let Some((i, _)) = queue.pop_front() {
-                results[i] = Some(Ok(()));
+            inflight_bytes += batch.bytes;
+            inflight.push_back(batch);
+            if open.requests.send(request).is_err() {
+                // The call is over; its status comes from the response stream.
+                failure = Some(match open.responses.message().await {
+                    Err(status) => (status, open.token.clone()),
+                    _ => (
+                        Status::unavailable("the publish call ended"),
+                        open.token.clone(),
+                    ),
+                });
+                break;
+            }
+        }
+        if failure.is_none() {
+            let can_send = !queue.is_empty()
+                && inflight.len() < MAX_INFLIGHT_BATCHES
+                && inflight_bytes < MAX_INFLIGHT_BYTES;
+            let waiting = !inflight.is_empty();
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => return,
+                r = async {
+                    match call.as_mut() {
+                        Some(open) => open.responses.message().await,
+                        None => std::future::pending().await,
+                    }
+                }, if call.is_some() => match r {
+                    Ok(Some(response)) => {
+                        backoff = BACKOFF_MIN;
+                        strikes = 0;
+                        answer_by = Instant::now() + CALL_TIMEOUT;
+                        match inflight.pop_front() {
+                            Some(batch) => {
+                                inflight_bytes -= batch.bytes;
+                                batch.answer(response.results);
+                            }
+                            None => {
+                                let token = call.as_ref().and_then(|c| c.token.clone());
+                                failure = Some((
+                                    Status::internal("an answer to no batch of ours"),
+                                    token,
+                                ));
+                            }
+                        }
+                    }
+                    Ok(None) if !waiting => call = None,
+                    Ok(None) => {
+                        let token = call.as_ref().and_then(|c| c.token.clone());
+                        failure = Some((Status::unavailable("the publish call ended early"), token));
+                    }
+                    Err(_) if !waiting => call = None,
+                    Err(status) => {
+                        let token = call.as_ref().and_then(|c| c.token.clone());
+                        failure = Some((status, token));
+                    }
+                },
+                more = incoming.recv(), if !can_send => match more {
+                    Some(more) => queue.extend(more),
+                    None => return,
+                },
+                _ = tokio::time::sleep_until(answer_by.into()), if waiting => {
+                    let token = call.as_ref().and_then(|c| c.token.clone());
+                    failure = Some((
+                        Status::deadline_exceeded(format!(
+                            "no answer from the relay within {CALL_TIMEOUT:?}"
+                        )),
+                        token,
+                    ));
+                }
             }
         }
         let Some((status, token)) = failure else {
             continue;
         };
-        let fail_front = |queue: &mut VecDeque<(usize, Vec<u8>)>,
-                          results: &mut Vec<Option<Result<()>>>,
-                          e: Error| {
-            if let Some((i, _)) = queue.pop_front() {
-                results[i] = Some(Err(e));
+        // The call failed: what was in flight goes back to the front of the queue, in order,
+        // to be sent again on a new call.
+        call = None;
+        inflight_bytes = 0;
+        while let Some(batch) = inflight.pop_back() {
+            for item in batch.items.into_iter().rev() {
+                queue.push_front(item);
             }
-        };
-        let fail_all = |queue: &mut VecDeque<(usize, Vec<u8>)>,
-                        results: &mut Vec<Option<Result<()>>>,
-                        e: &Error| {
-            for (i, _) in queue.drain(..) {
-                results[i] = Some(Err(e.clone()));
-            }
-        };
+        }
         match status.code() {
             Code::Unauthenticated => {
-                if let Err(e) =
-                    channel
-                        .shared
-                        .on_unauthenticated(&status, token.as_deref(), &mut strikes)
-                {
-                    fail_all(&mut queue, &mut results, &e);
-                }
-            }
-            Code::FailedPrecondition if reencrypted < 3 => {
-                // Encrypted at an epoch the relay no longer accepts (the group moved on by
-                // more than its window): catch up and encrypt again.
-                reencrypted += 1;
-                let epoch = transport::current_epoch(&status).unwrap_or(0);
-                if let Err(e) = channel.wait_epoch(epoch).await {
-                    fail_all(&mut queue, &mut results, &e);
-                    continue;
-                }
-                let indices: Vec<usize> = queue.drain(..).map(|(i, _)| i).collect();
-                match encrypt(indices.clone()).await {
-                    Ok(q) => queue = q,
-                    Err(e) => {
-                        for i in indices {
-                            results[i] = Some(Err(e.clone()));
-                        }
+                if let Err(e) = shared.on_unauthenticated(&status, token.as_deref(), &mut strikes) {
+                    for item in queue.drain(..) {
+                        item.fail(e.clone());
                     }
                 }
             }
             Code::ResourceExhausted if transport::retry_after(&status).is_some() => {
-                tokio::time::sleep(transport::retry_after(&status).unwrap_or(BACKOFF_MIN)).await;
-            }
-            _ if transport::is_transient(&status) && Instant::now() < deadline => {
-                tokio::time::sleep(backoff).await;
-                backoff = backoff_next(backoff);
+                let wait = transport::retry_after(&status).unwrap_or(BACKOFF_MIN);
+                if sleep_or_shutdown(&mut shutdown, wait).await {
+                    return;
+                }
             }
             _ if transport::is_transient(&status) => {
-                let e = transport::status_error("Publish", &status);
-                fail_all(&mut queue, &mut results, &e);
+                expire(
+                    &mut queue,
+                    &format!("Publish: {} ({:?})", status.message(), status.code()),
+                );
+                if sleep_or_shutdown(&mut shutdown, backoff).await {
+                    return;
+                }
+                backoff = backoff_next(backoff);
             }
-            // Refused for itself (too large, malformed): fail that message, go on with the rest.
-            _ => fail_front(
-                &mut queue,
-                &mut results,
-                transport::status_error("Publish", &status),
-            ),
+            _ => {
+                let e = transport::status_error("Publish", &status);
+                for item in queue.drain(..) {
+                    item.fail(e.clone());
+                }
+            }
         }
     }
-    results
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(Error::Internal("a message was not sent".into()))))
-        .collect()
 }
 
-/// Publishes the queued messages in order; returns how many were accepted and, if the call
-/// ended early, its status and the token it used.
-async fn publish_batch(
-    channel: &Channel,
-    queue: &VecDeque<(usize, Vec<u8>)>,
-) -> Result<(usize, Option<(Status, Option<String>)>)> {
-    let shared = &channel.shared;
-    if queue.len() == 1 {
-        let Some((_, message)) = queue.front() else {
-            return Ok((0, None));
-        };
-        let request = shared
-            .request(pb::PublishRequest {
-                channel: channel.name.clone(),
-                message: message.clone(),
-                welcome: Vec::new(),
-                idempotency_key: Vec::new(),
-            })
-            .await;
-        let (request, token) = request?;
-        return Ok(match bounded(shared.relay.clone().publish(request)).await {
-            Ok(_) => (1, None),
-            Err(status) => (0, Some((status, token))),
-        });
+/// Fails the queued messages whose retry deadline has passed.
+fn expire(queue: &mut VecDeque<Outbound>, why: &str) {
+    let now = Instant::now();
+    if queue.iter().all(|o| o.deadline > now) {
+        return;
     }
-    let requests: Vec<pb::PublishRequest> = queue
-        .iter()
-        .map(|(_, message)| pb::PublishRequest {
-            channel: channel.name.clone(),
-            message: message.clone(),
-            welcome: Vec::new(),
-            idempotency_key: Vec::new(),
-        })
-        .collect();
-    let request = shared.request(tokio_stream::iter(requests)).await;
-    let (request, token) = request?;
-    let mut stream = match bounded(shared.relay.clone().publish_stream(request)).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return Ok((0, Some((status, token)))),
-    };
-    let mut accepted = 0;
-    loop {
-        match bounded(stream.message()).await {
-            Ok(Some(_)) => accepted += 1,
-            Ok(None) if accepted >= queue.len() => return Ok((accepted, None)),
-            Ok(None) => {
-                return Ok((
-                    accepted,
-                    Some((Status::unknown("the publish stream ended early"), token)),
-                ))
-            }
-            Err(status) => return Ok((accepted, Some((status, token)))),
+    let (late, on_time): (VecDeque<_>, VecDeque<_>) =
+        queue.drain(..).partition(|o| o.deadline <= now);
+    *queue = on_time;
+    for item in late {
+        item.fail(Error::Transport(why.to_owned()));
+    }
+}
+
+/// Most batches of one `PublishBatches` call awaiting their answer.
+const MAX_INFLIGHT_BATCHES: usize = 32;
+/// Most message bytes awaiting their answer on one call.
+const MAX_INFLIGHT_BYTES: usize = 8 * 1024 * 1024;
+/// Items per batch (the relay's limit).
+const MAX_BATCH_ITEMS: usize = 1024;
+/// Message bytes per batch: the relay reads requests of at most 1 MiB; leave room for the
+/// framing of each item. A larger single message goes alone.
+const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
+/// Framing of one item in a batch request, beyond its message (channel name, tags).
+const ITEM_OVERHEAD: usize = 256;
+
+/// One encrypted message on its way to the relay.
+struct Outbound {
+    message: Vec<u8>,
+    /// Until when failures of the call are retried for it.
+    deadline: Instant,
+    reply: oneshot::Sender<Outcome>,
+}
+
+impl Outbound {
+    fn fail(self, e: Error) {
+        let _ = self.reply.send(Outcome::Failed(e));
+    }
+}
+
+/// What became of one published message.
+enum Outcome {
+    /// In the channel's log.
+    Accepted,
+    /// Refused by the relay (the message comes back for a retry).
+    Refused(pb::Refusal, Vec<u8>),
+    /// Not published, and retrying will not help.
+    Failed(Error),
+}
+
+/// A batch sent and not yet answered.
+struct InFlight {
+    items: Vec<Outbound>,
+    bytes: usize,
+}
+
+impl InFlight {
+    fn answer(self, results: Vec<pb::PublishResult>) {
+        let mut results = results.into_iter();
+        for item in self.items {
+            let outcome = match results.next().and_then(|r| r.outcome) {
+                Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
+                Some(pb::publish_result::Outcome::Refused(refusal)) => {
+                    Outcome::Refused(refusal, item.message)
+                }
+                // A short answer: treated as a transient refusal, retried with the same bytes.
+                None => Outcome::Refused(
+                    pb::Refusal {
+                        code: Code::Unavailable as u32,
+                        message: "the relay did not answer for this message".into(),
+                        current_epoch: 0,
+                        retry_after_ms: 0,
+                    },
+                    item.message,
+                ),
+            };
+            let _ = item.reply.send(outcome);
         }
+    }
+}
+
+/// Takes the next batch off the queue: up to [`MAX_BATCH_ITEMS`] items and
+/// [`MAX_BATCH_BYTES`], at least one.
+fn take_batch(queue: &mut VecDeque<Outbound>) -> InFlight {
+    let mut items = Vec::with_capacity(queue.len().min(MAX_BATCH_ITEMS));
+    let mut bytes = 0;
+    while let Some(next) = queue.front() {
+        let size = next.message.len() + ITEM_OVERHEAD;
+        if !items.is_empty() && (items.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES) {
+            break;
+        }
+        bytes += size;
+        if let Some(item) = queue.pop_front() {
+            items.push(item);
+        }
+    }
+    InFlight { items, bytes }
+}
+
+/// An open `PublishBatches` call.
+struct BatchCall {
+    requests: mpsc::UnboundedSender<pb::PublishBatchRequest>,
+    responses: tonic::Streaming<pb::PublishBatchResponse>,
+    token: Option<String>,
+}
+
+enum OpenFailure {
+    /// The relay refused or failed the call.
+    Status(Status, Option<String>),
+    /// No token for now (the token endpoint is unreachable): retried.
+    Token,
+    /// No token, final (the key is refused).
+    Final(Error),
+}
+
+async fn open_batch_call(shared: &Shared) -> std::result::Result<BatchCall, OpenFailure> {
+    let (requests, stream) = mpsc::unbounded_channel();
+    let (request, token) = match shared
+        .request(tokio_stream::wrappers::UnboundedReceiverStream::new(stream))
+        .await
+    {
+        Ok(r) => r,
+        Err(e) if e.kind() == ErrorKind::Auth => return Err(OpenFailure::Final(e)),
+        Err(_) => return Err(OpenFailure::Token),
+    };
+    match bounded(shared.relay.clone().publish_batches(request)).await {
+        Ok(response) => Ok(BatchCall {
+            requests,
+            responses: response.into_inner(),
+            token,
+        }),
+        Err(status) => Err(OpenFailure::Status(status, token)),
     }
 }

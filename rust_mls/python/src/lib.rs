@@ -460,6 +460,21 @@ impl Channel {
         (p.applied_seq, p.epoch, p.head_seq, p.connected)
     }
 
+    /// When the latest message passed each stage, in ns of the system clock: (send started,
+    /// encrypted, acknowledged, entries received, applied, handed out). For benchmarks.
+    fn timings(&self) -> (u64, u64, u64, u64, u64, u64) {
+        let t = self.inner.timings();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            get(&t.send_started),
+            get(&t.send_encrypted),
+            get(&t.send_acked),
+            get(&t.received),
+            get(&t.applied),
+            get(&t.handed_out),
+        )
+    }
+
     fn send(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
         native(py.allow_threads(move || inner.send(payload)))
