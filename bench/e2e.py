@@ -33,6 +33,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import threading
@@ -80,6 +81,15 @@ def bob(relay: str, data_dir: str, conn: Connection) -> None:
                     channel.send(next(messages))
                     traces.append(channel._native.timings())
                 conn.send(traces)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_way(channel: object, conn: Connection, messages: int, senders: int) -> float:
@@ -173,7 +183,17 @@ def main() -> None:
                 one_way(channel, ours, 500, 4)
 
                 single = one_way(channel, ours, min(args.messages, 2_000), 1)
+                pids = {
+                    "alice": os.getpid(),
+                    "relay": server.proc.pid if server.proc else 0,
+                    "bob": receiver.pid or 0,
+                }
+                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
                 many = one_way(channel, ours, args.messages, args.senders)
+                cpu = {
+                    name: (_cpu_seconds(pid) - before[name]) / args.messages * 1e6
+                    for name, pid in pids.items()
+                }
 
                 ours.send(("echo", args.round_trips))
                 answers = channel.messages()
@@ -196,6 +216,10 @@ def main() -> None:
     print("SDK -> relay -> SDK, MLS, 1 KiB payloads, loopback, durable stores")
     print(f"  one-way, 1 sending thread:       {single:9,.0f} msg/s")
     print(f"  one-way, {args.senders} sending threads:     {many:9,.0f} msg/s   (target >= 7,000)")
+    print(
+        "    CPU per message in that run: "
+        + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items())
+    )
     print(
         f"  round trip: median {statistics.median(rtts):.2f} ms, p99 {p99:.2f} ms"
         "   (targets <= 1.5 ms, <= 5 ms)"

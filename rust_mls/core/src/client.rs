@@ -4,20 +4,24 @@
 //!
 //! * One [`Client`] per agent process and data directory: it owns a small multi-thread tokio
 //!   runtime, the [`Engine`], a lazily connecting tonic client of the relay and a token source.
-//! * One [`Channel`] per open channel, with three background tasks:
-//!   - the **reader** subscribes to the channel's log after the last seq it has seen (or from
-//!     the epoch we joined at), reconnects with backoff (also after three silent keep-alive
+//! * One [`Channel`] per open channel, with three background workers:
+//!   - the **reader** task subscribes to the channel's log (in batches of up to
+//!     [`SUBSCRIBE_BATCH`] entries per response) after the last seq it has seen (or from the
+//!     epoch we joined at), reconnects with backoff (also after three silent keep-alive
 //!     intervals), refreshes the token on `UNAUTHENTICATED`, and hands entries to
-//!   - the **applier**, the one writer of the channel's group state: it applies entries strictly
-//!     in log order in batches through [`Engine::process_entries`], which stores the cursor and
-//!     the decrypted messages (the inbox) in the same transaction as the MLS state change;
-//!   - the **sender**, which batches concurrent [`Channel::send`] calls: one transaction
-//!     encrypts the batch (one disk sync), one `PublishStream` call publishes it in order.
+//!   - the **applier** thread, the one writer of the channel's group state: it applies entries
+//!     strictly in log order in batches through [`Engine::process_entries`], which stores the
+//!     cursor and the decrypted messages (the inbox) in the same transaction as the MLS state
+//!     change;
+//!   - the **publisher** task, which keeps one `PublishBatches` call open and pipelines the
+//!     messages [`Channel::send`] encrypted (on the callers' threads, concurrent callers sharing
+//!     one transaction) to it, reopening the call when it fails.
 //! * Commits (`add_member`, `remove_member`, `rotate_keys`, committing proposals) take the
 //!   channel's commit lock, publish with the epoch fence and return once the applier has merged
 //!   the echo of the commit; a stale commit is dropped, the winner applied, and it is retried.
-//! * Readers of messages take them out of the inbox (blocking with a condition variable, or
-//!   async through a readiness socket per waiter, see [`Waker`]).
+//! * Readers of messages take them from the inbox (blocking with a condition variable, or
+//!   async through a readiness socket per waiter, see [`Waker`]), read ahead in memory; a
+//!   message is marked handed out (see [`Marks`]) before it is returned.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -574,11 +578,18 @@ impl Client {
             .closed
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let channels: Vec<_> = lock(&self.channels).drain().map(|(_, c)| c).collect();
-        for channel in channels {
+        for channel in &channels {
             channel.close();
         }
         if let Some(runtime) = lock(&self.runtime).take() {
             runtime.shutdown_timeout(Duration::from_secs(2));
+        }
+        // The readers are gone with the runtime, so the appliers end after their current batch;
+        // they hold the engine, which must be released before this returns.
+        for channel in channels {
+            if let Some(thread) = lock(&channel.applier_thread).take() {
+                let _ = thread.join();
+            }
         }
         // Dropping the last reference checkpoints the store and releases the directory lock.
         lock(&self.shared.engine).take();
@@ -703,6 +714,7 @@ pub struct Channel {
     timings: Timings,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    applier_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// A readiness socket for async waiting: readable whenever the channel's inbox may have gained
@@ -759,22 +771,36 @@ impl Channel {
             timings: Timings::default(),
             shutdown,
             tasks: Mutex::new(Vec::new()),
+            applier_thread: Mutex::new(None),
         });
         let (entries_tx, entries_rx) = mpsc::channel(16);
         // The tasks hold the channel weakly where they can, strongly where they must finish a
         // step; all stop when `shutdown` flips.
+        let (applier_done, applied_all) = oneshot::channel::<()>();
+        let applier_thread = {
+            let channel = Arc::clone(&channel);
+            std::thread::Builder::new()
+                .name("static-applier".into())
+                .spawn(move || {
+                    let _done = applier_done;
+                    applier(channel, entries_rx);
+                })
+                .map_err(|e| Error::Internal(format!("cannot start the applier thread: {e}")))?
+        };
         let tasks = vec![
             shared
                 .handle
                 .spawn(reader(Arc::clone(&channel), cursor, entries_tx)),
-            shared
-                .handle
-                .spawn(applier(Arc::clone(&channel), entries_rx)),
+            // Completes when the applier thread has finished.
+            shared.handle.spawn(async move {
+                let _ = applied_all.await;
+            }),
             shared
                 .handle
                 .spawn(publisher(Arc::clone(&channel), outbound_rx)),
         ];
         *lock(&channel.tasks) = tasks;
+        *lock(&channel.applier_thread) = Some(applier_thread);
         Ok(channel)
     }
 
@@ -1427,14 +1453,19 @@ struct Received {
     at: u64,
 }
 
-async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
-    let mut shutdown = channel.shutdown.subscribe();
+///
+/// Runs on a thread of its own rather than as a task handing each batch to tokio's blocking
+/// pool: a batch then costs one wake-up (the reader's hand-over) instead of three. It ends when
+/// the reader does (the channel's shutdown, or the runtime's).
+fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
+    let shutdown = channel.shutdown.subscribe();
     loop {
-        let first = tokio::select! {
-            _ = shutdown.changed() => return,
-            e = entries.recv() => e,
+        let Some(first) = entries.blocking_recv() else {
+            return;
         };
-        let Some(first) = first else { return };
+        if *shutdown.borrow() {
+            return;
+        }
         let received_at = first.at;
         let mut batch = first.entries;
         while batch.len() < BATCH {
@@ -1443,17 +1474,13 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
                 Err(_) => break,
             }
         }
-        let name = channel.name.clone();
-        let applied = channel
-            .shared
-            .blocking(move |e| {
-                let refs: Vec<(u64, &[u8])> =
-                    batch.iter().map(|(s, m)| (*s, m.as_slice())).collect();
-                let applied = e.process_entries(&name, &refs)?;
-                let epoch = e.epoch(&name).ok();
-                Ok((applied, epoch))
-            })
-            .await;
+        let name = &channel.name;
+        let applied = channel.shared.engine().and_then(|e| {
+            let refs: Vec<(u64, &[u8])> = batch.iter().map(|(s, m)| (*s, m.as_slice())).collect();
+            let applied = e.process_entries(name, &refs)?;
+            let epoch = e.epoch(name).ok();
+            Ok((applied, epoch))
+        });
         let (applied, epoch) = match applied {
             Ok(v) => v,
             Err(e) => {
