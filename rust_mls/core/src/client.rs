@@ -410,8 +410,13 @@ impl Client {
     ) -> Result<Self> {
         let endpoint = transport::endpoint(endpoint)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .max_blocking_threads(16)
+            // One worker: the connection, the readers and the publishers are light async work,
+            // and on one thread they hand over to each other without waking another thread
+            // (measured: a lower round trip than two workers on a 2-core machine). Encryption
+            // runs on the senders' threads, decryption on each channel's applier thread.
+            .worker_threads(1)
+            // Token fetches and commits only.
+            .max_blocking_threads(8)
             .thread_name("static-sdk")
             .enable_all()
             .build()
@@ -1611,7 +1616,7 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
             inflight.push_back(batch);
             if open.requests.send(request).is_err() {
                 // The call is over; its status comes from the response stream.
-                failure = Some(match open.responses.message().await {
+                failure = Some(match bounded(open.responses.message()).await {
                     Err(status) => (status, open.token.clone()),
                     _ => (
                         Status::unavailable("the publish call ended"),
