@@ -1691,9 +1691,11 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
         // to be sent again on a new call.
         call = None;
         inflight_bytes = 0;
+        let mut requeued = 0;
         while let Some(batch) = inflight.pop_back() {
             for item in batch.items.into_iter().rev() {
                 queue.push_front(item);
+                requeued += 1;
             }
         }
         match status.code() {
@@ -1720,9 +1722,13 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
                 }
                 backoff = backoff_next(backoff);
             }
+            // A refusal of the call itself that retrying will not fix: what was sent on it
+            // fails, what was not yet sent goes on a new call (all of it fails when the call
+            // could not even be opened).
             _ => {
                 let e = transport::status_error("Publish", &status);
-                for item in queue.drain(..) {
+                let failed = if requeued == 0 { queue.len() } else { requeued };
+                for item in queue.drain(..failed.min(queue.len())) {
                     item.fail(e.clone());
                 }
             }
@@ -1862,5 +1868,82 @@ async fn open_batch_call(shared: &Shared) -> std::result::Result<BatchCall, Open
             token,
         }),
         Err(status) => Err(OpenFailure::Status(status, token)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outbound(len: usize) -> (Outbound, oneshot::Receiver<Outcome>) {
+        let (reply, answer) = oneshot::channel();
+        let item = Outbound {
+            message: vec![0; len],
+            deadline: Instant::now() + Duration::from_secs(30),
+            reply,
+        };
+        (item, answer)
+    }
+
+    #[test]
+    fn batches_respect_the_relay_limits() {
+        let mut queue: VecDeque<Outbound> = (0..3000).map(|_| outbound(10).0).collect();
+        assert_eq!(take_batch(&mut queue).items.len(), MAX_BATCH_ITEMS);
+        assert_eq!(queue.len(), 3000 - MAX_BATCH_ITEMS);
+
+        let mut queue: VecDeque<Outbound> = (0..40).map(|_| outbound(100_000).0).collect();
+        let batch = take_batch(&mut queue);
+        assert!(batch.bytes <= MAX_BATCH_BYTES);
+        assert_eq!(
+            batch.items.len(),
+            MAX_BATCH_BYTES / (100_000 + ITEM_OVERHEAD)
+        );
+
+        // A message larger than a batch goes alone.
+        let mut queue: VecDeque<Outbound> = [outbound(MAX_PAYLOAD).0, outbound(10).0].into();
+        assert_eq!(take_batch(&mut queue).items.len(), 1);
+        assert_eq!(take_batch(&mut queue).items.len(), 1);
+        assert!(queue.is_empty());
+    }
+
+    #[test]
+    fn answers_go_to_their_senders_in_order() {
+        let (items, mut answers): (Vec<_>, Vec<_>) = (0..3).map(|_| outbound(1)).unzip();
+        let accepted = pb::PublishResult {
+            outcome: Some(pb::publish_result::Outcome::Accepted(
+                pb::PublishResponse::default(),
+            )),
+        };
+        let refused = pb::PublishResult {
+            outcome: Some(pb::publish_result::Outcome::Refused(pb::Refusal {
+                code: Code::FailedPrecondition as u32,
+                current_epoch: 7,
+                ..pb::Refusal::default()
+            })),
+        };
+        // The third gets no result: a transient refusal, retried with its bytes.
+        InFlight { items, bytes: 0 }.answer(vec![accepted, refused]);
+        assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
+        assert!(matches!(
+            answers[1].try_recv(),
+            Ok(Outcome::Refused(r, _)) if r.current_epoch == 7
+        ));
+        assert!(matches!(
+            answers[2].try_recv(),
+            Ok(Outcome::Refused(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
+        ));
+    }
+
+    #[test]
+    fn marks_survive_reopening() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Internal(e.to_string()))?;
+        let marks = Marks::open(dir.path())?;
+        assert_eq!(marks.read(3)?, 0);
+        marks.write(3, 42)?;
+        marks.write(0, 7)?;
+        drop(marks);
+        let marks = Marks::open(dir.path())?;
+        assert_eq!((marks.read(0)?, marks.read(1)?, marks.read(3)?), (7, 0, 42));
+        Ok(())
     }
 }
