@@ -716,6 +716,8 @@ pub struct Channel {
     /// in the order they were encrypted.
     encrypt_lock: Mutex<()>,
     outbound: mpsc::UnboundedSender<Vec<Outbound>>,
+    /// Seqs of our own application messages the relay acknowledged (see [`applier`]).
+    own_seqs: Mutex<std::collections::BTreeSet<u64>>,
     timings: Timings,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -773,6 +775,7 @@ impl Channel {
             encrypt_queue: Mutex::new(Vec::new()),
             encrypt_lock: Mutex::new(()),
             outbound,
+            own_seqs: Mutex::new(std::collections::BTreeSet::new()),
             timings: Timings::default(),
             shutdown,
             tasks: Mutex::new(Vec::new()),
@@ -1384,12 +1387,12 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<Rec
                                 Cursor::After(seq) => seq,
                                 Cursor::FromEpoch(_) => 0,
                             };
-                            let batch: Vec<(u64, Vec<u8>)> = batch
+                            let batch: Vec<(u64, u32, Vec<u8>)> = batch
                                 .into_iter()
                                 .filter(|entry| entry.seq > seen)
-                                .map(|entry| (entry.seq, entry.message))
+                                .map(|entry| (entry.seq, entry.content_type, entry.message))
                                 .collect();
-                            let Some(&(last, _)) = batch.last() else {
+                            let Some(&(last, _, _)) = batch.last() else {
                                 continue;
                             };
                             start = Cursor::After(last);
@@ -1450,14 +1453,19 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, wait: Duration)
     }
 }
 
-/// Applies the log's entries in order, in batches: the one writer of the group's state.
-/// Consecutive entries of the log from one Subscribe response.
+/// Consecutive entries of the log from one Subscribe response: (seq, content type, message).
 struct Received {
-    entries: Vec<(u64, Vec<u8>)>,
+    entries: Vec<(u64, u32, Vec<u8>)>,
     /// When they arrived (see [`Timings`]).
     at: u64,
 }
 
+/// The relay's content type of application messages.
+const APPLICATION: u32 = 1;
+/// Most seqs of our own messages remembered for the applier to skip.
+const OWN_SEQS: usize = 65_536;
+
+/// Applies the log's entries in order, in batches: the one writer of the group's state.
 ///
 /// Runs on a thread of its own rather than as a task handing each batch to tokio's blocking
 /// pool: a batch then costs one wake-up (the reader's hand-over) instead of three. It ends when
@@ -1479,9 +1487,34 @@ fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
                 Err(_) => break,
             }
         }
+        let passed = batch.last().map(|&(seq, _, _)| seq);
+        {
+            // Our own application messages come back from the relay too; applying one changes
+            // nothing (the engine recognises and skips it), so those whose seq the relay
+            // acknowledged to us are not even handed to it. Whatever arrives before its
+            // acknowledgement is applied (and skipped) as before. The stored cursor may then
+            // lag behind our own last messages: after a restart they are applied again, to the
+            // same effect.
+            let mut own = lock(&channel.own_seqs);
+            if !own.is_empty() {
+                batch.retain(|(seq, kind, _)| !(*kind == APPLICATION && own.contains(seq)));
+                if let Some(seq) = passed {
+                    *own = own.split_off(&seq.saturating_add(1));
+                }
+            }
+        }
+        if batch.is_empty() {
+            if let Some(seq) = passed {
+                channel
+                    .progress
+                    .send_modify(|p| p.applied_seq = p.applied_seq.max(seq));
+            }
+            continue;
+        }
         let name = &channel.name;
         let applied = channel.shared.engine().and_then(|e| {
-            let refs: Vec<(u64, &[u8])> = batch.iter().map(|(s, m)| (*s, m.as_slice())).collect();
+            let refs: Vec<(u64, &[u8])> =
+                batch.iter().map(|(s, _, m)| (*s, m.as_slice())).collect();
             let applied = e.process_entries(name, &refs)?;
             let epoch = e.epoch(name).ok();
             Ok((applied, epoch))
@@ -1496,9 +1529,9 @@ fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
         let mut messages = false;
         let mut proposals = false;
         let mut removed = false;
-        let mut last = None;
+        let mut last = passed;
         for a in &applied {
-            last = Some(a.seq);
+            last = last.max(Some(a.seq));
             match &a.outcome {
                 Ok(Incoming::Application { .. }) => messages = true,
                 Ok(Incoming::Proposal { .. }) => proposals = true,
@@ -1647,7 +1680,7 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
                         match inflight.pop_front() {
                             Some(batch) => {
                                 inflight_bytes -= batch.bytes;
-                                batch.answer(response.results);
+                                batch.answer(response.results, &channel.own_seqs);
                             }
                             None => {
                                 let token = call.as_ref().and_then(|c| c.token.clone());
@@ -1682,6 +1715,9 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
                         token,
                     ));
                 }
+                // Nothing to wait for: only after waiting out an unreachable token endpoint,
+                // with messages to send.
+                else => {}
             }
         }
         let Some((status, token)) = failure else {
@@ -1793,11 +1829,20 @@ struct InFlight {
 }
 
 impl InFlight {
-    fn answer(self, results: Vec<pb::PublishResult>) {
+    /// Hands each item its result; the seqs of those accepted go to `own`.
+    fn answer(self, results: Vec<pb::PublishResult>, own: &Mutex<std::collections::BTreeSet<u64>>) {
+        let mut own = lock(own);
+        if own.len() > OWN_SEQS {
+            // The applier is not keeping up (or not running): forget, it only costs time.
+            own.clear();
+        }
         let mut results = results.into_iter();
         for item in self.items {
             let outcome = match results.next().and_then(|r| r.outcome) {
-                Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
+                Some(pb::publish_result::Outcome::Accepted(accepted)) => {
+                    own.insert(accepted.seq);
+                    Outcome::Accepted
+                }
                 Some(pb::publish_result::Outcome::Refused(refusal)) => {
                     Outcome::Refused(refusal, item.message)
                 }
@@ -1922,7 +1967,9 @@ mod tests {
             })),
         };
         // The third gets no result: a transient refusal, retried with its bytes.
-        InFlight { items, bytes: 0 }.answer(vec![accepted, refused]);
+        let own = Mutex::new(std::collections::BTreeSet::new());
+        InFlight { items, bytes: 0 }.answer(vec![accepted, refused], &own);
+        assert_eq!(lock(&own).len(), 1);
         assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
         assert!(matches!(
             answers[1].try_recv(),
