@@ -716,8 +716,8 @@ pub struct Channel {
     /// in the order they were encrypted.
     encrypt_lock: Mutex<()>,
     outbound: mpsc::UnboundedSender<Vec<Outbound>>,
-    /// Seqs of our own application messages the relay acknowledged (see [`applier`]).
-    own_seqs: Mutex<std::collections::BTreeSet<u64>>,
+    /// Our own messages, for the applier to skip when they come back.
+    own_messages: Mutex<OwnMessages>,
     timings: Timings,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
@@ -775,7 +775,7 @@ impl Channel {
             encrypt_queue: Mutex::new(Vec::new()),
             encrypt_lock: Mutex::new(()),
             outbound,
-            own_seqs: Mutex::new(std::collections::BTreeSet::new()),
+            own_messages: Mutex::new(OwnMessages::default()),
             timings: Timings::default(),
             shutdown,
             tasks: Mutex::new(Vec::new()),
@@ -1038,6 +1038,12 @@ impl Channel {
         });
         match encrypted {
             Ok(messages) => {
+                {
+                    let mut own = lock(&self.own_messages);
+                    for message in &messages {
+                        own.remember(message);
+                    }
+                }
                 let items = batch
                     .into_iter()
                     .zip(messages)
@@ -1462,8 +1468,55 @@ struct Received {
 
 /// The relay's content type of application messages.
 const APPLICATION: u32 = 1;
-/// Most seqs of our own messages remembered for the applier to skip.
-const OWN_SEQS: usize = 65_536;
+/// Our own messages remembered for the applier to skip: at most this many, of at most
+/// [`OWN_MESSAGE_BYTES`] each.
+const OWN_MESSAGES: usize = 4096;
+const OWN_MESSAGE_BYTES: usize = 16 * 1024;
+
+/// The application messages we encrypted and that may still come back from the relay (it
+/// sends everyone's messages to every subscriber, ours included), by the last 8 bytes of
+/// their ciphertext (the end of the AEAD tag: random).
+#[derive(Default)]
+struct OwnMessages {
+    by_tag: HashMap<[u8; 8], Vec<u8>>,
+}
+
+impl OwnMessages {
+    fn key(message: &[u8]) -> Option<[u8; 8]> {
+        message
+            .len()
+            .checked_sub(8)
+            .and_then(|start| message.get(start..))
+            .and_then(|tail| tail.try_into().ok())
+    }
+
+    fn remember(&mut self, message: &[u8]) {
+        if message.len() > OWN_MESSAGE_BYTES {
+            return;
+        }
+        if self.by_tag.len() >= OWN_MESSAGES {
+            // Messages that never came back (refused, or sent while not subscribed): forget
+            // them all; this only costs the engine's time.
+            self.by_tag.clear();
+        }
+        if let Some(key) = Self::key(message) {
+            self.by_tag.insert(key, message.to_vec());
+        }
+    }
+
+    /// Whether `message` is one of ours (byte for byte), forgetting it.
+    fn take(&mut self, message: &[u8]) -> bool {
+        let Some(key) = Self::key(message) else {
+            return false;
+        };
+        if self.by_tag.get(&key).is_some_and(|m| m == message) {
+            self.by_tag.remove(&key);
+            true
+        } else {
+            false
+        }
+    }
+}
 
 /// Applies the log's entries in order, in batches: the one writer of the group's state.
 ///
@@ -1490,17 +1543,12 @@ fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
         let passed = batch.last().map(|&(seq, _, _)| seq);
         {
             // Our own application messages come back from the relay too; applying one changes
-            // nothing (the engine recognises and skips it), so those whose seq the relay
-            // acknowledged to us are not even handed to it. Whatever arrives before its
-            // acknowledgement is applied (and skipped) as before. The stored cursor may then
-            // lag behind our own last messages: after a restart they are applied again, to the
-            // same effect.
-            let mut own = lock(&channel.own_seqs);
-            if !own.is_empty() {
-                batch.retain(|(seq, kind, _)| !(*kind == APPLICATION && own.contains(seq)));
-                if let Some(seq) = passed {
-                    *own = own.split_off(&seq.saturating_add(1));
-                }
+            // nothing (the engine recognises and skips it), so those we recognise byte for byte
+            // are not even handed to it. The stored cursor may then lag behind our own last
+            // messages: after a restart they are applied again, to the same effect.
+            let mut own = lock(&channel.own_messages);
+            if !own.by_tag.is_empty() {
+                batch.retain(|(_, kind, message)| !(*kind == APPLICATION && own.take(message)));
             }
         }
         if batch.is_empty() {
@@ -1680,7 +1728,7 @@ async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<
                         match inflight.pop_front() {
                             Some(batch) => {
                                 inflight_bytes -= batch.bytes;
-                                batch.answer(response.results, &channel.own_seqs);
+                                batch.answer(response.results);
                             }
                             None => {
                                 let token = call.as_ref().and_then(|c| c.token.clone());
@@ -1829,20 +1877,12 @@ struct InFlight {
 }
 
 impl InFlight {
-    /// Hands each item its result; the seqs of those accepted go to `own`.
-    fn answer(self, results: Vec<pb::PublishResult>, own: &Mutex<std::collections::BTreeSet<u64>>) {
-        let mut own = lock(own);
-        if own.len() > OWN_SEQS {
-            // The applier is not keeping up (or not running): forget, it only costs time.
-            own.clear();
-        }
+    /// Hands each item its result.
+    fn answer(self, results: Vec<pb::PublishResult>) {
         let mut results = results.into_iter();
         for item in self.items {
             let outcome = match results.next().and_then(|r| r.outcome) {
-                Some(pb::publish_result::Outcome::Accepted(accepted)) => {
-                    own.insert(accepted.seq);
-                    Outcome::Accepted
-                }
+                Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
                 Some(pb::publish_result::Outcome::Refused(refusal)) => {
                     Outcome::Refused(refusal, item.message)
                 }
@@ -1967,9 +2007,7 @@ mod tests {
             })),
         };
         // The third gets no result: a transient refusal, retried with its bytes.
-        let own = Mutex::new(std::collections::BTreeSet::new());
-        InFlight { items, bytes: 0 }.answer(vec![accepted, refused], &own);
-        assert_eq!(lock(&own).len(), 1);
+        InFlight { items, bytes: 0 }.answer(vec![accepted, refused]);
         assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
         assert!(matches!(
             answers[1].try_recv(),
@@ -1979,6 +2017,22 @@ mod tests {
             answers[2].try_recv(),
             Ok(Outcome::Refused(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
         ));
+    }
+
+    #[test]
+    fn own_messages_are_recognised_byte_for_byte() {
+        let mut own = OwnMessages::default();
+        let ours: Vec<u8> = (0..100).collect();
+        own.remember(&ours);
+        own.remember(b"short");
+        let mut same_tag = vec![7u8; 100];
+        same_tag[92..].copy_from_slice(&ours[92..]);
+        assert!(!own.take(&same_tag));
+        assert!(!own.take(b"tiny"));
+        assert!(own.take(&ours));
+        assert!(!own.take(&ours));
+        own.remember(&vec![0; OWN_MESSAGE_BYTES + 1]);
+        assert!(own.by_tag.is_empty());
     }
 
     #[test]
