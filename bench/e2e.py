@@ -7,7 +7,8 @@ processes (Alice sends, Bob receives), 1 KiB payloads. Measures:
 
 * one-way throughput, Alice -> Bob (from the first send to the last message Bob reads), with
   one sending thread (each ``send`` waits for the relay's acknowledgement) and with several
-  sending threads (concurrent sends share one encryption transaction and one PublishStream);
+  sending threads (concurrent sends share encryption transactions and are pipelined on one
+  PublishBatches call);
 * round trip: Alice sends, Bob's agent answers from its ``messages()`` loop, Alice reads the
   answer: median and p99;
 * where a round trip's time goes: per-stage medians over a few hundred round trips, from the

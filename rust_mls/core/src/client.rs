@@ -167,7 +167,7 @@ impl Tokens {
 /// File of the hand-out marks inside the data directory.
 const MARKS_FILE: &str = "inbox.marks";
 /// Inbox rows read ahead into memory at once.
-const INBOX_READ_AHEAD: usize = 256;
+const INBOX_READ_AHEAD: usize = 1024;
 /// Handed-out rows deleted together.
 const INBOX_PRUNE: usize = 256;
 
@@ -228,23 +228,38 @@ struct Inbox {
     /// The last row read into `ahead`.
     loaded: i64,
     ahead: VecDeque<crate::store::InboxMessage>,
+    /// Whether `ahead` holds every row stored so far: the applier reads in what it stores
+    /// (see [`applier`]), so a reader finding `ahead` empty need not ask the store.
+    complete: bool,
     /// Rows handed out and not yet deleted.
     unpruned: usize,
 }
 
 impl Inbox {
+    /// Reads the rows stored after `loaded` into `ahead`, as many as it has room for.
+    fn load(&mut self, engine: &Engine, name: &str) -> Result<()> {
+        let room = INBOX_READ_AHEAD.saturating_sub(self.ahead.len());
+        self.complete = false;
+        if room == 0 {
+            return Ok(());
+        }
+        let rows = engine.inbox_after(name, self.loaded, room)?;
+        self.complete = rows.len() < room;
+        if let Some(last) = rows.last() {
+            self.loaded = last.id;
+        }
+        self.ahead.extend(rows);
+        Ok(())
+    }
+
     fn take(
         &mut self,
         engine: &Engine,
         marks: &Marks,
         name: &str,
     ) -> Result<Option<crate::store::InboxMessage>> {
-        if self.ahead.is_empty() {
-            let rows = engine.inbox_after(name, self.loaded, INBOX_READ_AHEAD)?;
-            if let Some(last) = rows.last() {
-                self.loaded = last.id;
-            }
-            self.ahead.extend(rows);
+        if self.ahead.is_empty() && !self.complete {
+            self.load(engine, name)?;
         }
         let Some(id) = self.ahead.front().map(|m| m.id) else {
             return Ok(None);
@@ -297,6 +312,7 @@ impl Shared {
             handed,
             loaded: handed,
             ahead: VecDeque::new(),
+            complete: false,
             unpruned: 0,
         }));
         inboxes.insert(name.to_owned(), Arc::clone(&inbox));
@@ -1599,6 +1615,15 @@ fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
             }
         });
         if messages {
+            // Read what was just stored into the inbox's read-ahead here, once per batch,
+            // rather than on the readers' threads, once per wake-up.
+            if let Ok(engine) = channel.shared.engine() {
+                if let Ok(inbox) = channel.shared.inbox(&engine, &channel.name) {
+                    let mut inbox = lock(&inbox);
+                    // On failure the readers read the store themselves.
+                    let _ = inbox.load(&engine, &channel.name);
+                }
+            }
             // Only batches with messages for us: our own messages come back too.
             channel
                 .timings
