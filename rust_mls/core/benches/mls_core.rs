@@ -1,5 +1,6 @@
 //! `cargo bench -p static-core`: per-message encrypt/decrypt (1 KiB) vs the Ed25519 sign+verify
-//! floor, and the add-member commit / Welcome processing at 8, 128 and 512 members.
+//! floor, the batched calls (`-- batch`: `encrypt_many` / `process_entries`, per message), and
+//! the add-member commit / Welcome processing at 8, 128 and 512 members.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};
@@ -51,6 +52,60 @@ fn per_message(c: &mut Criterion) {
     g.finish();
 }
 
+/// Per-message cost of the batched calls the client uses: `encrypt_many` (one durable
+/// transaction per batch) and `process_entries` (one light transaction per batch), 1 KiB
+/// payloads. Each reported time is per message (the batch time divided by its size).
+fn batch(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _b) = pair(dir.path(), "benc");
+    let (a2, b2) = pair(dir.path(), "bdec");
+    let payload = vec![0x42u8; 1024];
+    let mut seq = 0u64;
+
+    let mut g = c.benchmark_group("batch_1KiB");
+    g.sample_size(20).measurement_time(Duration::from_secs(5));
+    for size in [1usize, 64] {
+        let refs: Vec<&[u8]> = (0..size).map(|_| payload.as_slice()).collect();
+        g.bench_function(format!("encrypt_many_{size}_per_msg"), |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let start = Instant::now();
+                    a.encrypt_many(CH, &refs).unwrap();
+                    total += start.elapsed();
+                }
+                total / size as u32
+            })
+        });
+        g.bench_function(format!("process_entries_{size}_per_msg"), |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let entries: Vec<(u64, Vec<u8>)> = a2
+                        .encrypt_many(CH, &refs)
+                        .unwrap()
+                        .into_iter()
+                        .map(|m| {
+                            seq += 1;
+                            (seq, m)
+                        })
+                        .collect();
+                    let entries: Vec<(u64, &[u8])> =
+                        entries.iter().map(|(s, m)| (*s, m.as_slice())).collect();
+                    let start = Instant::now();
+                    let applied = b2.process_entries(CH, &entries).unwrap();
+                    total += start.elapsed();
+                    assert!(applied.iter().all(|a| a.outcome.is_ok()));
+                    // Keep the inbox small (not timed: it is not the engine's cost).
+                    while b2.inbox_take(CH).unwrap().is_some() {}
+                }
+                total / size as u32
+            })
+        });
+    }
+    g.finish();
+}
+
 fn group_sizes(c: &mut Criterion) {
     let mut g = c.benchmark_group("add_member");
     g.sample_size(10).measurement_time(Duration::from_secs(3));
@@ -97,5 +152,5 @@ fn group_sizes(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, per_message, group_sizes);
+criterion_group!(benches, per_message, batch, group_sizes);
 criterion_main!(benches);
