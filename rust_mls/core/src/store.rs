@@ -30,6 +30,8 @@ use std::path::{Path, PathBuf};
 
 use openmls_rust_crypto::RustCrypto;
 use openmls_sqlite_storage::{Codec, SqliteStorageProvider};
+use openmls_traits::crypto::OpenMlsCrypto;
+use openmls_traits::random::OpenMlsRand;
 use openmls_traits::OpenMlsProvider;
 use rusqlite::{Connection, OptionalExtension};
 
@@ -78,26 +80,28 @@ impl Codec for JsonCodec {
     }
 }
 
-pub type Storage<'a> = SqliteStorageProvider<JsonCodec, &'a Connection>;
+pub use crate::storage::Storage;
 
-/// An OpenMLS provider over one borrowed connection, built per call (cheap: two references).
-pub struct Provider<'a> {
-    crypto: &'a RustCrypto,
+/// An OpenMLS provider over one borrowed connection, built per call (cheap). `C` is the crypto
+/// (and randomness) provider: the engine's [`crate::crypto::StaticCrypto`], or plain
+/// `RustCrypto`.
+pub struct Provider<'a, C = RustCrypto> {
+    crypto: &'a C,
     storage: Storage<'a>,
 }
 
-impl<'a> Provider<'a> {
-    pub fn new(crypto: &'a RustCrypto, conn: &'a Connection) -> Self {
+impl<'a, C> Provider<'a, C> {
+    pub fn new(crypto: &'a C, conn: &'a Connection) -> Self {
         Self {
             crypto,
-            storage: SqliteStorageProvider::new(conn),
+            storage: Storage::new(conn),
         }
     }
 }
 
-impl<'a> OpenMlsProvider for Provider<'a> {
-    type CryptoProvider = RustCrypto;
-    type RandProvider = RustCrypto;
+impl<'a, C: OpenMlsCrypto + OpenMlsRand> OpenMlsProvider for Provider<'a, C> {
+    type CryptoProvider = C;
+    type RandProvider = C;
     type StorageProvider = Storage<'a>;
 
     fn storage(&self) -> &Self::StorageProvider {
