@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use static_core::bench_support::{ed25519_sign_verify_ns, synthetic_key_packages};
+use static_core::bench_support::{
+    ed25519_engine_sign_verify_ns, ed25519_sign_verify_ns, synthetic_key_packages,
+};
 use static_core::Engine;
 
 const CH: &str = "bench/mls/core";
@@ -64,6 +66,15 @@ fn batch(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("batch_1KiB");
     g.sample_size(20).measurement_time(Duration::from_secs(5));
+    // What the engine's own signer and verifier cost per message: the floor of the figures
+    // below (one signature per encrypted message, one verification per processed one).
+    g.bench_function("ed25519_engine_sign_verify_floor", |bench| {
+        bench.iter_custom(|iters| {
+            let ns = ed25519_engine_sign_verify_ns(1024, u32::try_from(iters).unwrap_or(u32::MAX))
+                .unwrap();
+            Duration::from_nanos((ns * iters as f64) as u64)
+        })
+    });
     for size in [1usize, 64] {
         let refs: Vec<&[u8]> = (0..size).map(|_| payload.as_slice()).collect();
         g.bench_function(format!("encrypt_many_{size}_per_msg"), |bench| {

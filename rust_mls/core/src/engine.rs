@@ -375,7 +375,9 @@ fn apply_entries_fast(
 ) -> Result<Option<FastBatch>> {
     conn.execute_batch("SAVEPOINT batch")
         .map_err(StoreError::from)?;
-    provider.storage().defer_message_secrets();
+    if entries.len() > 1 {
+        provider.storage().defer_message_secrets();
+    }
     let mut batch = FastBatch {
         applied: Vec::with_capacity(entries.len()),
         removed: false,
@@ -886,7 +888,9 @@ impl Engine {
         self.with_group(channel, |group, provider, _| {
             // One write of the ratchet state for the batch, not one per message (the
             // transaction commits it before any ciphertext is returned).
-            provider.storage().defer_message_secrets();
+            if payloads.len() > 1 {
+                provider.storage().defer_message_secrets();
+            }
             payloads
                 .iter()
                 .map(|payload| {
