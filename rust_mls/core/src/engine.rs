@@ -25,7 +25,7 @@ use openmls_basic_credential::SignatureKeyPair;
 use crate::channel_name::validate_channel_name;
 use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::error::{Error, Result};
-use crate::store::{self, Cursor, Db, InboxMessage, StoreError};
+use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 
 /// The OpenMLS provider of every engine call.
 type Provider<'a> = store::Provider<'a, StaticCrypto>;
@@ -373,7 +373,7 @@ fn apply_entries_fast(
     conn: &rusqlite::Connection,
     entries: &[(u64, &[u8])],
 ) -> Result<Option<FastBatch>> {
-    conn.execute_batch("SAVEPOINT batch")
+    conn.exec_cached("SAVEPOINT batch")
         .map_err(StoreError::from)?;
     if entries.len() > 1 {
         provider.storage().defer_message_secrets();
@@ -430,7 +430,7 @@ fn apply_entries_fast(
             store::set_cursor(conn, channel, Cursor::After(seq))?;
         }
     }
-    conn.execute_batch("RELEASE batch")
+    conn.exec_cached("RELEASE batch")
         .map_err(StoreError::from)?;
     Ok(Some(batch))
 }
@@ -819,7 +819,7 @@ impl Engine {
             }
             let mut out = Vec::with_capacity(entries.len());
             for &(seq, message) in entries {
-                conn.execute_batch("SAVEPOINT entry")
+                conn.exec_cached("SAVEPOINT entry")
                     .map_err(StoreError::from)?;
                 let outcome = parse_for_channel(channel, message).and_then(|protocol| {
                     apply_message(channel, group, provider, conn, protocol, message)
@@ -837,7 +837,7 @@ impl Engine {
                         if !removed {
                             store::set_cursor(conn, channel, Cursor::After(seq))?;
                         }
-                        conn.execute_batch("RELEASE entry")
+                        conn.exec_cached("RELEASE entry")
                             .map_err(StoreError::from)?;
                         out.push(Applied {
                             seq,

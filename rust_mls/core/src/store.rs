@@ -152,6 +152,7 @@ impl Db {
         }
         let path = data_dir.join(DB_FILE);
         let mut conn = Connection::open(&path)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
@@ -214,7 +215,7 @@ impl Db {
         f: impl FnOnce(&Connection) -> Result<T, E>,
     ) -> Result<T, E> {
         self.conn
-            .execute_batch("BEGIN IMMEDIATE")
+            .exec_cached("BEGIN IMMEDIATE")
             .map_err(|e| E::from(e.into()))?;
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&self.conn)))
             .unwrap_or_else(|panic| {
@@ -226,7 +227,7 @@ impl Db {
                 Err(E::from(StoreError::Panic(what)))
             });
         match outcome {
-            Ok(value) => match self.conn.execute_batch("COMMIT") {
+            Ok(value) => match self.conn.exec_cached("COMMIT") {
                 Ok(()) => Ok(value),
                 Err(e) => {
                     let _ = self.conn.execute_batch("ROLLBACK");
@@ -251,12 +252,12 @@ impl Db {
         f: impl FnOnce(&Connection) -> Result<T, E>,
     ) -> Result<T, E> {
         self.conn
-            .execute_batch("PRAGMA synchronous=NORMAL")
+            .exec_cached("PRAGMA synchronous=NORMAL")
             .map_err(|e| E::from(e.into()))?;
         let result = self.transaction(f);
         let restored = self
             .conn
-            .execute_batch("PRAGMA synchronous=FULL")
+            .exec_cached("PRAGMA synchronous=FULL")
             .map_err(|e| E::from(e.into()));
         let value = result?;
         restored?;
@@ -271,6 +272,22 @@ impl Db {
         Ok(())
     }
 }
+
+/// Runs one statement without output from the connection's statement cache: the statements
+/// every call runs (transaction control, pragmas, savepoints) are parsed once, not per call.
+pub trait ExecCached {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()>;
+}
+
+impl ExecCached for Connection {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()> {
+        self.prepare_cached(sql)?.execute([])?;
+        Ok(())
+    }
+}
+
+/// Room for every statement of a call (ours, the inbox's) in the statement cache.
+const STATEMENT_CACHE: usize = 64;
 
 /// The stored identity row: (identity, signature public key).
 pub type IdentityRow = (Vec<u8>, Vec<u8>);
@@ -321,11 +338,8 @@ pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result
 
 pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     Ok(conn
-        .query_row(
-            "SELECT commit_bytes FROM static_pending_commits WHERE name = ?1",
-            [name],
-            |row| row.get(0),
-        )
+        .prepare_cached("SELECT commit_bytes FROM static_pending_commits WHERE name = ?1")?
+        .query_row([name], |row| row.get(0))
         .optional()?)
 }
 
@@ -356,10 +370,10 @@ pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), S
         Cursor::After(seq) => (Some(to_i64(seq)), 0),
         Cursor::FromEpoch(epoch) => (None, to_i64(epoch)),
     };
-    conn.execute(
+    conn.prepare_cached(
         "INSERT OR REPLACE INTO static_cursors (name, seq, join_epoch) VALUES (?1, ?2, ?3)",
-        (name, seq, epoch),
-    )?;
+    )?
+    .execute((name, seq, epoch))?;
     Ok(())
 }
 
