@@ -83,30 +83,39 @@ class ChannelState:
             self.ring_bytes -= len(self.ring.popleft().message)
 
 
-@dataclass(slots=True)
-class _Pending:
+@dataclass(slots=True, eq=False)
+class Submitted:
+    """A publish queued for the writer; ``settled`` once its outcome is final.
+
+    The writer settles submissions in the order they were submitted, so waiting for the last of
+    several is waiting for all of them (one event per request, not per message).
+    """
+
     state: ChannelState
     header: MessageHeader
     message: bytes
     key: bytes
     welcome: bytes
     welcome_header: WelcomeHeader | None
-    done: trio.Event = field(default_factory=trio.Event)
+    settled: bool = False
+    #: Tentative until ``settled`` (the writer may decide a batch twice).
     result: PublishResult | RelayError | None = None
+    #: Created by the first waiter only.
+    waiter: trio.Event | None = None
 
 
-def _keys_by_channel(batch: list[_Pending]) -> dict[int, list[bytes]]:
+def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
     keys: dict[int, list[bytes]] = {}
     for p in batch:
         keys.setdefault(p.state.record.id, []).append(p.key)
     return keys
 
 
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """A publish queued for the writer."""
-
-    pending: _Pending
+def _settle(batch: list[Submitted]) -> None:
+    for p in batch:
+        p.settled = True
+        if p.waiter is not None:
+            p.waiter.set()
 
 
 class ChannelLog:
@@ -117,7 +126,7 @@ class ChannelLog:
         self._window = application_window
         self._states: dict[tuple[str, str], ChannelState] = {}
         self._loading: dict[tuple[str, str], trio.Lock] = {}
-        self._send, self._receive = trio.open_memory_channel[_Pending](math.inf)
+        self._send, self._receive = trio.open_memory_channel[Submitted](math.inf)
         self._checkpoint_due = trio.Event()
         self._commits_since_checkpoint = 0
         self._bytes_since_checkpoint = 0
@@ -161,25 +170,37 @@ class ChannelLog:
         """Queue ``message`` (its header already parsed and checked against the channel) for the
         next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
         the order they were submitted."""
-        pending = _Pending(state, header, message, key, welcome, welcome_header)
-        self._send.send_nowait(pending)
-        return Submitted(pending)
+        submitted = Submitted(state, header, message, key, welcome, welcome_header)
+        self._send.send_nowait(submitted)
+        return submitted
 
     @staticmethod
-    async def outcome(submitted: Submitted) -> PublishResult:
-        pending = submitted.pending
-        if not pending.done.is_set():
-            # Shielded: once queued, the append may happen; the caller waits for its outcome so
-            # that a shutdown lets in-flight publishes finish (the writer drains the queue).
-            # (No checkpoint when the answer is already there: answers sent back to back leave
-            # together in one socket write.)
-            with trio.CancelScope(shield=True):
-                await pending.done.wait()
-        result = pending.result
+    async def wait_settled(submitted: Submitted) -> None:
+        """Wait until ``submitted`` (and so everything submitted before it) is settled."""
+        if submitted.settled:
+            # No checkpoint: answers sent back to back then leave in one socket write.
+            return
+        if submitted.waiter is None:
+            submitted.waiter = trio.Event()
+        # Shielded: once queued, the append may happen; the caller waits for its outcome so that
+        # a shutdown lets in-flight publishes finish (the writer drains the queue).
+        with trio.CancelScope(shield=True):
+            await submitted.waiter.wait()
+
+    @staticmethod
+    def result(submitted: Submitted) -> PublishResult:
+        """The outcome of a settled submission; raises its refusal."""
+        assert submitted.settled
+        result = submitted.result
         if isinstance(result, RelayError):
             raise result
         assert result is not None
         return result
+
+    @classmethod
+    async def outcome(cls, submitted: Submitted) -> PublishResult:
+        await cls.wait_settled(submitted)
+        return cls.result(submitted)
 
     async def publish(
         self,
@@ -230,7 +251,7 @@ class ChannelLog:
     def queued(self) -> int:
         return self._receive.statistics().current_buffer_used
 
-    async def _commit(self, batch: list[_Pending]) -> None:
+    async def _commit(self, batch: list[Submitted]) -> None:
         # Optimistic: no idempotency lookup up front. The unique index on (channel, key) refuses
         # a retried publish, and only then are the batch's keys looked up and the batch decided
         # again: one store round trip less per batch in the common case.
@@ -252,7 +273,7 @@ class ChannelLog:
             for p in batch:
                 if not isinstance(p.result, RelayError):
                     p.result = Unavailable(f"store unavailable: {exc}")
-                p.done.set()
+            _settle(batch)
             return
         woken: set[int] = set()
         for p, entry in accepted:
@@ -269,10 +290,9 @@ class ChannelLog:
             if not looked_up:
                 await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
         finally:
-            for p in batch:
-                p.done.set()
+            _settle(batch)
 
-    async def _answer_retries(self, refused: list[_Pending]) -> None:
+    async def _answer_retries(self, refused: list[Submitted]) -> None:
         """A refusal may be the retry of a message already in the log (the optimistic path did
         not look): that gets its original answer, never a refusal."""
         try:
@@ -287,15 +307,15 @@ class ChannelLog:
                 p.result = Unavailable(f"store unavailable: {exc}")
 
     async def _decide_and_store(
-        self, batch: list[_Pending], existing: dict[int, dict[bytes, tuple[int, int]]]
-    ) -> list[tuple[_Pending, NewEntry]]:
+        self, batch: list[Submitted], existing: dict[int, dict[bytes, tuple[int, int]]]
+    ) -> list[tuple[Submitted, NewEntry]]:
         """Fence and number the batch on tentative copies of the channels' state and store the
         accepted entries in one transaction; memory changes only after it committed."""
         tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
         entries: list[NewEntry] = []
         epoch_starts: list[tuple[int, int, int]] = []
         welcomes: list[NewWelcome] = []
-        accepted: list[tuple[_Pending, NewEntry]] = []
+        accepted: list[tuple[Submitted, NewEntry]] = []
         for p in batch:
             cid = p.state.record.id
             head, epoch = tentative.get(cid, (p.state.head_seq, p.state.epoch))
