@@ -257,16 +257,14 @@ class ChannelLog:
         # again: one store round trip less per batch in the common case.
         try:
             try:
-                accepted = await self._decide_and_store(batch, {})
-                looked_up = False
+                await self._decide_and_store(batch, {}, looked_up=False)
             except IntegrityError:
                 existing: dict[int, dict[bytes, tuple[int, int]]] = {}
                 for p in batch:
                     p.result = None
                 for channel_id, keys in _keys_by_channel(batch).items():
                     existing[channel_id] = await self._store.find_keys(channel_id, keys)
-                accepted = await self._decide_and_store(batch, existing)
-                looked_up = True
+                await self._decide_and_store(batch, existing, looked_up=True)
         except DatabaseError as exc:
             # Nothing of the batch was stored: fail all but the refusals (a duplicate found
             # within the batch would point at an entry that does not exist).
@@ -275,6 +273,18 @@ class ChannelLog:
                     p.result = Unavailable(f"store unavailable: {exc}")
             _settle(batch)
             return
+        if not batch[-1].settled:
+            try:
+                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
+            finally:
+                _settle(batch)
+
+    def _committed(
+        self, batch: list[Submitted], accepted: list[tuple[Submitted, NewEntry]], looked_up: bool
+    ) -> None:
+        """The batch's transaction committed (or it had nothing to store): publish its entries
+        to memory, wake the channels' subscribers, and settle the batch unless some refusal may
+        still be a retry of a logged message (the optimistic path did not look them up)."""
         woken: set[int] = set()
         for p, entry in accepted:
             state = p.state
@@ -286,10 +296,7 @@ class ChannelLog:
                 woken.add(id(state))
                 event, state.changed = state.changed, trio.Event()
                 event.set()
-        try:
-            if not looked_up:
-                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
-        finally:
+        if looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch):
             _settle(batch)
 
     async def _answer_retries(self, refused: list[Submitted]) -> None:
@@ -307,10 +314,15 @@ class ChannelLog:
                 p.result = Unavailable(f"store unavailable: {exc}")
 
     async def _decide_and_store(
-        self, batch: list[Submitted], existing: dict[int, dict[bytes, tuple[int, int]]]
-    ) -> list[tuple[Submitted, NewEntry]]:
+        self,
+        batch: list[Submitted],
+        existing: dict[int, dict[bytes, tuple[int, int]]],
+        *,
+        looked_up: bool,
+    ) -> None:
         """Fence and number the batch on tentative copies of the channels' state and store the
-        accepted entries in one transaction; memory changes only after it committed."""
+        accepted entries in one transaction; memory changes only once it committed (in
+        :meth:`_committed`, called by the store as soon as it knows, to save a round)."""
         tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
         entries: list[NewEntry] = []
         epoch_starts: list[tuple[int, int, int]] = []
@@ -355,11 +367,18 @@ class ChannelLog:
                 )
             tentative[cid] = (entry.seq, new_epoch)
             accepted.append((p, entry))
-        if entries:
-            heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
-            with trio.CancelScope(shield=True):
-                await self._store.append(entries, heads, epoch_starts, welcomes)
-        return accepted
+        if not entries:
+            self._committed(batch, accepted, looked_up)
+            return
+        heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
+        with trio.CancelScope(shield=True):
+            await self._store.append(
+                entries,
+                heads,
+                epoch_starts,
+                welcomes,
+                on_commit=lambda: self._committed(batch, accepted, looked_up),
+            )
 
     # -- reading ------------------------------------------------------------------------------
 
