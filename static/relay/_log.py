@@ -19,7 +19,7 @@ import collections
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -37,7 +37,7 @@ from static.store._channels import (
     WelcomeRecord,
 )
 
-__all__ = ["ChannelLog", "ChannelState", "PublishResult", "Submitted"]
+__all__ = ["ChannelLog", "ChannelState", "Deliver", "PublishResult", "Submitted"]
 
 _logger = logging.getLogger("static.relay")
 
@@ -58,6 +58,20 @@ class PublishResult:
     duplicate: bool
 
 
+#: Sends consecutive entries to a caught-up subscriber right away, from the writer's completion
+#: callback (synchronously); False when it cannot at once (socket backlog, flow control): the
+#: subscriber's own task then sends them as usual.
+Deliver = Callable[[list[EntryRecord]], bool]
+
+
+@dataclass(eq=False, slots=True)
+class _Follower:
+    """A subscriber parked at the head of its channel, with its cursor (the last seq it has)."""
+
+    cursor: int
+    deliver: Deliver
+
+
 @dataclass(slots=True)
 class ChannelState:
     """What the relay keeps in memory of one channel: authoritative while the process runs."""
@@ -68,6 +82,8 @@ class ChannelState:
     ring: collections.deque[EntryRecord] = field(default_factory=collections.deque)
     ring_bytes: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
+    #: Subscribers waiting for ``changed``: new entries are pushed to them at commit time.
+    followers: set[_Follower] = field(default_factory=set)
 
     def entries_after(self, cursor: int) -> list[EntryRecord] | None:
         """The ring's entries after ``cursor``, or None when the ring no longer reaches back."""
@@ -109,6 +125,17 @@ def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
     for p in batch:
         keys.setdefault(p.state.record.id, []).append(p.key)
     return keys
+
+
+def _push(state: ChannelState) -> None:
+    """Hand the new entries straight to the channel's caught-up subscribers: no scheduling
+    round before they leave (the subscribers' tasks, woken too, then find nothing to do)."""
+    for follower in list(state.followers):
+        while follower.cursor < state.head_seq:
+            page = state.entries_after(follower.cursor)
+            if not page or not follower.deliver(page):
+                break
+            follower.cursor = page[-1].seq
 
 
 def _settle(batch: list[Submitted]) -> None:
@@ -285,17 +312,19 @@ class ChannelLog:
         """The batch's transaction committed (or it had nothing to store): publish its entries
         to memory, wake the channels' subscribers, and settle the batch unless some refusal may
         still be a retry of a logged message (the optimistic path did not look them up)."""
-        woken: set[int] = set()
+        woken: dict[int, ChannelState] = {}
         for p, entry in accepted:
             state = p.state
             state.head_seq = entry.seq
             state.epoch = entry.channel_epoch
             state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
             p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
-            if id(state) not in woken:
-                woken.add(id(state))
-                event, state.changed = state.changed, trio.Event()
-                event.set()
+            woken[id(state)] = state
+        # Subscribers first (a delivery is what a conversation waits for), then the publishers.
+        for state in woken.values():
+            _push(state)
+            event, state.changed = state.changed, trio.Event()
+            event.set()
         if looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch):
             _settle(batch)
 
@@ -405,11 +434,18 @@ class ChannelLog:
         )
 
     async def follow(
-        self, state: ChannelState, after_seq: int, keepalive_seconds: float
+        self,
+        state: ChannelState,
+        after_seq: int,
+        keepalive_seconds: float,
+        deliver: Deliver | None = None,
     ) -> AsyncIterator[list[EntryRecord] | None]:
         """Pages of consecutive entries after ``after_seq`` (what is available at once, never
         empty), then live ones, forever; None every ``keepalive_seconds`` without an entry.
-        Gap-free and duplicate-free by construction (a cursor over seqs)."""
+        Gap-free and duplicate-free by construction (a cursor over seqs). With ``deliver``,
+        live entries may instead be handed to it at commit time while this waits (see
+        :data:`Deliver`): they are then not yielded, and the cursor moves past them."""
+        follower = None if deliver is None else _Follower(after_seq, deliver)
         cursor = after_seq
         while True:
             if cursor < state.head_seq:
@@ -428,7 +464,15 @@ class ChannelLog:
                 yield page
                 continue
             changed = state.changed
-            with trio.move_on_after(keepalive_seconds) as idle:
-                await changed.wait()
+            if follower is not None:
+                follower.cursor = cursor
+                state.followers.add(follower)
+            try:
+                with trio.move_on_after(keepalive_seconds) as idle:
+                    await changed.wait()
+            finally:
+                if follower is not None:
+                    state.followers.discard(follower)
+                    cursor = follower.cursor
             if idle.cancelled_caught:
                 yield None

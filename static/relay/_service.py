@@ -345,7 +345,11 @@ class RelayService:
                     guard.end(Unavailable("relay is shutting down"))
                 with guard.scope:
                     await self._stream_entries(
-                        stream, state, after_seq, min(request.max_batch, _SUBSCRIBE_BATCH_ENTRIES)
+                        stream,
+                        state,
+                        after_seq,
+                        min(request.max_batch, _SUBSCRIBE_BATCH_ENTRIES),
+                        guard,
                     )
             finally:
                 self._subscriptions.discard(guard)
@@ -354,13 +358,38 @@ class RelayService:
             raise outcome
 
     async def _stream_entries(
-        self, stream: RelayStream, state: ChannelState, after_seq: int, max_batch: int
+        self,
+        stream: RelayStream,
+        state: ChannelState,
+        after_seq: int,
+        max_batch: int,
+        guard: StreamGuard,
     ) -> None:
         keepalive = self._settings.keepalive_interval_seconds
         connection = stream.connection
+
+        def deliver(page: list[EntryRecord]) -> bool:
+            """Live entries, sent from the writer's completion callback: never raises."""
+            if guard.scope.cancel_called or connection.backlog > _OUTBOUND_LIMIT:
+                return False
+            try:
+                if max_batch > 1:
+                    messages = [
+                        _wire.entries_response([_entry_wire(e) for e in chunk])
+                        for chunk in _chunks(page, max_batch)
+                    ]
+                else:
+                    messages = [_entry_wire(e) for e in page]
+                return stream.send_now(messages)
+            except _GONE:
+                return False  # the subscriber's task finds out by itself
+            except Exception:  # noqa: BLE001  (logged; its task serves the subscriber instead)
+                _log.exception("relay: delivering to a subscriber failed")
+                return False
+
         # A first keep-alive right away tells the client the subscription is live.
         await stream.send(_keepalive(state))
-        async for page in self._log.follow(state, after_seq, keepalive):
+        async for page in self._log.follow(state, after_seq, keepalive, deliver):
             # A peer that grants large HTTP/2 windows and then stops reading would otherwise
             # make the relay queue everything it is sent: such a subscriber simply falls
             # behind here and is served from the log later.
