@@ -166,6 +166,10 @@ class ChannelLog:
         self._states[(scope, name)] = state
         return state
 
+    def loaded(self, scope: str, name: str) -> ChannelState | None:
+        """The channel if it is in memory already (no store access), else None."""
+        return self._states.get((scope, name))
+
     async def channel(self, scope: str, name: str) -> ChannelState:
         """The channel ``name`` of ``scope``; :class:`NotFound` when it does not exist."""
         state = self._states.get((scope, name))

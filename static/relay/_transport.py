@@ -145,6 +145,7 @@ class RelayStream:
         "_events",
         "_gone",
         "_ready",
+        "consumer",
         "finished",
         "request",
         "started",
@@ -165,6 +166,9 @@ class RelayStream:
         self.started = False
         #: Trailers were sent: the call is over on our side.
         self.finished = False
+        #: Takes events as they arrive, in the reader's task, when it returns True (only while
+        #: nothing is queued, so the order holds); the rest is queued for ``receive``.
+        self.consumer: Callable[[Any], bool] | None = None
 
     @property
     def connection(self) -> RelayConnection:
@@ -173,6 +177,14 @@ class RelayStream:
     # -- from the connection ---------------------------------------------------------------
 
     def _deliver(self, event: Any) -> None:
+        consumer = self.consumer
+        if consumer is not None and not self._events and consumer(event):
+            if event.flow_controlled_length:
+                # Acknowledged as ``receive`` would; the reader flushes after each read.
+                self._connection.h2.acknowledge_received_data(
+                    event.flow_controlled_length, self.stream_id
+                )
+            return
         self._events.append(event)
         if self._ready:
             self._ready.unpark()
