@@ -133,7 +133,8 @@ class RelayService:
                 outcome = Unimplemented(f"no method /{request.service_name}/{request.method_name}")
             else:
                 caller = await self._auth.authenticate(request.custom_metadata, peer)
-                # (Response headers leave with the first answer, or as trailers-only.)
+                # Response headers leave with the first answer (or as trailers-only), except on
+                # streaming-request calls, which send them at once (``RelayStream.start``).
                 await handler(stream, caller)
         except RelayError as exc:
             outcome = exc
@@ -171,6 +172,7 @@ class RelayService:
         """Pipelined: requests are read and queued while earlier ones are being committed (so a
         batch shares group commits); answers go out in request order. The first refusal ends
         the call after the answers before it."""
+        stream.start()
         queue_in, queue_out = trio.open_memory_channel[Submitted | RelayError](_PIPELINE_DEPTH)
         failure: list[BaseException] = []
 
@@ -226,6 +228,7 @@ class RelayService:
         """Pipelined batches: every item is submitted as it is read (so batches share group
         commits), each request is answered once all its items are decided, in request order.
         A refused item is answered as such; only a failure of the call itself ends it."""
+        stream.start()
         queue_in, queue_out = trio.open_memory_channel[list[Submitted | RelayError] | RelayError](
             _BATCHES_AHEAD
         )

@@ -216,6 +216,14 @@ class RelayStream:
                 self._connection.flush()
         return event
 
+    def start(self) -> None:
+        """Send the response headers now (a streaming-request call: clients may wait for them
+        before sending anything) rather than with the first message."""
+        if not self.started and not self._gone:
+            self._connection.grpc.start_response(self.stream_id, "+proto")
+            self.started = True
+            self._connection.flush()
+
     async def send(self, message: bytes, *, flush: bool = True) -> None:
         """Send one (serialized) message, the response headers first if not sent yet."""
         if self._gone or self.finished:
