@@ -59,9 +59,9 @@ class PublishResult:
 
 
 #: Sends consecutive entries to a caught-up subscriber right away, from the writer's completion
-#: callback (synchronously); False when it cannot at once (socket backlog, flow control): the
-#: subscriber's own task then sends them as usual.
-Deliver = Callable[[list[EntryRecord]], bool]
+#: callback (synchronously), as many as can go at once (socket backlog, flow control); returns
+#: how many it sent: the subscriber's own task sends the rest as usual.
+Deliver = Callable[[list[EntryRecord]], int]
 
 
 @dataclass(eq=False, slots=True)
@@ -133,9 +133,13 @@ def _push(state: ChannelState) -> None:
     for follower in list(state.followers):
         while follower.cursor < state.head_seq:
             page = state.entries_after(follower.cursor)
-            if not page or not follower.deliver(page):
+            if not page:
                 break
-            follower.cursor = page[-1].seq
+            sent = follower.deliver(page)
+            if sent:
+                follower.cursor = page[sent - 1].seq
+            if sent < len(page):
+                break
 
 
 def _settle(batch: list[Submitted]) -> None:

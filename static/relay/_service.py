@@ -437,24 +437,33 @@ class RelayService:
         keepalive = self._settings.keepalive_interval_seconds
         connection = stream.connection
 
-        def deliver(page: list[EntryRecord]) -> bool:
-            """Live entries, sent from the writer's completion callback: never raises."""
-            if guard.scope.cancel_called or connection.backlog > _OUTBOUND_LIMIT:
-                return False
+        def deliver(page: list[EntryRecord]) -> int:
+            """Live entries, sent from the writer's completion callback as far as they can go
+            at once (the same bound on queued bytes as below); never raises."""
+            if guard.scope.cancel_called:
+                return 0
+            sent = 0
+            room = _OUTBOUND_LIMIT - connection.backlog
             try:
-                if max_batch > 1:
-                    messages = [
+                chunks = _chunks(page, max_batch) if max_batch > 1 else [[e] for e in page]
+                for chunk in chunks:
+                    if room <= 0:
+                        break
+                    message = (
                         _wire.entries_response([_entry_wire(e) for e in chunk])
-                        for chunk in _chunks(page, max_batch)
-                    ]
-                else:
-                    messages = [_entry_wire(e) for e in page]
-                return stream.send_now(messages)
+                        if max_batch > 1
+                        else _entry_wire(chunk[0])
+                    )
+                    if not stream.send_now(message):
+                        break
+                    room -= len(message)
+                    sent += len(chunk)
+                connection.flush()
             except _GONE:
-                return False  # the subscriber's task finds out by itself
+                pass  # the subscriber's task finds out by itself
             except Exception:  # noqa: BLE001  (logged; its task serves the subscriber instead)
                 _log.exception("relay: delivering to a subscriber failed")
-                return False
+            return sent
 
         # A first keep-alive right away tells the client the subscription is live.
         await stream.send(_keepalive(state))

@@ -258,25 +258,21 @@ class RelayStream:
         if flush:
             connection.flush()
 
-    def send_now(self, messages: list[bytes]) -> bool:
-        """Send ``messages`` and flush if flow control lets ALL of them go at once, else send
-        nothing and return False (for callers that cannot wait)."""
+    def send_now(self, message: bytes) -> bool:
+        """Queue ``message`` (not flushed) if flow control lets it go at once, else send nothing
+        and return False (for callers that cannot wait)."""
         if self._gone or self.finished:
             return False
         h2_connection = self._connection.h2
-        if sum(len(m) + 5 for m in messages) > h2_connection.local_flow_control_window(
-            self.stream_id
-        ):
+        if len(message) + 5 > h2_connection.local_flow_control_window(self.stream_id):
             return False
         if not self.started:
             self._connection.grpc.start_response(self.stream_id, "+proto")
             self.started = True
+        data = _PREFIX.pack(0, len(message)) + message
         frame = h2_connection.max_outbound_frame_size
-        for message in messages:
-            data = _PREFIX.pack(0, len(message)) + message
-            for start in range(0, len(data), frame):
-                h2_connection.send_data(self.stream_id, data[start : start + frame])
-        self._connection.flush()
+        for start in range(0, len(data), frame):
+            h2_connection.send_data(self.stream_id, data[start : start + frame])
         return True
 
     def finish(self, status: Status, trailers: tuple[tuple[str, str], ...] = ()) -> None:
