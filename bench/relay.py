@@ -10,7 +10,12 @@ its subscriber processes are the load generator (grpcio). Measures, on loopback:
 * 1 -> 10 fan-out deliveries per second;
 * publish -> deliver latency p50/p99 at 1,000 msg/s;
 * server RSS per idle subscriber with 5,000 of them;
-* the echo ceiling: a bare purerpc stream-stream echo, 1 KiB each way.
+* the echo ceiling: a bare purerpc stream-stream echo, 1 KiB each way;
+* what the SDK does: 1 -> 1 throughput through PublishBatches (batches of 64, pipelined) to one
+  batched subscriber (Subscribe max_batch 256), and the relay's CPU time per message meanwhile;
+* the latency of ONE message at low load through an open PublishBatches call: publish -> ack
+  and publish -> delivery to a live batched subscriber;
+* unary Publish latency (commits and add_member use it).
 """
 
 from __future__ import annotations
@@ -149,6 +154,147 @@ def _requests(channel: str, count: int, rate: float | None = None) -> Iterator[p
         yield pb.PublishRequest(channel=channel, message=app_message(channel, body))
 
 
+def _batched_subscriber(
+    target: str, channel: str, count: int, ready: Any, out: Any, stamped: bool
+) -> None:
+    """Subscriber process body with ``max_batch``: read ``count`` entries; report (first, last,
+    latencies); each latency is taken when the response holding the entry arrives."""
+    channel_ = grpc.insecure_channel(target, options=_OPTIONS)
+    subscribe = channel_.unary_stream(
+        SERVICE + "Subscribe",
+        request_serializer=pb.SubscribeRequest.SerializeToString,
+        response_deserializer=pb.SubscribeResponse.FromString,
+    )
+    call = subscribe(pb.SubscribeRequest(channel=channel, after_seq=0, max_batch=256), timeout=600)
+    seen, first, latencies = 0, 0.0, []
+    for response in call:
+        if response.WhichOneof("item") != "entries":
+            ready.set()
+            continue
+        now = time.monotonic_ns()
+        if seen == 0:
+            first = time.monotonic()
+        for entry in response.entries.entries:
+            if stamped:
+                body_at = entry.message.index(b"STAMP") + 5
+                latencies.append((now - int(entry.message[body_at : body_at + 20])) / 1e6)
+            seen += 1
+        if seen >= count:
+            break
+    call.cancel()
+    out.put((first, time.monotonic(), latencies))
+
+
+def _start_batched_subscriber(
+    target: str, channel: str, count: int, stamped: bool = False
+) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    out, ready = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(
+        target=_batched_subscriber, args=(target, channel, count, ready, out, stamped)
+    )
+    proc.start()
+    ready.wait(60)
+    return proc, out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> tuple[float, float]:
+    """(messages/s from one pipelined PublishBatches publisher to one batched subscriber, relay
+    CPU microseconds per message meanwhile)."""
+    client = Client(target)
+    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    publish = client.channel.stream_stream(
+        SERVICE + "PublishBatches",
+        request_serializer=pb.PublishBatchRequest.SerializeToString,
+        response_deserializer=pb.PublishBatchResponse.FromString,
+    )
+    messages = [r.message for r in _requests(channel, count)]  # built before the clock starts
+    proc, out = _start_batched_subscriber(target, channel, count)
+
+    def batches() -> Iterator[pb.PublishBatchRequest]:
+        for start in range(0, count, size):
+            yield pb.PublishBatchRequest(
+                requests=[
+                    pb.PublishRequest(channel=channel, message=m)
+                    for m in messages[start : start + size]
+                ]
+            )
+
+    cpu_before = cpu_seconds(pid)
+    started = time.monotonic()
+    accepted = 0
+    for response in publish(batches(), timeout=600):
+        accepted += sum(1 for r in response.results if r.WhichOneof("outcome") == "accepted")
+    _, last, _ = out.get(timeout=600)
+    cpu = cpu_seconds(pid) - cpu_before
+    proc.join(10)
+    if accepted != count:
+        print(f"  (batched: only {accepted} of {count} publishes were accepted)")
+    return count / (last - started), cpu / count * 1e6
+
+
+async def _one_by_one(target: str, channel: str, count: int, gap: float) -> list[float]:
+    """Ack latencies (ms) of ``count`` single-item batches sent ``gap`` s apart on one call."""
+    async with grpc.aio.insecure_channel(target, options=_OPTIONS) as channel_:
+        call = channel_.stream_stream(
+            SERVICE + "PublishBatches",
+            request_serializer=pb.PublishBatchRequest.SerializeToString,
+            response_deserializer=pb.PublishBatchResponse.FromString,
+        )()
+        acks = []
+        for i in range(count):
+            sent = time.monotonic_ns()
+            body = b"STAMP" + str(sent).encode().rjust(20, b"0") + str(i).encode()
+            item = pb.PublishRequest(channel=channel, message=app_message(channel, body))
+            await call.write(pb.PublishBatchRequest(requests=[item]))
+            await call.read()
+            acks.append((time.monotonic_ns() - sent) / 1e6)
+            await asyncio.sleep(gap)
+        await call.done_writing()
+        return acks
+
+
+def single_latency(
+    target: str, channel: str, count: int
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """((p50, p99) publish -> ack, (p50, p99) publish -> delivery) in ms, for one message at a
+    time (every 5 ms) through an open PublishBatches call and a live batched subscriber."""
+    Client(target).create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    proc, out = _start_batched_subscriber(target, channel, count, stamped=True)
+    acks = asyncio.run(_one_by_one(target, channel, count, 0.005))
+    _, _, deliveries = out.get(timeout=600)
+    proc.join(10)
+    return _p50_p99(acks), _p50_p99(deliveries)
+
+
+def unary_latency(target: str, channel: str, count: int) -> tuple[float, float]:
+    """(p50, p99) ms of one unary Publish at a time."""
+    client = Client(target)
+    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    publish = client.channel.unary_unary(
+        SERVICE + "Publish",
+        request_serializer=pb.PublishRequest.SerializeToString,
+        response_deserializer=pb.PublishResponse.FromString,
+    )
+    times = []
+    for request in _requests(channel, count):
+        started = time.monotonic_ns()
+        publish(request, timeout=10)
+        times.append((time.monotonic_ns() - started) / 1e6)
+    return _p50_p99(times)
+
+
+def _p50_p99(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return statistics.median(values), values[max(0, int(len(values) * 0.99) - 1)]
+
+
 def fan_out(target: str, channel: str, count: int, subscribers: int) -> float:
     """Deliveries per second from one PublishStream publisher to ``subscribers``."""
     client = Client(target)
@@ -173,8 +319,7 @@ def latency(target: str, channel: str, rate: float, seconds: float) -> tuple[flo
         pass
     ((_, _, latencies),) = [out.get(timeout=600)]
     procs[0].join(10)
-    latencies.sort()
-    return statistics.median(latencies), latencies[int(len(latencies) * 0.99) - 1]
+    return _p50_p99(latencies)
 
 
 async def _idle_subscribers(target: str, channel: str, n: int, hold: Any, ready: Any) -> None:
@@ -321,6 +466,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--idle", type=int, default=5_000)
+    parser.add_argument(
+        "--only-new", action="store_true", help="only the batched, single-message and unary figures"
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.echo_server:
@@ -340,10 +488,14 @@ def main() -> None:
             n = args.messages
             fsync_ms = commit_cost(tmp)
             ceiling, echo_rtt = echo_ceiling(echo_target, n)
-            one = fan_out(target, "bench/one/one", n, 1)
-            ten = fan_out(target, "bench/fan/out", n // 4, 10)
-            p50, p99 = latency(target, "bench/lat/ency", 1000.0, 5.0)
-            per_idle, total_mib = idle_rss(target, server_pid, "bench/idle/subs", args.idle)
+            batched_rate, cpu_us = batched(target, server_pid, "bench/batch/one", n)
+            ack, delivery = single_latency(target, "bench/single/one", 1000)
+            unary = unary_latency(target, "bench/unary/one", 2000)
+            if not args.only_new:
+                one = fan_out(target, "bench/one/one", n, 1)
+                ten = fan_out(target, "bench/fan/out", n // 4, 10)
+                p50, p99 = latency(target, "bench/lat/ency", 1000.0, 5.0)
+                per_idle, total_mib = idle_rss(target, server_pid, "bench/idle/subs", args.idle)
         finally:
             server.stop(30)
             echo.kill()
@@ -353,24 +505,41 @@ def main() -> None:
             "echo ceiling (bare purerpc stream)",
             f"{ceiling:,.0f} msg/s, ping-pong p50 {echo_rtt:.3f} ms",
         ),
-        ("1 -> 1 durable", f"{one:,.0f} msg/s = {one / ceiling:.0%} of echo (target >= 5,000)"),
+        ("one durable commit (the floor)", f"p50 {fsync_ms:.3f} ms (SQLite, synchronous=FULL)"),
         (
-            "1 -> 10 fan-out",
-            f"{ten:,.0f} deliveries/s = {ten / ceiling:.0%} of echo (target >= 20,000)",
+            "1 -> 1 batched (64/batch, max_batch 256)",
+            f"{batched_rate:,.0f} msg/s, relay CPU {cpu_us:.1f} us/msg (target <= 40)",
         ),
         (
-            "latency at 1,000 msg/s",
-            f"p50 {p50:.2f} ms, p99 {p99:.2f} ms = {p50 / echo_rtt:.1f}x / {p99 / echo_rtt:.1f}x"
-            f" the echo round trip (targets 1 / 5 ms; one durable commit here: {fsync_ms:.2f} ms)",
+            "one message: publish -> ack",
+            f"p50 {ack[0]:.3f} ms, p99 {ack[1]:.3f} ms (PublishBatches, 1 item, every 5 ms)",
         ),
         (
-            f"{args.idle:,} idle subscribers",
-            f"{per_idle:,.1f} KiB each, server RSS {total_mib:,.0f} MiB (target <= 100 KiB)",
+            "one message: publish -> delivery",
+            f"p50 {delivery[0]:.3f} ms, p99 {delivery[1]:.3f} ms (targets 0.3 / 1 ms)",
         ),
+        ("unary Publish", f"p50 {unary[0]:.3f} ms, p99 {unary[1]:.3f} ms (target p50 <= 0.5 ms)"),
     ]
+    if not args.only_new:
+        rows += [
+            ("1 -> 1 durable", f"{one:,.0f} msg/s = {one / ceiling:.0%} of echo (target >= 5,000)"),
+            (
+                "1 -> 10 fan-out",
+                f"{ten:,.0f} deliveries/s = {ten / ceiling:.0%} of echo (target >= 20,000)",
+            ),
+            (
+                "latency at 1,000 msg/s",
+                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms = {p50 / echo_rtt:.1f}x /"
+                f" {p99 / echo_rtt:.1f}x the echo round trip (targets 1 / 5 ms)",
+            ),
+            (
+                f"{args.idle:,} idle subscribers",
+                f"{per_idle:,.1f} KiB each, server RSS {total_mib:,.0f} MiB (target <= 100 KiB)",
+            ),
+        ]
     print("relay benchmark: 1 KiB messages, loopback, SQLite synchronous=FULL")
     for name, figure in rows:
-        print(f"  {name:<36} {figure}")
+        print(f"  {name:<42} {figure}")
 
 
 if __name__ == "__main__":

@@ -177,6 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from static.store import DatabaseError
 
+    # The relay's group commits run in worker threads, which need the GIL back to report (and
+    # between SQLite calls): with CPython's default 5 ms switch interval a worker can wait that
+    # long behind a busy event loop, which shows in every publish's tail latency.
+    sys.setswitchinterval(0.0005)
     try:
         trio.run(_run, settings)
     except (OSError, DatabaseError) as exc:

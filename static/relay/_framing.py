@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "ContentType",
@@ -46,9 +47,9 @@ class ContentType(enum.IntEnum):
     COMMIT = 3
 
 
-@dataclass(frozen=True, slots=True)
-class MessageHeader:
-    """The cleartext header of a public or private message."""
+class MessageHeader(NamedTuple):
+    """The cleartext header of a public or private message (a NamedTuple: one is made per
+    publish, and a frozen dataclass costs several times as much to build)."""
 
     wire_format: WireFormat
     group_id: bytes
@@ -117,8 +118,56 @@ def _preamble(reader: _Reader) -> WireFormat:
         raise MalformedMessage(f"unknown wire format {wire_format}") from None
 
 
+_CONTENT_TYPES = {int(t): t for t in ContentType}
+
+
+def _varint_at(data: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the variable-length integer at ``pos``; (-1, pos) when it
+    is invalid or truncated (the caller then takes the slow path, which says why)."""
+    n = len(data)
+    if pos >= n:
+        return -1, pos
+    first = data[pos]
+    prefix = first >> 6
+    if prefix == 0:
+        return first, pos + 1
+    size = 1 << prefix
+    if prefix == 3 or pos + size > n:
+        return -1, pos
+    return int.from_bytes(data[pos : pos + size], "big") & ((1 << (8 * size - 2)) - 1), pos + size
+
+
+def _private_header(data: bytes) -> MessageHeader | None:
+    """The header of a well-formed private message (what nearly every publish is), read with
+    plain indexing: about 5x cheaper than :class:`_Reader`. None for anything else."""
+    if data[:4] != b"\x00\x01\x00\x02":
+        return None
+    n = len(data)
+    length, pos = _varint_at(data, 4)
+    if length < 0 or pos + length + 9 > n:
+        return None
+    group_id = data[pos : pos + length]
+    pos += length
+    epoch = int.from_bytes(data[pos : pos + 8], "big")
+    content_type = _CONTENT_TYPES.get(data[pos + 8])
+    if content_type is None or epoch == _MAX_U64:
+        return None
+    pos += 9
+    for _ in range(3):  # authenticated data, encrypted sender data, ciphertext
+        length, pos = _varint_at(data, pos)
+        if length < 0:
+            return None
+        pos += length
+    if pos != n:
+        return None
+    return MessageHeader(WireFormat.PRIVATE_MESSAGE, group_id, epoch, content_type)
+
+
 def parse_message(data: bytes) -> MessageHeader:
     """Read the header of a public or private ``MLSMessage``; raise :class:`MalformedMessage`."""
+    fast = _private_header(data)
+    if fast is not None:
+        return fast
     reader = _Reader(data)
     wire_format = _preamble(reader)
     if wire_format is WireFormat.PUBLIC_MESSAGE:

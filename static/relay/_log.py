@@ -19,7 +19,7 @@ import collections
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -37,7 +37,7 @@ from static.store._channels import (
     WelcomeRecord,
 )
 
-__all__ = ["ChannelLog", "ChannelState", "PublishResult", "Submitted"]
+__all__ = ["ChannelLog", "ChannelState", "Deliver", "PublishResult", "Submitted"]
 
 _logger = logging.getLogger("static.relay")
 
@@ -58,6 +58,20 @@ class PublishResult:
     duplicate: bool
 
 
+#: Sends consecutive entries to a caught-up subscriber right away, from the writer's completion
+#: callback (synchronously), as many as can go at once (socket backlog, flow control); returns
+#: how many it sent: the subscriber's own task sends the rest as usual.
+Deliver = Callable[[list[EntryRecord]], int]
+
+
+@dataclass(eq=False, slots=True)
+class _Follower:
+    """A subscriber parked at the head of its channel, with its cursor (the last seq it has)."""
+
+    cursor: int
+    deliver: Deliver
+
+
 @dataclass(slots=True)
 class ChannelState:
     """What the relay keeps in memory of one channel: authoritative while the process runs."""
@@ -68,6 +82,8 @@ class ChannelState:
     ring: collections.deque[EntryRecord] = field(default_factory=collections.deque)
     ring_bytes: int = 0
     changed: trio.Event = field(default_factory=trio.Event)
+    #: Subscribers waiting for ``changed``: new entries are pushed to them at commit time.
+    followers: set[_Follower] = field(default_factory=set)
 
     def entries_after(self, cursor: int) -> list[EntryRecord] | None:
         """The ring's entries after ``cursor``, or None when the ring no longer reaches back."""
@@ -83,30 +99,54 @@ class ChannelState:
             self.ring_bytes -= len(self.ring.popleft().message)
 
 
-@dataclass(slots=True)
-class _Pending:
+@dataclass(slots=True, eq=False)
+class Submitted:
+    """A publish queued for the writer; ``settled`` once its outcome is final.
+
+    The writer settles submissions in the order they were submitted, so waiting for the last of
+    several is waiting for all of them (one event per request, not per message).
+    """
+
     state: ChannelState
     header: MessageHeader
     message: bytes
     key: bytes
     welcome: bytes
     welcome_header: WelcomeHeader | None
-    done: trio.Event = field(default_factory=trio.Event)
+    settled: bool = False
+    #: Tentative until ``settled`` (the writer may decide a batch twice).
     result: PublishResult | RelayError | None = None
+    #: Created by the first waiter only.
+    waiter: trio.Event | None = None
 
 
-def _keys_by_channel(batch: list[_Pending]) -> dict[int, list[bytes]]:
+def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
     keys: dict[int, list[bytes]] = {}
     for p in batch:
         keys.setdefault(p.state.record.id, []).append(p.key)
     return keys
 
 
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """A publish queued for the writer."""
+def _push(state: ChannelState) -> None:
+    """Hand the new entries straight to the channel's caught-up subscribers: no scheduling
+    round before they leave (the subscribers' tasks, woken too, then find nothing to do)."""
+    for follower in list(state.followers):
+        while follower.cursor < state.head_seq:
+            page = state.entries_after(follower.cursor)
+            if not page:
+                break
+            sent = follower.deliver(page)
+            if sent:
+                follower.cursor = page[sent - 1].seq
+            if sent < len(page):
+                break
 
-    pending: _Pending
+
+def _settle(batch: list[Submitted]) -> None:
+    for p in batch:
+        p.settled = True
+        if p.waiter is not None:
+            p.waiter.set()
 
 
 class ChannelLog:
@@ -117,7 +157,7 @@ class ChannelLog:
         self._window = application_window
         self._states: dict[tuple[str, str], ChannelState] = {}
         self._loading: dict[tuple[str, str], trio.Lock] = {}
-        self._send, self._receive = trio.open_memory_channel[_Pending](math.inf)
+        self._send, self._receive = trio.open_memory_channel[Submitted](math.inf)
         self._checkpoint_due = trio.Event()
         self._commits_since_checkpoint = 0
         self._bytes_since_checkpoint = 0
@@ -129,6 +169,10 @@ class ChannelLog:
         state = ChannelState(record, record.epoch, record.head_seq)
         self._states[(scope, name)] = state
         return state
+
+    def loaded(self, scope: str, name: str) -> ChannelState | None:
+        """The channel if it is in memory already (no store access), else None."""
+        return self._states.get((scope, name))
 
     async def channel(self, scope: str, name: str) -> ChannelState:
         """The channel ``name`` of ``scope``; :class:`NotFound` when it does not exist."""
@@ -161,25 +205,37 @@ class ChannelLog:
         """Queue ``message`` (its header already parsed and checked against the channel) for the
         next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
         the order they were submitted."""
-        pending = _Pending(state, header, message, key, welcome, welcome_header)
-        self._send.send_nowait(pending)
-        return Submitted(pending)
+        submitted = Submitted(state, header, message, key, welcome, welcome_header)
+        self._send.send_nowait(submitted)
+        return submitted
 
     @staticmethod
-    async def outcome(submitted: Submitted) -> PublishResult:
-        pending = submitted.pending
-        if not pending.done.is_set():
-            # Shielded: once queued, the append may happen; the caller waits for its outcome so
-            # that a shutdown lets in-flight publishes finish (the writer drains the queue).
-            # (No checkpoint when the answer is already there: answers sent back to back leave
-            # together in one socket write.)
-            with trio.CancelScope(shield=True):
-                await pending.done.wait()
-        result = pending.result
+    async def wait_settled(submitted: Submitted) -> None:
+        """Wait until ``submitted`` (and so everything submitted before it) is settled."""
+        if submitted.settled:
+            # No checkpoint: answers sent back to back then leave in one socket write.
+            return
+        if submitted.waiter is None:
+            submitted.waiter = trio.Event()
+        # Shielded: once queued, the append may happen; the caller waits for its outcome so that
+        # a shutdown lets in-flight publishes finish (the writer drains the queue).
+        with trio.CancelScope(shield=True):
+            await submitted.waiter.wait()
+
+    @staticmethod
+    def result(submitted: Submitted) -> PublishResult:
+        """The outcome of a settled submission; raises its refusal."""
+        assert submitted.settled
+        result = submitted.result
         if isinstance(result, RelayError):
             raise result
         assert result is not None
         return result
+
+    @classmethod
+    async def outcome(cls, submitted: Submitted) -> PublishResult:
+        await cls.wait_settled(submitted)
+        return cls.result(submitted)
 
     async def publish(
         self,
@@ -230,49 +286,57 @@ class ChannelLog:
     def queued(self) -> int:
         return self._receive.statistics().current_buffer_used
 
-    async def _commit(self, batch: list[_Pending]) -> None:
+    async def _commit(self, batch: list[Submitted]) -> None:
         # Optimistic: no idempotency lookup up front. The unique index on (channel, key) refuses
         # a retried publish, and only then are the batch's keys looked up and the batch decided
         # again: one store round trip less per batch in the common case.
         try:
             try:
-                accepted = await self._decide_and_store(batch, {})
-                looked_up = False
+                await self._decide_and_store(batch, {}, looked_up=False)
             except IntegrityError:
                 existing: dict[int, dict[bytes, tuple[int, int]]] = {}
                 for p in batch:
                     p.result = None
                 for channel_id, keys in _keys_by_channel(batch).items():
                     existing[channel_id] = await self._store.find_keys(channel_id, keys)
-                accepted = await self._decide_and_store(batch, existing)
-                looked_up = True
+                await self._decide_and_store(batch, existing, looked_up=True)
         except DatabaseError as exc:
             # Nothing of the batch was stored: fail all but the refusals (a duplicate found
             # within the batch would point at an entry that does not exist).
             for p in batch:
                 if not isinstance(p.result, RelayError):
                     p.result = Unavailable(f"store unavailable: {exc}")
-                p.done.set()
+            _settle(batch)
             return
-        woken: set[int] = set()
+        if not batch[-1].settled:
+            try:
+                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
+            finally:
+                _settle(batch)
+
+    def _committed(
+        self, batch: list[Submitted], accepted: list[tuple[Submitted, NewEntry]], looked_up: bool
+    ) -> None:
+        """The batch's transaction committed (or it had nothing to store): publish its entries
+        to memory, wake the channels' subscribers, and settle the batch unless some refusal may
+        still be a retry of a logged message (the optimistic path did not look them up)."""
+        woken: dict[int, ChannelState] = {}
         for p, entry in accepted:
             state = p.state
             state.head_seq = entry.seq
             state.epoch = entry.channel_epoch
             state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
             p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
-            if id(state) not in woken:
-                woken.add(id(state))
-                event, state.changed = state.changed, trio.Event()
-                event.set()
-        try:
-            if not looked_up:
-                await self._answer_retries([p for p in batch if isinstance(p.result, StaleEpoch)])
-        finally:
-            for p in batch:
-                p.done.set()
+            woken[id(state)] = state
+        # Subscribers first (a delivery is what a conversation waits for), then the publishers.
+        for state in woken.values():
+            _push(state)
+            event, state.changed = state.changed, trio.Event()
+            event.set()
+        if looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch):
+            _settle(batch)
 
-    async def _answer_retries(self, refused: list[_Pending]) -> None:
+    async def _answer_retries(self, refused: list[Submitted]) -> None:
         """A refusal may be the retry of a message already in the log (the optimistic path did
         not look): that gets its original answer, never a refusal."""
         try:
@@ -287,15 +351,20 @@ class ChannelLog:
                 p.result = Unavailable(f"store unavailable: {exc}")
 
     async def _decide_and_store(
-        self, batch: list[_Pending], existing: dict[int, dict[bytes, tuple[int, int]]]
-    ) -> list[tuple[_Pending, NewEntry]]:
+        self,
+        batch: list[Submitted],
+        existing: dict[int, dict[bytes, tuple[int, int]]],
+        *,
+        looked_up: bool,
+    ) -> None:
         """Fence and number the batch on tentative copies of the channels' state and store the
-        accepted entries in one transaction; memory changes only after it committed."""
+        accepted entries in one transaction; memory changes only once it committed (in
+        :meth:`_committed`, called by the store as soon as it knows, to save a round)."""
         tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
         entries: list[NewEntry] = []
         epoch_starts: list[tuple[int, int, int]] = []
         welcomes: list[NewWelcome] = []
-        accepted: list[tuple[_Pending, NewEntry]] = []
+        accepted: list[tuple[Submitted, NewEntry]] = []
         for p in batch:
             cid = p.state.record.id
             head, epoch = tentative.get(cid, (p.state.head_seq, p.state.epoch))
@@ -335,11 +404,18 @@ class ChannelLog:
                 )
             tentative[cid] = (entry.seq, new_epoch)
             accepted.append((p, entry))
-        if entries:
-            heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
-            with trio.CancelScope(shield=True):
-                await self._store.append(entries, heads, epoch_starts, welcomes)
-        return accepted
+        if not entries:
+            self._committed(batch, accepted, looked_up)
+            return
+        heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
+        with trio.CancelScope(shield=True):
+            await self._store.append(
+                entries,
+                heads,
+                epoch_starts,
+                welcomes,
+                on_commit=lambda: self._committed(batch, accepted, looked_up),
+            )
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -366,11 +442,18 @@ class ChannelLog:
         )
 
     async def follow(
-        self, state: ChannelState, after_seq: int, keepalive_seconds: float
+        self,
+        state: ChannelState,
+        after_seq: int,
+        keepalive_seconds: float,
+        deliver: Deliver | None = None,
     ) -> AsyncIterator[list[EntryRecord] | None]:
         """Pages of consecutive entries after ``after_seq`` (what is available at once, never
         empty), then live ones, forever; None every ``keepalive_seconds`` without an entry.
-        Gap-free and duplicate-free by construction (a cursor over seqs)."""
+        Gap-free and duplicate-free by construction (a cursor over seqs). With ``deliver``,
+        live entries may instead be handed to it at commit time while this waits (see
+        :data:`Deliver`): they are then not yielded, and the cursor moves past them."""
+        follower = None if deliver is None else _Follower(after_seq, deliver)
         cursor = after_seq
         while True:
             if cursor < state.head_seq:
@@ -389,7 +472,15 @@ class ChannelLog:
                 yield page
                 continue
             changed = state.changed
-            with trio.move_on_after(keepalive_seconds) as idle:
-                await changed.wait()
+            if follower is not None:
+                follower.cursor = cursor
+                state.followers.add(follower)
+            try:
+                with trio.move_on_after(keepalive_seconds) as idle:
+                    await changed.wait()
+            finally:
+                if follower is not None:
+                    state.followers.discard(follower)
+                    cursor = follower.cursor
             if idle.cancelled_caught:
                 yield None

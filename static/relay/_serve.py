@@ -13,7 +13,6 @@ import anyio.abc
 import h2.errors
 import trio
 from h2.exceptions import H2Error
-from purerpc.grpc_proto import GRPCProtoStream
 from purerpc.grpclib.connection import GRPCConfiguration
 
 from static._settings import Address, ServerSettings
@@ -23,7 +22,7 @@ from static.relay._errors import ResourceExhausted
 from static.relay._log import ChannelLog
 from static.relay._rules import TokenBucket
 from static.relay._service import RelayService
-from static.relay._transport import RelaySocket
+from static.relay._transport import RelayConnection, RelayStream, open_connection
 from static.store import Database
 from static.store._channels import ChannelStore
 
@@ -37,7 +36,7 @@ class _Connection:
     peer: str
     resets: TokenBucket
     handlers: dict[int, trio.CancelScope] = field(default_factory=dict)
-    socket: RelaySocket | None = None
+    socket: RelayConnection | None = None
     flooded: bool = False
     #: Cancelled to stop reading new streams; leaving the socket then flushes what is queued.
     listening: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -87,27 +86,29 @@ class _Relay:
         )
         self.connections.add(conn)
         try:
-            async with RelaySocket(self._config, sock, conn.on_reset) as grpc_socket:
+            async with open_connection(self._config, sock, conn.on_reset) as grpc_socket:
                 conn.socket = grpc_socket
                 async with trio.open_nursery() as streams:
+
+                    def on_stream(stream: RelayStream) -> None:
+                        if len(conn.handlers) >= relay.max_streams_per_connection:
+                            self._service.refuse(
+                                stream,
+                                ResourceExhausted(
+                                    "too many concurrent streams on this connection (limit "
+                                    f"{relay.max_streams_per_connection})"
+                                ),
+                            )
+                            return
+                        scope = trio.CancelScope()
+                        conn.handlers[stream.stream_id] = scope
+                        streams.start_soon(self._stream, conn, stream, scope)
+
                     with conn.listening:
-                        async for stream in grpc_socket.listen():
-                            if len(conn.handlers) >= relay.max_streams_per_connection:
-                                streams.start_soon(
-                                    self._service.refuse,
-                                    stream,
-                                    ResourceExhausted(
-                                        "too many concurrent streams on this connection (limit "
-                                        f"{relay.max_streams_per_connection})"
-                                    ),
-                                )
-                                continue
-                            scope = trio.CancelScope()
-                            conn.handlers[stream.stream_id] = scope
-                            streams.start_soon(self._stream, conn, stream, scope)
+                        await grpc_socket.serve(on_stream)
                     if conn.flooded:
                         _log.warning("relay: closing %s: too many stream resets", peer)
-                        await grpc_socket.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+                        grpc_socket.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
                     # The peer closed the connection (or must go): its streams end with it.
                     streams.cancel_scope.cancel()
         except Exception as exc:  # noqa: BLE001  (a broken peer ends its connection, nothing more)
@@ -117,13 +118,14 @@ class _Relay:
             await anyio.aclose_forcefully(sock)
 
     async def _stream(
-        self, conn: _Connection, stream: GRPCProtoStream, scope: trio.CancelScope
+        self, conn: _Connection, stream: RelayStream, scope: trio.CancelScope
     ) -> None:
         try:
             with scope:
                 await self._service.handle(stream, conn.peer)
         finally:
             conn.handlers.pop(stream.stream_id, None)
+            stream.connection.forget(stream.stream_id)
 
     async def drain(self, seconds: float) -> None:
         """Shutdown: end subscriptions, wait for in-flight calls, then GOAWAY and close.
@@ -136,10 +138,8 @@ class _Relay:
                 await trio.sleep(0.02)
         for conn in list(self.connections):
             if conn.socket is not None:
-                with contextlib.suppress(
-                    anyio.BrokenResourceError, anyio.ClosedResourceError, H2Error
-                ):
-                    await conn.socket.goaway()
+                with contextlib.suppress(H2Error):
+                    conn.socket.goaway()
             # Stop reading; the connection then flushes what it has queued and closes.
             conn.listening.cancel()
         with trio.move_on_after(1.0):

@@ -10,22 +10,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import h2.exceptions
 import trio
 from google.protobuf.message import DecodeError
 from google.protobuf.message import Message as ProtoMessage
-from purerpc.grpc_proto import GRPCProtoStream
-from purerpc.grpc_socket import GRPCStreamState
-from purerpc.grpclib.events import MessageReceived, RequestEnded, RequestReceived
+from purerpc.grpclib.events import MessageReceived, RequestEnded
 from purerpc.grpclib.exceptions import GRPCError
 from purerpc.grpclib.status import Status, StatusCode
 
 from static._channel_name import validate_channel_name
 from static._errors import InvalidChannelNameError
 from static._settings import RelaySettings
+from static.relay import _wire
 from static.relay._auth import Authenticator, Caller, StreamGuard
 from static.relay._errors import (
     AlreadyExists,
@@ -48,7 +47,7 @@ from static.relay._framing import (
 from static.relay._generated import relay_pb2 as pb
 from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
-from static.relay._transport import MessageTooLarge
+from static.relay._transport import MessageTooLarge, RelayStream, StreamGone
 from static.store import DatabaseError
 from static.store._channels import ChannelExists, EntryRecord
 
@@ -70,6 +69,7 @@ _OUTBOUND_LIMIT = 1024 * 1024
 
 # The stream or its connection is gone: there is nobody left to answer.
 _GONE = (
+    StreamGone,
     GRPCError,
     h2.exceptions.H2Error,
     anyio.BrokenResourceError,
@@ -77,7 +77,16 @@ _GONE = (
     anyio.EndOfStream,
 )
 
-_Handler = Callable[[GRPCProtoStream, Caller], Awaitable[None]]
+_Handler = Callable[[RelayStream, Caller], Awaitable[None]]
+
+
+class _Checked(NamedTuple):
+    name: str
+    header: MessageHeader
+    message: bytes
+    key: bytes
+    welcome: bytes
+    welcome_header: WelcomeHeader | None
 
 
 class RelayService:
@@ -90,13 +99,13 @@ class RelayService:
         self._buckets: dict[str, TokenBucket] = {}
         self._subscriptions: set[StreamGuard] = set()
         self._draining = False
-        self._methods: dict[str, tuple[type[ProtoMessage], _Handler]] = {
-            "CreateChannel": (pb.CreateChannelRequest, self._create_channel),
-            "Publish": (pb.PublishRequest, self._publish),
-            "PublishStream": (pb.PublishRequest, self._publish_stream),
-            "PublishBatches": (pb.PublishBatchRequest, self._publish_batches),
-            "Subscribe": (pb.SubscribeRequest, self._subscribe),
-            "FetchWelcome": (pb.FetchWelcomeRequest, self._fetch_welcome),
+        self._methods: dict[str, _Handler] = {
+            "CreateChannel": self._create_channel,
+            "Publish": self._publish,
+            "PublishStream": self._publish_stream,
+            "PublishBatches": self._publish_batches,
+            "Subscribe": self._subscribe,
+            "FetchWelcome": self._fetch_welcome,
         }
 
     def drain(self) -> None:
@@ -105,28 +114,27 @@ class RelayService:
         for guard in list(self._subscriptions):
             guard.end(Unavailable("relay is shutting down"))
 
-    async def refuse(self, stream: GRPCProtoStream, error: RelayError) -> None:
+    def refuse(self, stream: RelayStream, error: RelayError) -> None:
         """Answer a stream with ``error`` without serving it."""
-        await _finish(stream, error)
+        _finish(stream, error)
 
-    async def handle(self, stream: GRPCProtoStream, peer: str) -> None:
+    async def handle(self, stream: RelayStream, peer: str) -> None:
         outcome: RelayError | None = None
         try:
-            event = await stream.receive_event()
-            if not isinstance(event, RequestReceived):  # never expected from purerpc
-                raise InvalidArgument("expected request headers")
+            request = stream.request
             if self._draining:
                 raise Unavailable("relay is shutting down")
-            method = (
-                self._methods.get(event.method_name) if event.service_name == SERVICE_NAME else None
+            handler = (
+                self._methods.get(request.method_name)
+                if request.service_name == SERVICE_NAME
+                else None
             )
-            if method is None:
-                outcome = Unimplemented(f"no method /{event.service_name}/{event.method_name}")
+            if handler is None:
+                outcome = Unimplemented(f"no method /{request.service_name}/{request.method_name}")
             else:
-                request_type, handler = method
-                caller = await self._auth.authenticate(event.custom_metadata, peer)
-                stream.expect_message_type(request_type)
-                await stream.start_response()
+                caller = await self._auth.authenticate(request.custom_metadata, peer)
+                # Response headers leave with the first answer (or as trailers-only), except on
+                # streaming-request calls, which send them at once (``RelayStream.start``).
                 await handler(stream, caller)
         except RelayError as exc:
             outcome = exc
@@ -139,28 +147,32 @@ class RelayService:
         except Exception:  # noqa: BLE001  (logged; the caller gets INTERNAL, the relay goes on)
             _log.exception("relay: unexpected error")
             outcome = RelayError("internal error")
-        await _finish(stream, outcome)
+        _finish(stream, outcome)
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def _create_channel(self, stream: GRPCProtoStream, caller: Caller) -> None:
-        request: Any = await _request(stream)
+    async def _create_channel(self, stream: RelayStream, caller: Caller) -> None:
+        request: Any = await _request(stream, pb.CreateChannelRequest)
         name = _channel_name(request.channel)
         try:
             await self._log.create(caller.scope, name)
         except ChannelExists:
             raise AlreadyExists(f"channel {name!r} already exists") from None
-        await stream.send_message(pb.CreateChannelResponse(channel=name, epoch=0))
+        # Not flushed: the trailers follow at once, all in one write.
+        await stream.send(
+            pb.CreateChannelResponse(channel=name, epoch=0).SerializeToString(), flush=False
+        )
 
-    async def _publish(self, stream: GRPCProtoStream, caller: Caller) -> None:
-        request: Any = await _request(stream)
-        result = await self._publish_one(request, caller)
-        await stream.send_message(_publish_response(result))
+    async def _publish(self, stream: RelayStream, caller: Caller) -> None:
+        request: Any = await _request(stream, pb.PublishRequest)
+        result = await self._log.outcome(await self._submit(request, caller))
+        await stream.send(_publish_response(result), flush=False)
 
-    async def _publish_stream(self, stream: GRPCProtoStream, caller: Caller) -> None:
+    async def _publish_stream(self, stream: RelayStream, caller: Caller) -> None:
         """Pipelined: requests are read and queued while earlier ones are being committed (so a
         batch shares group commits); answers go out in request order. The first refusal ends
         the call after the answers before it."""
+        stream.start()
         queue_in, queue_out = trio.open_memory_channel[Submitted | RelayError](_PIPELINE_DEPTH)
         failure: list[BaseException] = []
 
@@ -168,13 +180,14 @@ class RelayService:
             async with queue_in:
                 try:
                     while True:
-                        event = await stream.receive_event()
+                        event = await stream.receive()
                         if isinstance(event, MessageTooLarge):
                             raise _too_large(event.limit)
                         if isinstance(event, RequestEnded):
                             return
                         if isinstance(event, MessageReceived):
-                            await queue_in.send(await self._submit(event.data, caller))
+                            request = pb.PublishRequest.FromString(event.data)
+                            await queue_in.send(await self._submit(request, caller))
                 except RelayError as exc:
                     await queue_in.send(exc)
                 except DecodeError:
@@ -191,11 +204,16 @@ class RelayService:
                     with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
                         while len(items) < _PIPELINE_DEPTH:
                             items.append(queue_out.receive_nowait())
-                    for item in items:
-                        if isinstance(item, RelayError):
-                            raise item
-                        result = await self._log.outcome(item)
-                        await stream.send_message(_publish_response(result))
+                    try:
+                        for item in items:
+                            if isinstance(item, RelayError):
+                                raise item
+                            if not item.settled:
+                                stream.connection.flush()
+                            result = await self._log.outcome(item)
+                            await stream.send(_publish_response(result), flush=False)
+                    finally:
+                        stream.connection.flush()
             except (RelayError, *_GONE) as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
@@ -206,57 +224,110 @@ class RelayService:
         if failure:
             raise failure[0]
 
-    async def _publish_batches(self, stream: GRPCProtoStream, caller: Caller) -> None:
+    async def _publish_batches(self, stream: RelayStream, caller: Caller) -> None:
         """Pipelined batches: every item is submitted as it is read (so batches share group
         commits), each request is answered once all its items are decided, in request order.
         A refused item is answered as such; only a failure of the call itself ends it."""
+        stream.start()
         queue_in, queue_out = trio.open_memory_channel[list[Submitted | RelayError] | RelayError](
             _BATCHES_AHEAD
         )
         failure: list[BaseException] = []
+        # True while ``read`` holds a request it has not queued yet (the consumer must wait).
+        reading = [False]
+
+        def consume(event: Any) -> bool:
+            """The connection's reader hands a request over as it arrives (saving a scheduling
+            round before its commit) when it can be decided right away: well-formed, read-ahead
+            room, every channel already loaded. Otherwise ``read`` takes it, in order."""
+            if (
+                reading[0]
+                or type(event) is not MessageReceived
+                or queue_in.statistics().current_buffer_used >= _BATCHES_AHEAD
+            ):
+                return False
+            try:
+                requests = pb.PublishBatchRequest.FromString(event.data).requests
+            except DecodeError:
+                return False
+            if len(requests) > _BATCH_ITEMS:
+                return False
+            states = [self._log.loaded(caller.scope, r.channel) for r in requests]
+            if any(state is None for state in states):
+                return False
+            batch: list[Submitted | RelayError] = []
+            for request, state in zip(requests, states, strict=True):
+                assert state is not None
+                try:
+                    batch.append(self._submit_checked(state, self._check(request, caller)))
+                except RelayError as exc:
+                    batch.append(exc)
+                except Exception:  # noqa: BLE001  (a bug: logged, the item refused as INTERNAL)
+                    _log.exception("relay: unexpected error")
+                    batch.append(RelayError("internal error"))
+            queue_in.send_nowait(batch)
+            return True
 
         async def read(nursery: trio.Nursery) -> None:
             async with queue_in:
                 try:
                     while True:
-                        event = await stream.receive_event()
+                        reading[0] = False
+                        event = await stream.receive()
+                        reading[0] = True
                         if isinstance(event, MessageTooLarge):
                             raise _too_large(event.limit)
                         if isinstance(event, RequestEnded):
                             return
                         if isinstance(event, MessageReceived):
-                            requests = event.data.requests
+                            requests = pb.PublishBatchRequest.FromString(event.data).requests
                             if len(requests) > _BATCH_ITEMS:
                                 raise InvalidArgument(
                                     f"{len(requests)} requests in one batch; at most {_BATCH_ITEMS}"
                                 )
-                            await queue_in.send(
-                                [await self._try_submit(r, caller) for r in requests]
-                            )
+                            batch = [await self._try_submit(r, caller) for r in requests]
+                            try:
+                                queue_in.send_nowait(batch)
+                            except trio.WouldBlock:
+                                await queue_in.send(batch)
                 except RelayError as exc:
                     await queue_in.send(exc)
                 except DecodeError:
                     await queue_in.send(InvalidArgument("request is not a valid protobuf message"))
+                finally:
+                    stream.consumer = None
 
         async def answer(nursery: trio.Nursery) -> None:
+            connection = stream.connection
             try:
                 async for first in queue_out:
                     batches = [first]
                     with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
                         while len(batches) < _BATCHES_AHEAD:
                             batches.append(queue_out.receive_nowait())
-                    for batch in batches:
-                        if isinstance(batch, RelayError):
-                            raise batch
-                        results = [await _batch_result(item) for item in batch]
-                        await stream.send_message(pb.PublishBatchResponse(results=results))
+                    try:
+                        for batch in batches:
+                            if isinstance(batch, RelayError):
+                                raise batch
+                            last = _last_submitted(batch)
+                            if last is not None and not last.settled:
+                                # Answers ready so far leave before waiting for the next ones.
+                                connection.flush()
+                                await ChannelLog.wait_settled(last)
+                            await stream.send(_batch_response(batch), flush=False)
+                    finally:
+                        connection.flush()
             except (RelayError, *_GONE) as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read, nursery)
-            nursery.start_soon(answer, nursery)
+        stream.consumer = consume
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read, nursery)
+                nursery.start_soon(answer, nursery)
+        finally:
+            stream.consumer = None
         if failure:
             raise failure[0]
 
@@ -268,10 +339,23 @@ class RelayService:
         except DatabaseError as exc:
             return Unavailable(f"store unavailable: {exc}")
 
-    async def _publish_one(self, request: Any, caller: Caller) -> PublishResult:
-        return await self._log.outcome(await self._submit(request, caller))
-
     async def _submit(self, request: Any, caller: Caller) -> Submitted:
+        checked = self._check(request, caller)
+        state = await self._log.channel(caller.scope, checked.name)
+        return self._submit_checked(state, checked)
+
+    def _submit_checked(self, state: ChannelState, checked: _Checked) -> Submitted:
+        return self._log.submit(
+            state,
+            checked.header,
+            checked.message,
+            checked.key,
+            checked.welcome,
+            checked.welcome_header,
+        )
+
+    def _check(self, request: Any, caller: Caller) -> _Checked:
+        """Everything decided about a publish before its channel is looked up."""
         name = _channel_name(request.channel)
         message: bytes = request.message
         welcome: bytes = request.welcome
@@ -293,8 +377,7 @@ class RelayService:
             except MalformedMessage as exc:
                 raise InvalidArgument(f"malformed welcome: {exc}") from None
         self._rate_limit(caller)
-        state = await self._log.channel(caller.scope, name)
-        return self._log.submit(state, header, message, key, welcome, welcome_header)
+        return _Checked(name, header, message, key, welcome, welcome_header)
 
     def _rate_limit(self, caller: Caller) -> None:
         rate = self._settings.publish_rate_per_agent
@@ -314,8 +397,8 @@ class RelayService:
                 f"publish rate limit of {rate:g} messages/s per agent exceeded", wait
             )
 
-    async def _subscribe(self, stream: GRPCProtoStream, caller: Caller) -> None:
-        request: Any = await _request(stream)
+    async def _subscribe(self, stream: RelayStream, caller: Caller) -> None:
+        request: Any = await _request(stream, pb.SubscribeRequest)
         name = _channel_name(request.channel)
         state = await self._log.channel(caller.scope, name)
         start = request.WhichOneof("start")
@@ -331,7 +414,11 @@ class RelayService:
                     guard.end(Unavailable("relay is shutting down"))
                 with guard.scope:
                     await self._stream_entries(
-                        stream, state, after_seq, min(request.max_batch, _SUBSCRIBE_BATCH_ENTRIES)
+                        stream,
+                        state,
+                        after_seq,
+                        min(request.max_batch, _SUBSCRIBE_BATCH_ENTRIES),
+                        guard,
                     )
             finally:
                 self._subscriptions.discard(guard)
@@ -340,32 +427,67 @@ class RelayService:
             raise outcome
 
     async def _stream_entries(
-        self, stream: GRPCProtoStream, state: ChannelState, after_seq: int, max_batch: int
+        self,
+        stream: RelayStream,
+        state: ChannelState,
+        after_seq: int,
+        max_batch: int,
+        guard: StreamGuard,
     ) -> None:
         keepalive = self._settings.keepalive_interval_seconds
+        connection = stream.connection
+
+        def deliver(page: list[EntryRecord]) -> int:
+            """Live entries, sent from the writer's completion callback as far as they can go
+            at once (the same bound on queued bytes as below); never raises."""
+            if guard.scope.cancel_called:
+                return 0
+            sent = 0
+            room = _OUTBOUND_LIMIT - connection.backlog
+            try:
+                chunks = _chunks(page, max_batch) if max_batch > 1 else [[e] for e in page]
+                for chunk in chunks:
+                    if room <= 0:
+                        break
+                    message = (
+                        _wire.entries_response([_entry_wire(e) for e in chunk])
+                        if max_batch > 1
+                        else _entry_wire(chunk[0])
+                    )
+                    if not stream.send_now(message):
+                        break
+                    room -= len(message)
+                    sent += len(chunk)
+                connection.flush()
+            except _GONE:
+                pass  # the subscriber's task finds out by itself
+            except Exception:  # noqa: BLE001  (logged; its task serves the subscriber instead)
+                _log.exception("relay: delivering to a subscriber failed")
+            return sent
+
         # A first keep-alive right away tells the client the subscription is live.
-        await stream.send_message(
-            pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
-        )
-        async for page in self._log.follow(state, after_seq, keepalive):
+        await stream.send(_keepalive(state))
+        async for page in self._log.follow(state, after_seq, keepalive, deliver):
+            # A peer that grants large HTTP/2 windows and then stops reading would otherwise
+            # make the relay queue everything it is sent: such a subscriber simply falls
+            # behind here and is served from the log later.
+            await connection.wait_room(_OUTBOUND_LIMIT)
             if page is None:
-                await _outbound_room(stream)
-                await stream.send_message(
-                    pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
-                )
+                await stream.send(_keepalive(state))
             elif max_batch > 1:
                 for chunk in _chunks(page, max_batch):
-                    await _outbound_room(stream)
-                    await stream.send_message(
-                        pb.SubscribeResponse(entries=pb.Entries(entries=[_entry(e) for e in chunk]))
-                    )
+                    await connection.wait_room(_OUTBOUND_LIMIT)
+                    await stream.send(_wire.entries_response([_entry_wire(e) for e in chunk]))
             else:
-                for entry in page:
-                    await _outbound_room(stream)
-                    await stream.send_message(pb.SubscribeResponse(entry=_entry(entry)))
+                try:
+                    for entry in page:
+                        await connection.wait_room(_OUTBOUND_LIMIT)
+                        await stream.send(_entry_wire(entry), flush=False)
+                finally:
+                    connection.flush()
 
-    async def _fetch_welcome(self, stream: GRPCProtoStream, caller: Caller) -> None:
-        request: Any = await _request(stream)
+    async def _fetch_welcome(self, stream: RelayStream, caller: Caller) -> None:
+        request: Any = await _request(stream, pb.FetchWelcomeRequest)
         name = _channel_name(request.channel)
         state = await self._log.channel(caller.scope, name)
         which = request.WhichOneof("key")
@@ -379,29 +501,24 @@ class RelayService:
             raise InvalidArgument("set welcome_sha256 or key_package_ref")
         if found is None:
             raise NotFound("no such welcome")
-        await stream.send_message(
+        await stream.send(
             pb.FetchWelcomeResponse(
                 welcome=found.welcome, commit_seq=found.commit_seq, epoch=found.epoch
-            )
+            ).SerializeToString(),
+            flush=False,
         )
 
 
-async def _outbound_room(stream: GRPCProtoStream) -> None:
-    """Wait while the connection has more than ``_OUTBOUND_LIMIT`` bytes queued for its socket.
-
-    HTTP/2 flow control is the peer's to grant: a peer that grants large windows and then stops
-    reading would otherwise make the relay queue everything it is sent (purerpc does not bound
-    its output). Such a subscriber simply falls behind and is served from the log later.
-    """
-    h2_connection = stream._grpc_connection.h2_connection
-    while len(h2_connection._data_to_send) > _OUTBOUND_LIMIT:  # noqa: ASYNC110  (no event to wait on)
-        await trio.sleep(0.01)
+def _keepalive(state: ChannelState) -> bytes:
+    response = pb.SubscribeResponse(keep_alive=pb.KeepAlive(head_seq=state.head_seq))
+    encoded: bytes = response.SerializeToString()
+    return encoded
 
 
-def _entry(entry: EntryRecord) -> pb.Entry:
-    return pb.Entry(
-        seq=entry.seq, epoch=entry.epoch, content_type=entry.content_type, message=entry.message
-    )
+def _entry_wire(entry: EntryRecord) -> bytes:
+    # Encoded per send rather than cached on the ring's entries: a cache doubles the ring's
+    # memory (tests/relay/test_transport.py measures it) for a gain only with many subscribers.
+    return _wire.entry_field(entry.seq, entry.epoch, entry.content_type, entry.message)
 
 
 def _chunks(page: list[EntryRecord], max_entries: int) -> list[list[EntryRecord]]:
@@ -423,33 +540,49 @@ def _chunks(page: list[EntryRecord], max_entries: int) -> list[list[EntryRecord]
     return chunks
 
 
-async def _batch_result(item: Submitted | RelayError) -> pb.PublishResult:
-    """One item's answer in a PublishBatchResponse."""
-    if isinstance(item, Submitted):
-        try:
-            return pb.PublishResult(accepted=_publish_response(await ChannelLog.outcome(item)))
-        except RelayError as exc:
-            item = exc
-    refusal = pb.Refusal(code=int(item.code), message=item.message)
-    if isinstance(item, StaleEpoch):
-        refusal.current_epoch = item.current_epoch
-    elif isinstance(item, ResourceExhausted):
-        refusal.retry_after_ms = item.retry_after_ms
-    return pb.PublishResult(refused=refusal)
+def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:
+    for item in reversed(batch):
+        if isinstance(item, Submitted):
+            return item
+    return None
+
+
+def _batch_response(batch: list[Submitted | RelayError]) -> bytes:
+    """A PublishBatchResponse for ``batch``, whose items are all settled or refused."""
+    results: list[bytes] = []
+    for item in batch:
+        if isinstance(item, Submitted):
+            result = item.result
+            if isinstance(result, PublishResult):
+                results.append(
+                    _wire.accepted_result(
+                        _wire.publish_response(result.seq, result.epoch, result.duplicate)
+                    )
+                )
+                continue
+            assert isinstance(result, RelayError)
+            item = result
+        refusal = pb.Refusal(code=int(item.code), message=item.message)
+        if isinstance(item, StaleEpoch):
+            refusal.current_epoch = item.current_epoch
+        elif isinstance(item, ResourceExhausted):
+            refusal.retry_after_ms = item.retry_after_ms
+        results.append(pb.PublishResult(refused=refusal).SerializeToString())
+    return _wire.publish_results(results)
 
 
 def _too_large(limit: int) -> ResourceExhausted:
     return ResourceExhausted(f"request larger than the transport limit of {limit} bytes")
 
 
-async def _request(stream: GRPCProtoStream) -> Any:
+async def _request(stream: RelayStream, request_type: type[ProtoMessage]) -> Any:
     """The one request message of a unary-request call."""
     while True:
-        event = await stream.receive_event()
+        event = await stream.receive()
         if isinstance(event, MessageTooLarge):
             raise _too_large(event.limit)
         if isinstance(event, MessageReceived):
-            return event.data
+            return request_type.FromString(event.data)
         if isinstance(event, RequestEnded):
             raise InvalidArgument("expected a request message")
 
@@ -468,14 +601,12 @@ def _parse(message: bytes) -> MessageHeader:
         raise InvalidArgument(f"malformed MLS message: {exc}") from None
 
 
-def _publish_response(result: PublishResult) -> pb.PublishResponse:
-    return pb.PublishResponse(seq=result.seq, epoch=result.epoch, duplicate=result.duplicate)
+def _publish_response(result: PublishResult) -> bytes:
+    return _wire.publish_response(result.seq, result.epoch, result.duplicate)
 
 
-async def _finish(stream: GRPCProtoStream, error: RelayError | None) -> None:
+def _finish(stream: RelayStream, error: RelayError | None) -> None:
     """End the call with OK or ``error``'s status; quietly when the stream is already gone."""
-    if stream.state in (GRPCStreamState.HALF_CLOSED_LOCAL, GRPCStreamState.CLOSED):
-        return
     if error is None:
         status = Status(StatusCode.OK)
         trailers: tuple[tuple[str, str], ...] = ()
@@ -483,6 +614,6 @@ async def _finish(stream: GRPCProtoStream, error: RelayError | None) -> None:
         status = Status(StatusCode(int(error.code)), status_message=error.message)
         trailers = error.trailers
     try:
-        await stream.close(status, custom_metadata=trailers)
+        stream.finish(status, trailers)
     except _GONE:
         _log.debug("stream gone before its status was sent")

@@ -1,28 +1,40 @@
-"""purerpc's HTTP/2 + gRPC framing on connections we accept ourselves (DESIGN §7).
+"""The relay's HTTP/2 + gRPC transport: purerpc's framing (``GRPCConnection``, over h2) on
+connections we accept ourselves (DESIGN §7), with a stream layer of our own.
 
 purerpc 0.8.0's ``Server.serve_async`` binds every interface with SO_REUSEPORT and cannot stop
 gracefully, and its connection handler ignores RST_STREAM (a cancelled call is noticed only at its
-next send, and reset streams keep their state for the connection's life). So the relay accepts
-connections on a listener of its own and runs purerpc's socket with these fixes:
+next send, and reset streams keep their state for the connection's life). Its stream layer also
+costs several trio scheduling rounds per message (a memory channel per stream whose every send
+and receive checkpoints, a writer task woken for every write, response headers in a write of
+their own). So the relay keeps purerpc's protocol state machine and replaces the rest:
 
-* a reset stream is forgotten at once and its handler cancelled (``on_reset``);
-* a connection that resets streams faster than ``reset_rate`` (after a burst) is closed with
+* events go straight from the connection's reader to the stream's queue, and a waiting handler
+  is woken directly (no round trip when the event is already there);
+* writes go to the socket at once from the task that produced them (one ``send`` syscall per
+  ``flush``, nothing in between), and only what the socket does not take is left to a writer
+  task; response headers leave with the first message, and a unary answer (headers, message,
+  trailers) in ONE write;
+* a reset stream is forgotten at once and its handler told (``on_reset``); a connection that
+  resets streams faster than ``reset_rate`` (after a burst) is closed with
   GOAWAY(ENHANCE_YOUR_CALM): the rapid-reset flood;
 * a message over the transport limit ends its stream (RESOURCE_EXHAUSTED), not the connection;
-* data for a stream purerpc no longer knows is dropped instead of raising ``KeyError``.
+* data for a stream we no longer know is dropped (its flow-control credit given back).
 """
 
 from __future__ import annotations
 
+import collections
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import anyio.abc
 import h2.errors
 import h2.events
-from purerpc.grpc_proto import GRPCProtoSocket, GRPCProtoStream
-from purerpc.grpc_socket import GRPCStreamState, SocketWrapper
+import trio
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.connection import GRPCConfiguration, GRPCConnection
 from purerpc.grpclib.events import (
@@ -32,10 +44,26 @@ from purerpc.grpclib.events import (
     WindowUpdated,
 )
 from purerpc.grpclib.exceptions import MessageTooLargeError
+from purerpc.grpclib.status import Status
 
-__all__ = ["MessageTooLarge", "RelaySocket", "StreamWasReset"]
+__all__ = [
+    "MessageTooLarge",
+    "RelayConnection",
+    "RelayStream",
+    "StreamGone",
+    "open_connection",
+]
 
 _CONNECTION_WINDOW = 64 * 1024 * 1024
+_RECEIVE_BYTES = 256 * 1024
+#: gRPC's length prefix: a compressed flag (never set here) and the message length.
+_PREFIX = struct.Struct(">BI")
+#: How long a closing connection keeps trying to hand over what it has queued.
+_CLOSE_FLUSH_SECONDS = 1.0
+
+
+class StreamGone(Exception):
+    """The stream was reset by the peer, or its connection is gone: nobody is listening."""
 
 
 class StreamWasReset:
@@ -46,10 +74,7 @@ class StreamWasReset:
 
 
 class MessageTooLarge(MessageReceived):  # type: ignore[misc]
-    """A message on the stream exceeded the transport limit; the rest of it is discarded.
-
-    A (empty) MessageReceived so that purerpc's stream hands it to the handler as it is.
-    """
+    """A message on the stream exceeded the transport limit; the rest of it is discarded."""
 
     def __init__(self, stream_id: int, limit: int) -> None:
         super().__init__(stream_id, b"", 0)
@@ -105,8 +130,169 @@ class _Connection(GRPCConnection):  # type: ignore[misc]
             return [MessageTooLarge(event.stream_id, self.config.max_message_length)]
 
 
-class RelaySocket(GRPCProtoSocket):  # type: ignore[misc]
-    """A server-side purerpc socket with the fixes above."""
+class RelayStream:
+    """One server-side call: its request headers, its incoming events, its answers.
+
+    ``receive`` returns MessageReceived (``data``: the raw message bytes), MessageTooLarge or
+    RequestEnded; it raises :class:`StreamGone` once the peer reset the stream or the connection
+    is gone. Sending never blocks on the socket (the connection queues what it does not take),
+    only on HTTP/2 flow control.
+    """
+
+    __slots__ = (
+        "_connection",
+        "_credit",
+        "_events",
+        "_gone",
+        "_ready",
+        "consumer",
+        "finished",
+        "request",
+        "started",
+        "stream_id",
+    )
+
+    def __init__(
+        self, connection: RelayConnection, stream_id: int, request: RequestReceived
+    ) -> None:
+        self._connection = connection
+        self.stream_id = stream_id
+        self.request = request
+        self._events: collections.deque[Any] = collections.deque()
+        self._ready = trio.lowlevel.ParkingLot()
+        self._credit = trio.lowlevel.ParkingLot()
+        self._gone = False
+        #: Response headers were sent.
+        self.started = False
+        #: Trailers were sent: the call is over on our side.
+        self.finished = False
+        #: Takes events as they arrive, in the reader's task, when it returns True (only while
+        #: nothing is queued, so the order holds); the rest is queued for ``receive``.
+        self.consumer: Callable[[Any], bool] | None = None
+
+    @property
+    def connection(self) -> RelayConnection:
+        return self._connection
+
+    # -- from the connection ---------------------------------------------------------------
+
+    def _deliver(self, event: Any) -> None:
+        consumer = self.consumer
+        if consumer is not None and not self._events and consumer(event):
+            if event.flow_controlled_length:
+                # Acknowledged as ``receive`` would; the reader flushes after each read.
+                self._connection.h2.acknowledge_received_data(
+                    event.flow_controlled_length, self.stream_id
+                )
+            return
+        self._events.append(event)
+        if self._ready:
+            self._ready.unpark()
+
+    def _window_opened(self) -> None:
+        if self._credit:
+            self._credit.unpark_all()
+
+    def _lost(self) -> None:
+        self._gone = True
+        self._ready.unpark_all()
+        self._credit.unpark_all()
+
+    # -- for the handler -------------------------------------------------------------------
+
+    async def receive(self) -> Any:
+        """The next event; no scheduling round when one is already there."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._events:
+            if self._gone:
+                raise StreamGone
+            await self._ready.park()
+        event = self._events.popleft()
+        if type(event) is MessageReceived and event.flow_controlled_length:
+            h2_connection = self._connection.h2
+            h2_connection.acknowledge_received_data(event.flow_controlled_length, self.stream_id)
+            # h2 only emits a WINDOW_UPDATE once enough is acknowledged: write only then.
+            if h2_connection._data_to_send:
+                self._connection.flush()
+        return event
+
+    def start(self) -> None:
+        """Send the response headers now (a streaming-request call: clients may wait for them
+        before sending anything) rather than with the first message."""
+        if not self.started and not self._gone:
+            self._connection.grpc.start_response(self.stream_id, "+proto")
+            self.started = True
+            self._connection.flush()
+
+    async def send(self, message: bytes, *, flush: bool = True) -> None:
+        """Send one (serialized) message, the response headers first if not sent yet."""
+        if self._gone or self.finished:
+            raise StreamGone
+        connection = self._connection
+        if not self.started:
+            connection.grpc.start_response(self.stream_id, "+proto")
+            self.started = True
+        data = _PREFIX.pack(0, len(message)) + message
+        h2_connection = connection.h2
+        while data:
+            window = min(
+                h2_connection.max_outbound_frame_size,
+                h2_connection.local_flow_control_window(self.stream_id),
+            )
+            if window <= 0:
+                # Out of credit: send what is queued, wait for the peer's WINDOW_UPDATE.
+                connection.flush()
+                connection.credit_waiters.add(self)
+                try:
+                    await self._credit.park()
+                finally:
+                    connection.credit_waiters.discard(self)
+                if self._gone:
+                    raise StreamGone
+                continue
+            if len(data) <= window:
+                h2_connection.send_data(self.stream_id, data)
+                break
+            h2_connection.send_data(self.stream_id, data[:window])
+            data = data[window:]
+        if flush:
+            connection.flush()
+
+    def send_now(self, message: bytes) -> bool:
+        """Queue ``message`` (not flushed) if flow control lets it go at once, else send nothing
+        and return False (for callers that cannot wait)."""
+        if self._gone or self.finished:
+            return False
+        h2_connection = self._connection.h2
+        if len(message) + 5 > h2_connection.local_flow_control_window(self.stream_id):
+            return False
+        if not self.started:
+            self._connection.grpc.start_response(self.stream_id, "+proto")
+            self.started = True
+        data = _PREFIX.pack(0, len(message)) + message
+        frame = h2_connection.max_outbound_frame_size
+        for start in range(0, len(data), frame):
+            h2_connection.send_data(self.stream_id, data[start : start + frame])
+        return True
+
+    def finish(self, status: Status, trailers: tuple[tuple[str, str], ...] = ()) -> None:
+        """End the call with ``status`` (trailers-only when nothing was sent) and flush;
+        nothing when the call is already over."""
+        if self.finished or self._gone:
+            return
+        self.finished = True
+        grpc = self._connection.grpc
+        if self.started:
+            grpc.end_response(self.stream_id, status, trailers)
+        else:
+            grpc.respond_status(self.stream_id, status, "+proto", trailers)
+        self._connection.forget(self.stream_id)
+        self._connection.flush()
+
+
+class RelayConnection:
+    """One accepted connection: reads it (``serve``), writes to it (``flush``). Opened with
+    :func:`open_connection`, which runs the task that writes what the socket did not take."""
 
     def __init__(
         self,
@@ -114,53 +300,169 @@ class RelaySocket(GRPCProtoSocket):  # type: ignore[misc]
         sock: anyio.abc.SocketStream,
         on_reset: Callable[[int], bool],
     ) -> None:
-        AsyncExitStack.__init__(self)
-        self._grpc_connection = _Connection(config=config)
-        self._socket = SocketWrapper(self._grpc_connection, sock)
-        self._receive_buffer_size = 64 * 1024
-        self._streams: dict[int, GRPCProtoStream] = {}
+        self.grpc = _Connection(config=config)
+        self.h2 = self.grpc.h2_connection
+        self._sock = sock
+        self._raw: socket.socket = sock.extra(anyio.abc.SocketAttribute.raw_socket)
+        _set_socket_options(self._raw)
         self._on_reset = on_reset
+        self._streams: dict[int, RelayStream] = {}
+        self.credit_waiters: set[RelayStream] = set()
+        #: Bytes the socket has not taken yet (the writer task hands them over).
+        self._backlog = bytearray()
+        self._broken = False
+        self._backlog_waiting = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()
+
+    def _close_streams(self) -> None:
+        for stream in list(self._streams.values()):
+            stream._lost()
+        self._streams.clear()
 
     @property
     def open_streams(self) -> int:
         return len(self._streams)
 
-    async def goaway(self, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
-        """Tell the peer to open no more streams here."""
-        self._grpc_connection.h2_connection.close_connection(code)
-        await self._socket.flush()
+    @property
+    def backlog(self) -> int:
+        """Bytes queued for the socket."""
+        return len(self._backlog)
 
-    async def _listen(self) -> AsyncIterator[GRPCProtoStream]:
+    async def wait_room(self, limit: int) -> None:
+        """Wait while more than ``limit`` bytes are queued for the socket."""
+        while len(self._backlog) > limit and not self._broken:
+            await self._room.park()
+
+    def goaway(self, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
+        """Tell the peer to open no more streams here."""
+        self.h2.close_connection(code)
+        self.flush()
+
+    def forget(self, stream_id: int) -> None:
+        """Our side of the stream is over: later data for it is acknowledged and dropped."""
+        self._streams.pop(stream_id, None)
+        self.grpc.message_read_buffers.pop(stream_id, None)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Hand everything h2 has queued to the socket now; what it does not take waits for
+        the writer task (behind which everything later queues, to keep the order)."""
+        data = self.h2.data_to_send()
+        if not data or self._broken:
+            return
+        if self._backlog:
+            self._backlog += data
+            return
+        try:
+            sent = self._raw.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._break()
+            return
+        if sent < len(data):
+            self._backlog += memoryview(data)[sent:]
+            self._backlog_waiting.unpark()
+
+    def _break(self) -> None:
+        self._broken = True
+        self._backlog.clear()
+        self._room.unpark_all()
+        for stream in list(self._streams.values()):
+            stream._lost()
+
+    async def _write_backlog(self) -> None:
+        while True:
+            while not self._backlog:
+                await self._backlog_waiting.park()
+            try:
+                await trio.lowlevel.wait_writable(self._raw)
+                sent = self._raw.send(self._backlog)
+            except BlockingIOError:
+                continue
+            except OSError:
+                self._break()
+                return
+            del self._backlog[:sent]
+            if self._room:
+                self._room.unpark_all()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def serve(self, on_stream: Callable[[RelayStream], None]) -> None:
+        """Read the connection until it ends; ``on_stream`` gets each new call (synchronously:
+        it starts the handler). Returns when the peer closes, or must go (flood)."""
         while True:
             try:
-                data = await self._socket.recv(self._receive_buffer_size)
+                data = await self._sock.receive(_RECEIVE_BYTES)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return
-            events = self._grpc_connection.receive_data(data)
-            await self._socket.flush()
+            events = self.grpc.receive_data(data)
+            streams = self._streams
             for event in events:
-                if isinstance(event, WindowUpdated):
-                    targets = (
-                        list(self._streams.values())
-                        if event.stream_id == 0
-                        else [s for s in [self._streams.get(event.stream_id)] if s is not None]
-                    )
-                    for target in targets:
-                        await target._set_flow_control_update()
-                elif isinstance(event, RequestReceived):
-                    stream = self._allocate_stream(event.stream_id)
-                    await stream._incoming_events[0].send(event)
-                    yield stream
-                elif isinstance(event, StreamWasReset):
-                    gone = self._streams.pop(event.stream_id, None)
+                kind = type(event)
+                if kind is MessageReceived or kind is MessageTooLarge:
+                    target = streams.get(event.stream_id)
+                    if target is not None:
+                        target._deliver(event)
+                elif kind is RequestReceived:
+                    stream = streams[event.stream_id] = RelayStream(self, event.stream_id, event)
+                    on_stream(stream)
+                elif kind is RequestEnded:
+                    target = streams.get(event.stream_id)
+                    if target is not None:
+                        target._deliver(event)
+                elif kind is WindowUpdated:
+                    if event.stream_id == 0:
+                        for waiter in list(self.credit_waiters):
+                            waiter._window_opened()
+                    else:
+                        target = streams.get(event.stream_id)
+                        if target is not None:
+                            target._window_opened()
+                elif kind is StreamWasReset:
+                    gone = streams.pop(event.stream_id, None)
                     if gone is not None:
-                        gone._state = GRPCStreamState.CLOSED
+                        gone._lost()
                     if not self._on_reset(event.stream_id):
+                        self.flush()
                         return
-                else:
-                    target = self._streams.get(event.stream_id)
-                    if target is None:
-                        continue
-                    await target._incoming_events[0].send(event)
-                    if isinstance(event, RequestEnded):
-                        target._close_remote()
+            # Settings and ping acknowledgements, window updates.
+            self.flush()
+            if self._broken:
+                return
+
+
+@asynccontextmanager
+async def open_connection(
+    config: GRPCConfiguration, sock: anyio.abc.SocketStream, on_reset: Callable[[int], bool]
+) -> AsyncIterator[RelayConnection]:
+    """A :class:`RelayConnection` on ``sock`` (which the caller closes); on a normal exit it
+    gets a moment to hand over what is still queued."""
+    connection = RelayConnection(config, sock, on_reset)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(connection._write_backlog)
+        connection.grpc.initiate_connection()
+        connection.flush()
+        try:
+            yield connection
+        except BaseException:
+            connection._close_streams()
+            nursery.cancel_scope.cancel()
+            raise
+        connection._close_streams()
+        with trio.move_on_after(_CLOSE_FLUSH_SECONDS):
+            await connection.wait_room(0)
+        nursery.cancel_scope.cancel()
+
+
+def _set_socket_options(sock: socket.socket) -> None:
+    """As purerpc sets them: no Nagle delay (answers are small and latency matters), TCP
+    keep-alive to notice vanished peers."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 300)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)

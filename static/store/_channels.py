@@ -7,7 +7,7 @@ transaction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,9 +129,12 @@ class ChannelStore:
         heads: Sequence[tuple[int, int, int]],
         epoch_starts: Sequence[tuple[int, int, int]],
         welcomes: Sequence[NewWelcome],
+        on_commit: Callable[[], None] | None = None,
     ) -> None:
         """One group commit: the entries, the new (channel_id, head_seq, epoch) of each channel,
-        the new (channel_id, epoch, start_seq) epoch starts and the kept Welcomes, atomically."""
+        the new (channel_id, epoch, start_seq) epoch starts and the kept Welcomes, atomically.
+        ``on_commit`` is called once the transaction committed, before this returns (on SQLite
+        a scheduling round before)."""
         operations: list[tuple[str, Sequence[Sequence[Any]]]] = [
             (
                 "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, channel_epoch,"
@@ -177,12 +180,14 @@ class ChannelStore:
         if isinstance(self._db, SQLiteDatabase):
             # The whole group commit in one worker-thread hop: on a quiet machine each hop costs
             # about as much as the durable commit itself, and a publish waits for all of them.
-            await self._db.transact(operations)
+            await self._db.transact(operations, on_commit)
             return
         async with self._db.transaction() as tx:
             for sql, rows in operations:
                 if rows:
                     await tx.executemany(sql, rows)
+        if on_commit is not None:
+            on_commit()
 
     async def checkpoint(self) -> None:
         """Fold the write-ahead log into the database, off the commit path (SQLite only)."""

@@ -13,14 +13,12 @@ import sqlite3
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+import outcome
 import trio
 
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
-
-if TYPE_CHECKING:
-    import outcome
 
 __all__ = ["SQLiteDatabase", "open_sqlite"]
 
@@ -60,18 +58,33 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
-async def _in_thread(fn: Callable[[sqlite3.Connection], _T], conn: sqlite3.Connection) -> _T:
+async def _in_thread(
+    fn: Callable[[sqlite3.Connection], _T],
+    conn: sqlite3.Connection,
+    on_success: Callable[[], None] | None = None,
+) -> _T:
     """``trio.to_thread.run_sync(fn, conn)`` without its scheduling round before the thread
     starts (the capacity limiter's checkpoint: the calling task goes to the back of the run
     queue first). Threads are bounded here by the handles, one use of each at a time. Like
     ``run_sync``'s default, not abandoned on cancellation: a cancelled caller waits for the
-    thread, and is not started when already cancelled."""
+    thread, and is not started when already cancelled.
+
+    ``on_success`` runs in the trio thread as soon as ``fn`` returned, before the caller is
+    rescheduled (one scheduling round earlier than the caller could run it)."""
     await trio.lowlevel.checkpoint_if_cancelled()
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
 
+    def resume(result: outcome.Outcome[_T]) -> None:
+        if on_success is not None and not isinstance(result, outcome.Error):
+            try:
+                on_success()
+            except Exception as exc:  # noqa: BLE001  (a bug: the caller raises it)
+                result = outcome.Error(exc)
+        trio.lowlevel.reschedule(task, result)
+
     def deliver(result: outcome.Outcome[_T]) -> None:
-        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+        token.run_sync_soon(resume, result)
 
     trio.lowlevel.start_thread_soon(functools.partial(fn, conn), deliver)
 
@@ -103,9 +116,11 @@ class _Handle:
         finally:
             self.lock.release()
 
-    async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+    async def run(
+        self, fn: Callable[[sqlite3.Connection], _T], on_success: Callable[[], None] | None = None
+    ) -> _T:
         try:
-            return await _in_thread(fn, self.conn)
+            return await _in_thread(fn, self.conn, on_success)
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(str(exc)) from exc
         except sqlite3.Error as exc:
@@ -235,14 +250,19 @@ class SQLiteDatabase(Database):
         async with self.transaction() as tx:
             await tx.execute_script(sql)
 
-    async def transact(self, operations: Sequence[tuple[str, Sequence[Sequence[Any]]]]) -> None:
+    async def transact(
+        self,
+        operations: Sequence[tuple[str, Sequence[Sequence[Any]]]],
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
         """Run each ``(statement, rows)`` for every row of its rows, all in one transaction, in
         ONE worker-thread hop (BEGIN IMMEDIATE .. COMMIT included), where :meth:`transaction`
-        pays a hop per statement; rolled back if any statement (or the COMMIT) fails."""
+        pays a hop per statement; rolled back if any statement (or the COMMIT) fails.
+        ``on_commit`` runs (in the trio thread) as soon as the transaction committed."""
         async with self._writer.locked():
             # Shielded: the thread runs to its end anyway; the lock must be held until then.
             with trio.CancelScope(shield=True):
-                await self._writer.run(_transact(operations))
+                await self._writer.run(_transact(operations), on_commit)
 
     async def checkpoint(self) -> None:
         """Copy the WAL's committed pages into the database file (a PASSIVE checkpoint: it

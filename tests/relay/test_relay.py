@@ -380,3 +380,25 @@ def test_subscribe_in_batches_replays_then_follows_without_gaps(relay: Relay) ->
     assert [e.message for e in entries[-50:]] == more
     assert max(sub.batch_sizes) == 100 and len(sub.batch_sizes) < 340
     sub.cancel()
+
+
+@pytest.mark.parametrize("method", ["PublishStream", "PublishBatches"])
+def test_streaming_calls_send_headers_before_any_request(relay: Relay, method: str) -> None:
+    # Clients (tonic among them) may wait for the response headers of a streaming call before
+    # they send their first request: the relay must not hold its headers for the first answer.
+    relay.create(CHANNEL)
+    sent = threading.Event()
+
+    def requests() -> Iterator[object]:
+        sent.wait(10)
+        return
+        yield
+
+    call = getattr(relay.stub, method)(requests(), timeout=10, metadata=relay.metadata)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(call.initial_metadata()), daemon=True)
+    reader.start()
+    reader.join(5)
+    sent.set()
+    assert got, "no response headers before the first request"
+    assert list(call) == []

@@ -21,11 +21,14 @@ use openmls::prelude::tls_codec::{Deserialize as TlsDeserialize, Serialize as Tl
 use openmls::prelude::*;
 use openmls::treesync::errors::LifetimeError;
 use openmls_basic_credential::SignatureKeyPair;
-use openmls_rust_crypto::RustCrypto;
 
 use crate::channel_name::validate_channel_name;
+use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::error::{Error, Result};
-use crate::store::{self, Cursor, Db, InboxMessage, Provider, StoreError};
+use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
+
+/// The OpenMLS provider of every engine call.
+type Provider<'a> = store::Provider<'a, StaticCrypto>;
 
 /// The one ciphersuite Static speaks.
 pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
@@ -95,8 +98,8 @@ pub struct Applied {
 /// One MLS client over a data directory. `Send + Sync`; see the module docs.
 pub struct Engine {
     identity: Vec<u8>,
-    crypto: RustCrypto,
-    signer: SignatureKeyPair,
+    crypto: StaticCrypto,
+    signer: Ed25519Signer,
     credential: CredentialWithKey,
     db: Mutex<Db>,
     groups: Mutex<HashMap<String, Arc<Mutex<GroupSlot>>>>,
@@ -174,7 +177,7 @@ fn now_secs() -> u64 {
 
 /// Parses and validates a key package of our ciphersuite. A `not_before` at most
 /// [`MAX_KEY_PACKAGE_SKEW`] in the future is waited out (OpenMLS requires it in the past).
-fn validate_key_package(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+fn validate_key_package(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
     check_len("key package", bytes)?;
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         validate_key_package_inner(crypto, bytes)
@@ -186,7 +189,7 @@ fn validate_key_package(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage>
     })
 }
 
-fn validate_key_package_inner(crypto: &RustCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+fn validate_key_package_inner(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
     let mut waited = false;
     loop {
         let kp_in = parse_key_package(bytes)?;
@@ -266,8 +269,8 @@ fn apply_message(
     message: &[u8],
 ) -> Result<Incoming> {
     let is_commit = protocol.content_type() == ContentType::Commit;
-    let pending = store::pending_commit(conn, channel)?;
     if is_commit {
+        let pending = store::pending_commit(conn, channel)?;
         if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
             // Our own commit, accepted by the relay and echoed back.
             group
@@ -338,6 +341,100 @@ fn apply_message(
     }
 }
 
+/// Writes the group's message secrets if their write was deferred (see `crate::storage`).
+fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>) -> Result<()> {
+    if provider.storage().end_deferral() {
+        // OpenMLS has no "store the message secrets" call; setting the (unchanged) past-epoch
+        // policy writes them, and the join config, as they are in memory.
+        let policy = group.past_epoch_deletion_policy().clone();
+        group
+            .set_past_epoch_deletion_policy(provider, policy)
+            .map_err(|e| Error::Internal(format!("cannot store the message secrets: {e:?}")))?;
+    }
+    Ok(())
+}
+
+/// What [`apply_entries_fast`] did.
+struct FastBatch {
+    applied: Vec<Applied>,
+    removed: bool,
+    epoch_changed: bool,
+}
+
+/// The common case of [`Engine::process_entries`]: every entry applies. Without a savepoint
+/// per entry, with the message secrets written once (deferred), and the cursor set once.
+/// If an entry fails, everything this did is rolled back, the group reloaded, and `None`
+/// returned: the caller then goes entry by entry (a failed entry is skipped there, and its
+/// partial effects undone, which needs each entry's state on disk).
+fn apply_entries_fast(
+    channel: &str,
+    group: &mut MlsGroup,
+    provider: &Provider<'_>,
+    conn: &rusqlite::Connection,
+    entries: &[(u64, &[u8])],
+) -> Result<Option<FastBatch>> {
+    conn.exec_cached("SAVEPOINT batch")
+        .map_err(StoreError::from)?;
+    if entries.len() > 1 {
+        provider.storage().defer_message_secrets();
+    }
+    let mut batch = FastBatch {
+        applied: Vec::with_capacity(entries.len()),
+        removed: false,
+        epoch_changed: false,
+    };
+    let mut last = None;
+    let mut failed = false;
+    for &(seq, message) in entries {
+        let outcome = parse_for_channel(channel, message)
+            .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
+        match outcome {
+            Ok(incoming) => {
+                if let Incoming::Application {
+                    sender, payload, ..
+                } = &incoming
+                {
+                    store::inbox_push(conn, channel, seq, sender, payload)?;
+                }
+                batch.removed = matches!(incoming, Incoming::Removed { .. });
+                batch.epoch_changed |= changes_epoch(&incoming);
+                last = Some(seq);
+                batch.applied.push(Applied {
+                    seq,
+                    outcome: Ok(incoming),
+                });
+                if batch.removed {
+                    break;
+                }
+            }
+            Err(err) if err.kind() == crate::ErrorKind::Internal => return Err(err),
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    if failed {
+        // Nothing owed any more: the deferred writes are rolled back with the rest.
+        provider.storage().end_deferral();
+        conn.execute_batch("ROLLBACK TO batch; RELEASE batch")
+            .map_err(StoreError::from)?;
+        *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
+            .map_err(StoreError::from)?
+            .ok_or_else(|| Error::Internal(format!("the state of group {channel:?} is missing")))?;
+        return Ok(None);
+    }
+    if !batch.removed {
+        write_deferred_message_secrets(group, provider)?;
+        if let Some(seq) = last {
+            store::set_cursor(conn, channel, Cursor::After(seq))?;
+        }
+    }
+    conn.exec_cached("RELEASE batch")
+        .map_err(StoreError::from)?;
+    Ok(Some(batch))
+}
+
 impl Engine {
     /// Opens (or creates) the engine of `identity` under `data_dir`. The directory is locked
     /// for the life of the engine; a data_dir created for another identity is refused.
@@ -347,7 +444,7 @@ impl Engine {
             return Err(Error::Internal("identity must not be empty".into()));
         }
         let db = Db::open(&data_dir)?;
-        let crypto = RustCrypto::default();
+        let crypto = StaticCrypto::default();
         let (signer, groups) = db.transaction(|conn| -> Result<_> {
             let provider = Provider::new(&crypto, conn);
             let signer = match store::read_identity(conn)? {
@@ -384,6 +481,8 @@ impl Engine {
                     })?;
                 groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
             }
+            let signer = Ed25519Signer::from_key_pair(&signer)
+                .map_err(|e| Error::Internal(format!("the stored signature key: {e}")))?;
             Ok((signer, groups))
         })?;
         let credential = CredentialWithKey {
@@ -713,9 +812,14 @@ impl Engine {
         // commits atomically, survives a killed process, and after a power loss the entries it
         // lost are applied again from the relay's log.
         let result = self.with_group_durability(channel, false, |group, provider, conn| {
+            if let Some(out) = apply_entries_fast(channel, group, provider, conn, entries)? {
+                removed = out.removed;
+                epoch_changed = out.epoch_changed;
+                return Ok(out.applied);
+            }
             let mut out = Vec::with_capacity(entries.len());
             for &(seq, message) in entries {
-                conn.execute_batch("SAVEPOINT entry")
+                conn.exec_cached("SAVEPOINT entry")
                     .map_err(StoreError::from)?;
                 let outcome = parse_for_channel(channel, message).and_then(|protocol| {
                     apply_message(channel, group, provider, conn, protocol, message)
@@ -733,7 +837,7 @@ impl Engine {
                         if !removed {
                             store::set_cursor(conn, channel, Cursor::After(seq))?;
                         }
-                        conn.execute_batch("RELEASE entry")
+                        conn.exec_cached("RELEASE entry")
                             .map_err(StoreError::from)?;
                         out.push(Applied {
                             seq,
@@ -782,6 +886,11 @@ impl Engine {
             }
         }
         self.with_group(channel, |group, provider, _| {
+            // One write of the ratchet state for the batch, not one per message (the
+            // transaction commits it before any ciphertext is returned).
+            if payloads.len() > 1 {
+                provider.storage().defer_message_secrets();
+            }
             payloads
                 .iter()
                 .map(|payload| {
@@ -963,7 +1072,11 @@ impl Engine {
         let db = lock(&self.db);
         let body = |conn: &rusqlite::Connection| {
             let provider = Provider::new(&self.crypto, conn);
-            f(group, &provider, conn)
+            let value = f(group, &provider, conn)?;
+            // A call that deferred the message secrets (see `crate::storage`) writes them once
+            // now, inside the transaction: committed with everything else or not at all.
+            write_deferred_message_secrets(group, &provider)?;
+            Ok(value)
         };
         let result = if durable {
             db.transaction(body)

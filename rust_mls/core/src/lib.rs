@@ -12,8 +12,10 @@
 pub mod bench_support;
 pub mod channel_name;
 pub mod client;
+pub mod crypto;
 pub mod engine;
 pub mod error;
+pub mod storage;
 pub mod store;
 pub mod transport;
 

@@ -30,6 +30,8 @@ use std::path::{Path, PathBuf};
 
 use openmls_rust_crypto::RustCrypto;
 use openmls_sqlite_storage::{Codec, SqliteStorageProvider};
+use openmls_traits::crypto::OpenMlsCrypto;
+use openmls_traits::random::OpenMlsRand;
 use openmls_traits::OpenMlsProvider;
 use rusqlite::{Connection, OptionalExtension};
 
@@ -78,26 +80,28 @@ impl Codec for JsonCodec {
     }
 }
 
-pub type Storage<'a> = SqliteStorageProvider<JsonCodec, &'a Connection>;
+pub use crate::storage::Storage;
 
-/// An OpenMLS provider over one borrowed connection, built per call (cheap: two references).
-pub struct Provider<'a> {
-    crypto: &'a RustCrypto,
+/// An OpenMLS provider over one borrowed connection, built per call (cheap). `C` is the crypto
+/// (and randomness) provider: the engine's [`crate::crypto::StaticCrypto`], or plain
+/// `RustCrypto`.
+pub struct Provider<'a, C = RustCrypto> {
+    crypto: &'a C,
     storage: Storage<'a>,
 }
 
-impl<'a> Provider<'a> {
-    pub fn new(crypto: &'a RustCrypto, conn: &'a Connection) -> Self {
+impl<'a, C> Provider<'a, C> {
+    pub fn new(crypto: &'a C, conn: &'a Connection) -> Self {
         Self {
             crypto,
-            storage: SqliteStorageProvider::new(conn),
+            storage: Storage::new(conn),
         }
     }
 }
 
-impl<'a> OpenMlsProvider for Provider<'a> {
-    type CryptoProvider = RustCrypto;
-    type RandProvider = RustCrypto;
+impl<'a, C: OpenMlsCrypto + OpenMlsRand> OpenMlsProvider for Provider<'a, C> {
+    type CryptoProvider = C;
+    type RandProvider = C;
     type StorageProvider = Storage<'a>;
 
     fn storage(&self) -> &Self::StorageProvider {
@@ -148,6 +152,7 @@ impl Db {
         }
         let path = data_dir.join(DB_FILE);
         let mut conn = Connection::open(&path)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
@@ -210,7 +215,7 @@ impl Db {
         f: impl FnOnce(&Connection) -> Result<T, E>,
     ) -> Result<T, E> {
         self.conn
-            .execute_batch("BEGIN IMMEDIATE")
+            .exec_cached("BEGIN IMMEDIATE")
             .map_err(|e| E::from(e.into()))?;
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&self.conn)))
             .unwrap_or_else(|panic| {
@@ -222,7 +227,7 @@ impl Db {
                 Err(E::from(StoreError::Panic(what)))
             });
         match outcome {
-            Ok(value) => match self.conn.execute_batch("COMMIT") {
+            Ok(value) => match self.conn.exec_cached("COMMIT") {
                 Ok(()) => Ok(value),
                 Err(e) => {
                     let _ = self.conn.execute_batch("ROLLBACK");
@@ -247,12 +252,12 @@ impl Db {
         f: impl FnOnce(&Connection) -> Result<T, E>,
     ) -> Result<T, E> {
         self.conn
-            .execute_batch("PRAGMA synchronous=NORMAL")
+            .exec_cached("PRAGMA synchronous=NORMAL")
             .map_err(|e| E::from(e.into()))?;
         let result = self.transaction(f);
         let restored = self
             .conn
-            .execute_batch("PRAGMA synchronous=FULL")
+            .exec_cached("PRAGMA synchronous=FULL")
             .map_err(|e| E::from(e.into()));
         let value = result?;
         restored?;
@@ -267,6 +272,22 @@ impl Db {
         Ok(())
     }
 }
+
+/// Runs one statement without output from the connection's statement cache: the statements
+/// every call runs (transaction control, pragmas, savepoints) are parsed once, not per call.
+pub trait ExecCached {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()>;
+}
+
+impl ExecCached for Connection {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()> {
+        self.prepare_cached(sql)?.execute([])?;
+        Ok(())
+    }
+}
+
+/// Room for every statement of a call (ours, the inbox's) in the statement cache.
+const STATEMENT_CACHE: usize = 64;
 
 /// The stored identity row: (identity, signature public key).
 pub type IdentityRow = (Vec<u8>, Vec<u8>);
@@ -317,11 +338,8 @@ pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result
 
 pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     Ok(conn
-        .query_row(
-            "SELECT commit_bytes FROM static_pending_commits WHERE name = ?1",
-            [name],
-            |row| row.get(0),
-        )
+        .prepare_cached("SELECT commit_bytes FROM static_pending_commits WHERE name = ?1")?
+        .query_row([name], |row| row.get(0))
         .optional()?)
 }
 
@@ -352,10 +370,10 @@ pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), S
         Cursor::After(seq) => (Some(to_i64(seq)), 0),
         Cursor::FromEpoch(epoch) => (None, to_i64(epoch)),
     };
-    conn.execute(
+    conn.prepare_cached(
         "INSERT OR REPLACE INTO static_cursors (name, seq, join_epoch) VALUES (?1, ?2, ?3)",
-        (name, seq, epoch),
-    )?;
+    )?
+    .execute((name, seq, epoch))?;
     Ok(())
 }
 
