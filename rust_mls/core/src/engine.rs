@@ -910,6 +910,14 @@ impl Engine {
         Ok(store::cursor(&db.conn, channel)?)
     }
 
+    /// Removes and returns the oldest received message of the channel (see
+    /// [`crate::store::Db::light_transaction`] for its durability). For users of the engine
+    /// alone: the SDK's client reads with [`Engine::inbox_after`] and marks what it hands out.
+    pub fn inbox_take(&self, channel: &str) -> Result<Option<InboxMessage>> {
+        let db = lock(&self.db);
+        db.light_transaction(|conn| Ok(store::inbox_take(conn, channel)?))
+    }
+
     /// Up to `limit` received messages of the channel after inbox row `after_id`, oldest
     /// first. Reading leaves them stored: the caller records what it handed out (see
     /// [`crate::client`]) and prunes with [`Engine::inbox_prune`].

@@ -446,6 +446,26 @@ pub fn inbox_after(
     Ok(rows)
 }
 
+/// Removes and returns the oldest message of the channel's inbox (for users of the engine
+/// alone; the SDK's client hands messages out through [`inbox_after`] and its marks).
+pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "DELETE FROM static_inbox WHERE id = (
+                 SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
+             ) RETURNING id, seq, sender, payload",
+        )?
+        .query_row([name], |row| {
+            Ok(InboxMessage {
+                id: row.get(0)?,
+                seq: to_u64(row.get(1)?),
+                sender: row.get(2)?,
+                payload: row.get(3)?,
+            })
+        })
+        .optional()?)
+}
+
 /// Deletes the channel's inbox rows up to `upto_id` (messages already handed out).
 pub fn inbox_prune(conn: &Connection, name: &str, upto_id: i64) -> Result<usize, StoreError> {
     Ok(conn
