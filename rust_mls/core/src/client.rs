@@ -61,7 +61,7 @@ fn retry_deadline_from_env() -> Duration {
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 /// Attempts at getting a commit accepted when other members keep winning the epoch.
 const COMMIT_ATTEMPTS: usize = 16;
-/// Largest batch the applier and the sender take at once.
+/// Most entries the applier applies in one transaction.
 const BATCH: usize = 512;
 /// Entries per Subscribe response we ask the relay for (it sends what is available at once).
 const SUBSCRIBE_BATCH: u32 = 256;
