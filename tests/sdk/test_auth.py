@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from static_sdk import AuthError, StaticClient, TransportError
+from static_sdk import AuthError, MLSEngineError, StaticClient, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name
 from tests.support.api import Api
 from tests.support.server import ServerProcess
@@ -85,6 +85,10 @@ def test_channels_are_scoped_to_the_account(
     welcome = channel.add_member(eve.generate_key_package())
     with pytest.raises(TransportError, match=r"^transport error: .*not on the relay"):
         eve.join_channel(channel.name, welcome)
+    # The refused join leaves nothing behind: no channel listed, none to reopen.
+    assert eve.channels() == []
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: not a member"):
+        eve.open_channel(channel.name)
 
 
 def test_token_endpoint_is_not_the_relay(authed: ServerProcess, tmp_path: object) -> None:

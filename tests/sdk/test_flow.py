@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
 import static_sdk
-from static_sdk import MAX_PAYLOAD, StaticClient, TransportError
+from static_sdk import MAX_PAYLOAD, MLSEngineError, StaticClient, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
 from tests.support.server import ServerProcess
 
@@ -263,3 +264,39 @@ def test_context_managers(relay: ServerProcess, clients: Clients) -> None:
     # The data directory is released: it opens again.
     with StaticClient(relay.relay_url, clients.tmp_path / "cm", b"cm") as client:
         assert client.channels() == [channel.name]
+
+
+def test_send_waits_while_a_leave_proposal_is_pending(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    alices, bobs = clients.pair(relay)
+    alice = clients.opened[0]
+    # With Alice's channel closed nobody commits Bob's leave proposal for now; MLS forbids
+    # application messages while it is pending, so Bob's send must wait rather than fail.
+    alices.close()
+    errors: dict[str, BaseException | None] = {}
+
+    def run(name: str, call: Callable[[], None]) -> threading.Thread:
+        def target() -> None:
+            try:
+                call()
+                errors[name] = None
+            except BaseException as exc:  # noqa: BLE001  (reported to the test thread)
+                errors[name] = exc
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return thread
+
+    leaving = run("leave", bobs.leave)
+    time.sleep(0.5)
+    sending = run("send", lambda: bobs.send(b"while leaving"))
+    time.sleep(0.5)
+    assert sending.is_alive(), errors.get("send")
+    # Alice comes back: her client commits the proposal, Bob is out, his send ends with that.
+    alice.open_channel(alices.name)
+    leaving.join(WAIT)
+    sending.join(WAIT)
+    assert errors["leave"] is None
+    assert isinstance(errors["send"], MLSEngineError), errors["send"]
+    assert str(errors["send"]).startswith("MLS engine error: no longer a member")

@@ -552,7 +552,16 @@ impl Client {
         let channel = self.start_channel(name)?;
         // Surface a relay that refuses the channel (another account's, or no access) now
         // rather than on the first read.
-        self.block_on(channel.wait_connected(Duration::from_secs(10)))?;
+        if let Err(e) = self.block_on(channel.wait_connected(Duration::from_secs(10))) {
+            // A refused channel cannot be used: forget the group so that channels() does not
+            // list it. An auth failure keeps it, to be reopened once the key is fixed.
+            if e.kind() != ErrorKind::Auth {
+                channel.close();
+                lock(&self.channels).remove(name);
+                self.shared.engine()?.forget_group(name)?;
+            }
+            return Err(e);
+        }
         Ok(channel)
     }
 
@@ -966,8 +975,12 @@ impl Channel {
     /// payloads, and the one that gets the encryption lock encrypts everything queued in one
     /// transaction (flat combining) and hands the messages to the publisher task, which keeps
     /// one pipelined `PublishBatches` call open. Refusals are handled here: a stale epoch is
-    /// caught up with and the payload encrypted again; a transient refusal is retried with the
-    /// same bytes (the relay's idempotency makes that safe) until the retry deadline.
+    /// caught up with and the payload encrypted again; a transient refusal (store unavailable,
+    /// rate limit) is retried until the retry deadline, encrypted again too: a refused message
+    /// is certainly not in the log, and resending its old bytes after later messages of ours
+    /// were accepted could put it beyond the receivers' out-of-order tolerance. A message the
+    /// relay did not answer for (it may be in the log) is resent with the same bytes, which the
+    /// relay's idempotency makes safe.
     pub fn send(&self, payload: Vec<u8>) -> Result<()> {
         if payload.len() > MAX_PAYLOAD {
             return Err(Error::Transport(format!(
@@ -985,13 +998,26 @@ impl Channel {
         let mut backoff = BACKOFF_MIN;
         loop {
             let outcome = answer.blocking_recv().map_err(|_| self.ended_error())?;
-            let (refusal, message) = match outcome {
+            let (refusal, unanswered) = match outcome {
                 Outcome::Accepted => {
                     stamp(&self.timings.send_acked);
                     return Ok(());
                 }
+                Outcome::Failed(e) if self.awaits_proposal_commit(&e) => {
+                    // A member's proposal (e.g. a leave) is pending: MLS forbids application
+                    // messages until a commit covers it, which a member makes at once (see
+                    // the applier). Wait for that epoch, then encrypt again.
+                    let epoch = self.shared.engine()?.epoch(&self.name)?;
+                    self.block_on(self.wait_epoch(epoch + 1))?;
+                    if Instant::now() >= deadline {
+                        return Err(e);
+                    }
+                    answer = self.encrypt_and_publish(&payload, deadline);
+                    continue;
+                }
                 Outcome::Failed(e) => return Err(e),
-                Outcome::Refused(refusal, message) => (refusal, message),
+                Outcome::Refused(refusal) => (refusal, None),
+                Outcome::Unanswered(refusal, message) => (refusal, Some(message)),
             };
             let status = Status::new(Code::from(refusal.code as i32), refusal.message.clone());
             match status.code() {
@@ -1017,6 +1043,10 @@ impl Channel {
                 _ => return Err(transport::status_error("Publish", &status)),
             }
             self.check_usable()?;
+            let Some(message) = unanswered else {
+                answer = self.encrypt_and_publish(&payload, deadline);
+                continue;
+            };
             let (reply, next) = oneshot::channel();
             self.outbound
                 .send(vec![Outbound {
@@ -1027,6 +1057,16 @@ impl Channel {
                 .map_err(|_| self.ended_error())?;
             answer = next;
         }
+    }
+
+    /// Whether `error` (from encrypting) is MLS refusing to send while proposals are pending.
+    fn awaits_proposal_commit(&self, error: &Error) -> bool {
+        error.kind() == ErrorKind::Mls
+            && self
+                .shared
+                .engine()
+                .and_then(|e| e.has_pending_proposals(&self.name))
+                .unwrap_or(false)
     }
 
     /// Queues `payload` for encryption, encrypts the queue if nobody else is doing it, and
@@ -1889,8 +1929,10 @@ impl Outbound {
 enum Outcome {
     /// In the channel's log.
     Accepted,
-    /// Refused by the relay (the message comes back for a retry).
-    Refused(pb::Refusal, Vec<u8>),
+    /// Refused by the relay: certainly not in the log.
+    Refused(pb::Refusal),
+    /// Not answered for (it may be in the log): the message comes back to be resent as it is.
+    Unanswered(pb::Refusal, Vec<u8>),
     /// Not published, and retrying will not help.
     Failed(Error),
 }
@@ -1908,11 +1950,9 @@ impl InFlight {
         for item in self.items {
             let outcome = match results.next().and_then(|r| r.outcome) {
                 Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
-                Some(pb::publish_result::Outcome::Refused(refusal)) => {
-                    Outcome::Refused(refusal, item.message)
-                }
-                // A short answer: treated as a transient refusal, retried with the same bytes.
-                None => Outcome::Refused(
+                Some(pb::publish_result::Outcome::Refused(refusal)) => Outcome::Refused(refusal),
+                // A short answer: treated as a transient failure, retried with the same bytes.
+                None => Outcome::Unanswered(
                     pb::Refusal {
                         code: Code::Unavailable as u32,
                         message: "the relay did not answer for this message".into(),
@@ -2031,16 +2071,16 @@ mod tests {
                 ..pb::Refusal::default()
             })),
         };
-        // The third gets no result: a transient refusal, retried with its bytes.
+        // The third gets no result: it may be in the log, so it is resent with its bytes.
         InFlight { items, bytes: 0 }.answer(vec![accepted, refused]);
         assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
         assert!(matches!(
             answers[1].try_recv(),
-            Ok(Outcome::Refused(r, _)) if r.current_epoch == 7
+            Ok(Outcome::Refused(r)) if r.current_epoch == 7
         ));
         assert!(matches!(
             answers[2].try_recv(),
-            Ok(Outcome::Refused(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
+            Ok(Outcome::Unanswered(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
         ));
     }
 

@@ -720,6 +720,18 @@ impl Engine {
         })
     }
 
+    /// Deletes our local state of `channel`: for a group joined from a Welcome whose channel
+    /// the relay refuses us, which could never be used and must not be listed as ours.
+    pub fn forget_group(&self, channel: &str) -> Result<()> {
+        self.with_group(channel, |group, provider, conn| {
+            group.delete(provider.storage()).map_err(StoreError::from)?;
+            store::delete_group(conn, channel)?;
+            Ok(())
+        })?;
+        self.drop_group(channel);
+        Ok(())
+    }
+
     /// Commits the proposals received so far (e.g. a member's leave); `None` if there are none.
     pub fn commit_pending_proposals(&self, channel: &str) -> Result<Option<Vec<u8>>> {
         self.with_group(channel, |group, provider, conn| {
@@ -983,6 +995,12 @@ impl Engine {
         self.with_group_read(channel, |group| {
             Ok(group.epoch_authenticator().as_slice().to_vec())
         })
+    }
+
+    /// Whether the group holds proposals no commit has covered yet (MLS forbids sending
+    /// application messages until one does).
+    pub fn has_pending_proposals(&self, channel: &str) -> Result<bool> {
+        self.with_group_read(channel, |group| Ok(group.has_pending_proposals()))
     }
 
     /// Whether the group has a pending (unmerged) commit of ours.
