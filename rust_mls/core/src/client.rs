@@ -737,9 +737,12 @@ pub struct Channel {
     commit_lock: tokio::sync::Mutex<()>,
     /// Payloads waiting for the encryption lock; whoever holds it encrypts them all.
     encrypt_queue: Mutex<Vec<Pending>>,
-    /// Held while encrypting and handing the messages to the publisher, so the log gets them
-    /// in the order they were encrypted.
+    /// Held while encrypting (not while syncing to disk, so the next batch can be encrypted
+    /// meanwhile).
     encrypt_lock: Mutex<()>,
+    /// Batches are handed to the publisher in the order they were encrypted (receivers
+    /// tolerate only a few messages out of order): (next ticket, next ticket to hand over).
+    handoff: (Mutex<(u64, u64)>, Condvar),
     outbound: mpsc::UnboundedSender<Vec<Outbound>>,
     /// Our own messages, for the applier to skip when they come back.
     own_messages: Mutex<OwnMessages>,
@@ -799,6 +802,7 @@ impl Channel {
             commit_lock: tokio::sync::Mutex::new(()),
             encrypt_queue: Mutex::new(Vec::new()),
             encrypt_lock: Mutex::new(()),
+            handoff: (Mutex::new((0, 0)), Condvar::new()),
             outbound,
             own_messages: Mutex::new(OwnMessages::default()),
             timings: Timings::default(),
@@ -1082,16 +1086,39 @@ impl Channel {
             deadline,
             reply,
         });
-        let _encrypting = lock(&self.encrypt_lock);
+        let encrypting = lock(&self.encrypt_lock);
         let batch = std::mem::take(&mut *lock(&self.encrypt_queue));
         if batch.is_empty() {
             // Another sender encrypted ours along with its own.
             return answer;
         }
-        let encrypted = self.shared.engine().and_then(|engine| {
+        let engine = self.shared.engine();
+        let encrypted = engine.as_ref().map_err(Clone::clone).and_then(|engine| {
             let refs: Vec<&[u8]> = batch.iter().map(|p| p.payload.as_slice()).collect();
-            engine.encrypt_many(&self.name, &refs)
+            engine.encrypt_many_unsynced(&self.name, &refs)
         });
+        let ticket = {
+            let mut handoff = lock(&self.handoff.0);
+            handoff.0 += 1;
+            handoff.0 - 1
+        };
+        drop(encrypting);
+        // Nothing leaves before the state that produced it is on disk.
+        let encrypted = encrypted.and_then(|messages| {
+            engine
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|engine| engine.sync())
+                .map(|()| messages)
+        });
+        let mut handoff = lock(&self.handoff.0);
+        while handoff.1 != ticket {
+            handoff = self
+                .handoff
+                .1
+                .wait(handoff)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
         match encrypted {
             Ok(messages) => {
                 {
@@ -1119,6 +1146,9 @@ impl Channel {
                 }
             }
         }
+        handoff.1 += 1;
+        drop(handoff);
+        self.handoff.1.notify_all();
         answer
     }
 

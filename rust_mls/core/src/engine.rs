@@ -889,6 +889,41 @@ impl Engine {
     /// Encrypts several application messages in one durable transaction (one disk sync for
     /// the batch): all or none.
     pub fn encrypt_many(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_with_durability(channel, payloads, true)
+    }
+
+    /// [`Engine::encrypt_many`] whose transaction does not wait for the disk: the caller MUST
+    /// call [`Engine::sync`] before any returned message leaves the process (a message sent
+    /// from a state a power loss could take back would let a later message reuse its
+    /// generation, and so its key and nonce). Lets a sender encrypt the next batch while the
+    /// previous one is being synced.
+    pub fn encrypt_many_unsynced(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_with_durability(channel, payloads, false)
+    }
+
+    /// Waits until every transaction committed so far is on disk: syncs the write-ahead log,
+    /// which holds every commit not yet checkpointed (checkpoints sync the database file).
+    pub fn sync(&self) -> Result<()> {
+        let wal = self.data_dir.join(format!("{}-wal", store::DB_FILE));
+        match std::fs::File::open(&wal) {
+            Ok(file) => file
+                .sync_data()
+                .map_err(|e| Error::Internal(format!("cannot sync {}: {e}", wal.display()))),
+            // No log: everything is in the (synced) database file.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::Internal(format!(
+                "cannot open {}: {e}",
+                wal.display()
+            ))),
+        }
+    }
+
+    fn encrypt_with_durability(
+        &self,
+        channel: &str,
+        payloads: &[&[u8]],
+        durable: bool,
+    ) -> Result<Vec<Vec<u8>>> {
         for payload in payloads {
             if payload.len() > MAX_INPUT_LEN {
                 return Err(Error::Mls(format!(
@@ -897,7 +932,7 @@ impl Engine {
                 )));
             }
         }
-        self.with_group(channel, |group, provider, _| {
+        self.with_group_durability(channel, durable, |group, provider, _| {
             // One write of the ratchet state for the batch, not one per message (the
             // transaction commits it before any ciphertext is returned).
             if payloads.len() > 1 {

@@ -365,3 +365,25 @@ fn kill_during_batches_leaves_a_consistent_store() {
         }
     }
 }
+
+#[test]
+fn unsynced_batches_commit_like_synced_ones() {
+    let alice = agent("alice");
+    let bob = agent("bob");
+    group_of(&alice, &[&bob]);
+    let first = payloads("unsynced", 20);
+    let mut log = alice
+        .engine
+        .encrypt_many_unsynced(CH, &refs(&first))
+        .unwrap();
+    alice.engine.sync().unwrap();
+    // Committed (only the disk wait was the caller's): a reopened sender goes on after it.
+    let alice = reopen(alice, "alice");
+    log.extend(alice.engine.encrypt_many_unsynced(CH, &[b"next"]).unwrap());
+    alice.engine.sync().unwrap();
+    let applied = bob.engine.process_entries(CH, &entries(1, &log)).unwrap();
+    assert!(applied.iter().all(|a| a.outcome.is_ok()));
+    let mut expected = first.clone();
+    expected.push(b"next".to_vec());
+    assert_eq!(drain(&bob), expected);
+}
