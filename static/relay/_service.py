@@ -54,6 +54,7 @@ from static.store._channels import ChannelExists, EntryRecord
 __all__ = ["SERVICE_NAME", "RelayService"]
 
 SERVICE_NAME = "static.relay.v1.Relay"
+_OK = Status(StatusCode.OK)
 _log = logging.getLogger("static.relay")
 _MAX_BUCKETS = 10_000
 #: Publishes of one PublishStream call queued ahead of their answers.
@@ -165,8 +166,19 @@ class RelayService:
 
     async def _publish(self, stream: RelayStream, caller: Caller) -> None:
         request: Any = await _request(stream, pb.PublishRequest)
-        result = await self._log.outcome(await self._submit(request, caller))
-        await stream.send(_publish_response(result), flush=False)
+        submitted = await self._submit(request, caller)
+
+        def answer_now() -> None:
+            """The whole answer (headers, message, trailers) as soon as the commit is known, a
+            scheduling round before this task could; refusals are left to the task."""
+            result = submitted.result
+            if isinstance(result, PublishResult) and stream.send_now(_publish_response(result)):
+                stream.finish(_OK)
+
+        submitted.on_settled = answer_now
+        result = await self._log.outcome(submitted)
+        if not stream.finished:
+            await stream.send(_publish_response(result), flush=False)
 
     async def _publish_stream(self, stream: RelayStream, caller: Caller) -> None:
         """Pipelined: requests are read and queued while earlier ones are being committed (so a
@@ -313,7 +325,10 @@ class RelayService:
                             if last is not None and not last.settled:
                                 # Answers ready so far leave before waiting for the next ones.
                                 connection.flush()
+                                answered = _answer_on_settle(stream, batch, last)
                                 await ChannelLog.wait_settled(last)
+                                if answered[0]:
+                                    continue
                             await stream.send(_batch_response(batch), flush=False)
                     finally:
                         connection.flush()
@@ -538,6 +553,24 @@ def _chunks(page: list[EntryRecord], max_entries: int) -> list[list[EntryRecord]
     if current:
         chunks.append(current)
     return chunks
+
+
+def _answer_on_settle(
+    stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
+) -> list[bool]:
+    """Have ``batch`` answered from the commit callback as soon as ``last`` (its last
+    submission, which the caller is about to wait for: every answer before it is out) is
+    settled, a scheduling round earlier; a true first item in the returned list once done.
+    When flow control holds the answer back, it is left to the caller."""
+    answered = [False]
+
+    def answer_now() -> None:
+        if stream.send_now(_batch_response(batch)):
+            stream.connection.flush()
+            answered[0] = True
+
+    last.on_settled = answer_now
+    return answered
 
 
 def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:
