@@ -1,10 +1,12 @@
 """Channel logs in the relay: the in-memory view, the group-committing writer, subscriptions.
 
-One writer task appends for every channel of the process: publishes queue up, and each batch the
+One writer appends for every channel of the process: publishes queue up, and each batch the
 writer takes (everything queued, up to ``_MAX_BATCH``) is fenced, numbered and stored in ONE
-transaction, so durability (fsync) is paid once per batch rather than once per message. Only
-after the commit are the entries published to memory: the channel's head advances, its recent
-entries ring gets them and its subscribers wake up.
+transaction, so durability (fsync) is paid once per batch rather than once per message. On
+SQLite the writer is the store's own writer thread (a publish starts its commit without a trio
+scheduling round); on PostgreSQL it is a trio task. Only after the commit are the entries
+published to memory, in the trio thread: the channel's head advances, its recent entries ring
+gets them, caught-up subscribers get them pushed, and publishers are answered.
 
 Subscribers pull: each holds a cursor (its last seq) and reads what is after it, from the ring
 when the ring still covers it, else from the store. So a slow subscriber costs no memory beyond
