@@ -19,8 +19,9 @@ their own). So the relay keeps purerpc's protocol state machine and replaces the
   GOAWAY(ENHANCE_YOUR_CALM): the rapid-reset flood;
 * a message over the transport limit ends its stream (RESOURCE_EXHAUSTED), not the connection;
 * data for a stream we no longer know is dropped (its flow-control credit given back);
-* a request's header block that repeats one already decoded, unchanged, is not decoded again
-  (:class:`_CachingDecoder`).
+* a request's header block that repeats one already decoded, unchanged, is not decoded again,
+  nor are repeated answer headers encoded again (:class:`_CachingDecoder`,
+  :class:`_CachingEncoder`).
 """
 
 from __future__ import annotations
@@ -128,6 +129,36 @@ class _CachingDecoder(hpack.Decoder):  # type: ignore[misc]
         return list(headers)
 
 
+class _CachingEncoder(hpack.Encoder):  # type: ignore[misc]
+    """hpack's encoder, remembering the blocks it encoded as one-byte indexed fields only (the
+    response headers and trailers of every call, once they are in the dynamic table): such an
+    encoding changed nothing in the table, so the same headers encode the same way until an
+    encoding that can change it (a literal, a table resize), which empties the memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._encoded: dict[tuple[Any, ...], bytes] = {}
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        if isinstance(headers, dict) or self.header_table.resized:
+            self._encoded.clear()
+            block: bytes = super().encode(headers, huffman)
+            return block
+        headers = list(headers)
+        key = (huffman, *((type(h), *h) for h in headers))
+        cached = self._encoded.get(key)
+        if cached is not None:
+            return cached
+        block = super().encode(headers, huffman)
+        if len(block) > _CACHED_BLOCK_BYTES or block.translate(None, _INDEXED_BYTES):
+            self._encoded.clear()
+        else:
+            if len(self._encoded) >= _CACHED_BLOCKS:
+                self._encoded.clear()
+            self._encoded[key] = block
+        return block
+
+
 class _Connection(GRPCConnection):  # type: ignore[misc]
     def __init__(self, config: GRPCConfiguration) -> None:
         super().__init__(config=config)
@@ -135,6 +166,7 @@ class _Connection(GRPCConnection):  # type: ignore[misc]
         self.h2_connection.decoder = _CachingDecoder(
             plain.max_header_list_size, plain.max_allowed_table_size
         )
+        self.h2_connection.encoder = _CachingEncoder()
         #: Streams whose oversized message is being dropped.
         self.discarding: set[int] = set()
 

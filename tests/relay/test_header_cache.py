@@ -1,14 +1,15 @@
-"""The relay's HPACK decoder that remembers repeated all-indexed header blocks decodes exactly
-as hpack's own, whatever the blocks change in the dynamic table in between."""
+"""The relay's HPACK decoder and encoder that remember repeated all-indexed header blocks work
+exactly as hpack's own, whatever the blocks change in the dynamic table in between."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import hpack
 import pytest
 
-from static.relay._transport import _CachingDecoder
+from static.relay._transport import _CachingDecoder, _CachingEncoder
 
 
 def test_caching_decoder_decodes_as_hpack_does() -> None:
@@ -47,3 +48,29 @@ def test_caching_decoder_keeps_hpack_limits() -> None:
     caching.max_header_list_size = 50
     with pytest.raises(hpack.OversizedHeaderListError):
         caching.decode(again, raw=True)
+
+
+def test_caching_encoder_encodes_as_hpack_does() -> None:
+    rng = random.Random(11)
+    plain = hpack.Encoder()
+    caching = _CachingEncoder()
+    decoder = hpack.Decoder()
+    hits = 0
+    for _ in range(2000):
+        headers: list[Any] = [(":status", "200"), ("content-type", "application/grpc+proto")]
+        if rng.random() < 0.5:
+            headers = [("grpc-status", str(rng.randrange(3)))]
+        if rng.random() < 0.1:
+            headers.append(hpack.NeverIndexedHeaderTuple("x-secret", f"s{rng.randrange(3)}"))
+        if rng.random() < 0.1:
+            headers.append(("x-agent", f"agent-{rng.randrange(50)}"))
+        if rng.random() < 0.05:
+            size = rng.choice([64, 256, 4096])
+            plain.header_table_size = size
+            caching.header_table_size = size
+        expected = plain.encode(iter(headers))
+        block = caching.encode(iter(headers))
+        assert block == expected
+        hits += not block.translate(None, bytes(range(0x81, 0xFF)))
+        assert [tuple(h) for h in decoder.decode(block)] == [tuple(h) for h in headers]
+    assert hits > 200
