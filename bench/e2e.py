@@ -7,9 +7,13 @@ processes (Alice sends, Bob receives), 1 KiB payloads. Measures:
 
 * one-way throughput, Alice -> Bob (from the first send to the last message Bob reads), with
   one sending thread (each ``send`` waits for the relay's acknowledgement) and with several
-  sending threads (concurrent sends share one encryption transaction and one PublishStream);
+  sending threads (concurrent sends share encryption transactions and are pipelined on one
+  PublishBatches call);
 * round trip: Alice sends, Bob's agent answers from its ``messages()`` loop, Alice reads the
-  answer: median and p99.
+  answer: median and p99;
+* where a round trip's time goes: per-stage medians over a few hundred round trips, from the
+  timestamps the SDK keeps of each channel's latest message (``_native.Channel.timings``,
+  system clock, comparable across the two processes).
 
 For scale, AGNTCY SLIM 3.3.8 (Rust node, Python bindings, MLS group session) measured on a
 machine like ours: about 3,600 msg/s one-way and a 1.9 ms median round trip at best (88 ms
@@ -30,6 +34,7 @@ sys.path.insert(0, str(_HERE.parent))
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import threading
@@ -71,6 +76,21 @@ def bob(relay: str, data_dir: str, conn: Connection) -> None:
                 for _ in range(count):
                     channel.send(next(messages))
                 conn.send("echoed")
+            elif kind == "trace":
+                traces = []
+                for _ in range(count):
+                    channel.send(next(messages))
+                    traces.append(channel._native.timings())
+                conn.send(traces)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def one_way(channel: object, conn: Connection, messages: int, senders: int) -> float:
@@ -95,6 +115,48 @@ def one_way(channel: object, conn: Connection, messages: int, senders: int) -> f
     # perf_counter is system-wide (CLOCK_MONOTONIC) on Linux: comparable across processes.
     finished: float = conn.recv()
     return per * senders / (finished - started)
+
+
+# (label, (process, stage) it starts at, (process, stage) it ends at); stages index timings():
+# 0 send started, 1 encrypted, 2 acknowledged, 3 received, 4 applied, 5 handed out.
+_STAGES = [
+    ("A encrypt (queue + MLS + fsync)", ("a", 0), ("a", 1)),
+    ("A publish until relay ack", ("a", 1), ("a", 2)),
+    ("relay delivery A -> B", ("a", 1), ("b", 3)),
+    ("B decrypt + store (apply)", ("b", 3), ("b", 4)),
+    ("B hand-out to its loop", ("b", 4), ("b", 5)),
+    ("B loop until send()", ("b", 5), ("b", 0)),
+    ("B encrypt (queue + MLS + fsync)", ("b", 0), ("b", 1)),
+    ("relay delivery B -> A", ("b", 1), ("a", 3)),
+    ("A decrypt + store (apply)", ("a", 3), ("a", 4)),
+    ("A hand-out to its loop", ("a", 4), ("a", 5)),
+]
+
+
+def trace(channel: object, conn: Connection, count: int) -> list[tuple[str, float]]:
+    """Per-stage medians (ms) of ``count`` round trips."""
+    from static_sdk import Channel
+
+    assert isinstance(channel, Channel)
+    conn.send(("trace", count))
+    answers = channel.messages()
+    payload = b"t" * PAYLOAD
+    ours = []
+    for _ in range(count):
+        channel.send(payload)
+        next(answers)
+        ours.append(channel._native.timings())
+    theirs = conn.recv()
+    rows = []
+    for label, (p0, s0), (p1, s1) in _STAGES:
+        spans = [
+            ((b if p1 == "b" else a)[s1] - (b if p0 == "b" else a)[s0]) / 1e6
+            for a, b in zip(ours, theirs, strict=True)
+        ]
+        rows.append((label, statistics.median(spans)))
+    total = [(a[5] - a[0]) / 1e6 for a in ours]
+    rows.append(("round trip (A send() to A hand-out)", statistics.median(total)))
+    return rows
 
 
 def main() -> None:
@@ -122,7 +184,17 @@ def main() -> None:
                 one_way(channel, ours, 500, 4)
 
                 single = one_way(channel, ours, min(args.messages, 2_000), 1)
+                pids = {
+                    "alice": os.getpid(),
+                    "relay": server.proc.pid if server.proc else 0,
+                    "bob": receiver.pid or 0,
+                }
+                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
                 many = one_way(channel, ours, args.messages, args.senders)
+                cpu = {
+                    name: (_cpu_seconds(pid) - before[name]) / args.messages * 1e6
+                    for name, pid in pids.items()
+                }
 
                 ours.send(("echo", args.round_trips))
                 answers = channel.messages()
@@ -134,6 +206,7 @@ def main() -> None:
                     next(answers)
                     rtts.append((time.perf_counter() - started) * 1000)
                 assert ours.recv() == "echoed"
+                stages = trace(channel, ours, min(args.round_trips, 300))
                 ours.send("stop")
         finally:
             receiver.join(30)
@@ -145,10 +218,17 @@ def main() -> None:
     print(f"  one-way, 1 sending thread:       {single:9,.0f} msg/s")
     print(f"  one-way, {args.senders} sending threads:     {many:9,.0f} msg/s   (target >= 7,000)")
     print(
+        "    CPU per message in that run: "
+        + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items())
+    )
+    print(
         f"  round trip: median {statistics.median(rtts):.2f} ms, p99 {p99:.2f} ms"
         "   (targets <= 1.5 ms, <= 5 ms)"
     )
     print("  reference, AGNTCY SLIM 3.3.8: ~3,600 msg/s one-way; RTT median 1.9 ms at best")
+    print("  where a round trip goes (medians, ms; the relay's ack and delivery overlap):")
+    for label, ms in stages:
+        print(f"    {label:<38} {ms:7.3f}")
 
 
 if __name__ == "__main__":

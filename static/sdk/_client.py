@@ -393,10 +393,10 @@ class MessageIterator:
         return self
 
     def __next__(self) -> bytes:
-        code, payload = self._native.next_message(None)
-        if code == _MESSAGE and payload is not None:
-            return payload
-        raise StopIteration
+        payload = self._native.next_payload()
+        if payload is None:
+            raise StopIteration
+        return payload
 
 
 class AsyncMessageIterator:

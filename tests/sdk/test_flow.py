@@ -230,6 +230,31 @@ def test_closing_and_reopening_in_the_same_process(relay: ServerProcess, clients
     assert again.open_channel(alices.name).receive(WAIT) == b"four"
 
 
+def test_reading_part_of_a_long_inbox_then_reopening(
+    relay: ServerProcess, clients: Clients
+) -> None:
+    """Handed-out messages are marked one by one and deleted in bulk (every 256): reopening at
+    any point hands out exactly the rest, in order, whatever was deleted yet."""
+    alices, bobs = clients.pair(relay)
+    bob = clients.opened[1]
+    for i in range(600):
+        alices.send(b"m%d" % i)
+    deadline = time.monotonic() + WAIT
+    while bobs.pending() < 600:
+        assert time.monotonic() < deadline, bobs.pending()
+        time.sleep(0.02)
+    assert receive_n(bobs, 300) == [b"m%d" % i for i in range(300)]
+    assert bobs.pending() == 300
+    bob.close()
+    again = clients(relay, b"bob", data_dir=clients.tmp_path / "agent-bob")
+    reopened = again.open_channel(alices.name)
+    assert reopened.pending() == 300
+    assert receive_n(reopened, 300) == [b"m%d" % i for i in range(300, 600)]
+    assert reopened.pending() == 0
+    alices.send(b"last")
+    assert reopened.receive(WAIT) == b"last"
+
+
 def test_context_managers(relay: ServerProcess, clients: Clients) -> None:
     with StaticClient(relay.relay_url, clients.tmp_path / "cm", b"cm") as client:
         with client.create_channel(channel_name()) as channel:

@@ -4,25 +4,30 @@
 //!
 //! * One [`Client`] per agent process and data directory: it owns a small multi-thread tokio
 //!   runtime, the [`Engine`], a lazily connecting tonic client of the relay and a token source.
-//! * One [`Channel`] per open channel, with three background tasks:
-//!   - the **reader** subscribes to the channel's log after the last seq it has seen (or from
-//!     the epoch we joined at), reconnects with backoff (also after three silent keep-alive
+//! * One [`Channel`] per open channel, with three background workers:
+//!   - the **reader** task subscribes to the channel's log (in batches of up to
+//!     [`SUBSCRIBE_BATCH`] entries per response) after the last seq it has seen (or from the
+//!     epoch we joined at), reconnects with backoff (also after three silent keep-alive
 //!     intervals), refreshes the token on `UNAUTHENTICATED`, and hands entries to
-//!   - the **applier**, the one writer of the channel's group state: it applies entries strictly
-//!     in log order in batches through [`Engine::process_entries`], which stores the cursor and
-//!     the decrypted messages (the inbox) in the same transaction as the MLS state change;
-//!   - the **sender**, which batches concurrent [`Channel::send`] calls: one transaction
-//!     encrypts the batch (one disk sync), one `PublishStream` call publishes it in order.
+//!   - the **applier** thread, the one writer of the channel's group state: it applies entries
+//!     strictly in log order in batches through [`Engine::process_entries`], which stores the
+//!     cursor and the decrypted messages (the inbox) in the same transaction as the MLS state
+//!     change;
+//!   - the **publisher** task, which keeps one `PublishBatches` call open and pipelines the
+//!     messages [`Channel::send`] encrypted (on the callers' threads, concurrent callers sharing
+//!     one transaction) to it, reopening the call when it fails.
 //! * Commits (`add_member`, `remove_member`, `rotate_keys`, committing proposals) take the
 //!   channel's commit lock, publish with the epoch fence and return once the applier has merged
 //!   the echo of the commit; a stale commit is dropped, the winner applied, and it is retried.
-//! * Readers of messages take them out of the inbox (blocking with a condition variable, or
-//!   async through a readiness socket per waiter, see [`Waker`]).
+//! * Readers of messages take them from the inbox (blocking with a condition variable, or
+//!   async through a readiness socket per waiter, see [`Waker`]), read ahead in memory; a
+//!   message is marked handed out (see [`Marks`]) before it is returned.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -56,8 +61,10 @@ fn retry_deadline_from_env() -> Duration {
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
 /// Attempts at getting a commit accepted when other members keep winning the epoch.
 const COMMIT_ATTEMPTS: usize = 16;
-/// Largest batch the applier and the sender take at once.
+/// Most entries the applier applies in one transaction.
 const BATCH: usize = 512;
+/// Entries per Subscribe response we ask the relay for (it sends what is available at once).
+const SUBSCRIBE_BATCH: u32 = 256;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
@@ -155,6 +162,121 @@ impl Tokens {
     }
 }
 
+// --- the inbox ------------------------------------------------------------------------------
+
+/// File of the hand-out marks inside the data directory.
+const MARKS_FILE: &str = "inbox.marks";
+/// Inbox rows read ahead into memory at once.
+const INBOX_READ_AHEAD: usize = 1024;
+/// Handed-out rows deleted together.
+const INBOX_PRUNE: usize = 256;
+
+/// Per channel, the id of the last inbox row handed to the caller, 8 bytes (little endian) at
+/// `8 * slot` of `<data_dir>/inbox.marks`.
+///
+/// Taking a message must never hand it out twice, even after a kill; deleting its row (a
+/// SQLite write transaction, ~60 µs) per message was the receiving side's largest cost. A
+/// write of 8 bytes to a file (~1 µs) survives a killed process just as well (it is in the
+/// OS's page cache once the call returns), so a message is handed out only once its mark is
+/// written, and handed-out rows are deleted in bulk later. A power loss may take back the last
+/// marks (and the message is handed out again), as it may take back light SQLite commits.
+struct Marks {
+    file: std::fs::File,
+}
+
+impl Marks {
+    fn open(data_dir: &Path) -> Result<Self> {
+        let path = data_dir.join(MARKS_FILE);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::Internal(format!("cannot open {}: {e}", path.display())))?;
+        Ok(Self { file })
+    }
+
+    fn offset(slot: u64) -> u64 {
+        slot.saturating_mul(8)
+    }
+
+    fn read(&self, slot: u64) -> Result<i64> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = [0u8; 8];
+        match self.file.read_exact_at(&mut buf, Self::offset(slot)) {
+            Ok(()) => Ok(i64::from_le_bytes(buf)),
+            // Never written: nothing handed out yet.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(0),
+            Err(e) => Err(Error::Internal(format!("cannot read the inbox marks: {e}"))),
+        }
+    }
+
+    fn write(&self, slot: u64, id: i64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(&id.to_le_bytes(), Self::offset(slot))
+            .map_err(|e| Error::Internal(format!("cannot write the inbox marks: {e}")))
+    }
+}
+
+/// A channel's inbox as its readers see it: rows read ahead, and what was handed out.
+struct Inbox {
+    slot: u64,
+    /// The last row handed out (its mark).
+    handed: i64,
+    /// The last row read into `ahead`.
+    loaded: i64,
+    ahead: VecDeque<crate::store::InboxMessage>,
+    /// Whether `ahead` holds every row stored so far: the applier reads in what it stores
+    /// (see [`applier`]), so a reader finding `ahead` empty need not ask the store.
+    complete: bool,
+    /// Rows handed out and not yet deleted.
+    unpruned: usize,
+}
+
+impl Inbox {
+    /// Reads the rows stored after `loaded` into `ahead`, as many as it has room for.
+    fn load(&mut self, engine: &Engine, name: &str) -> Result<()> {
+        let room = INBOX_READ_AHEAD.saturating_sub(self.ahead.len());
+        self.complete = false;
+        if room == 0 {
+            return Ok(());
+        }
+        let rows = engine.inbox_after(name, self.loaded, room)?;
+        self.complete = rows.len() < room;
+        if let Some(last) = rows.last() {
+            self.loaded = last.id;
+        }
+        self.ahead.extend(rows);
+        Ok(())
+    }
+
+    fn take(
+        &mut self,
+        engine: &Engine,
+        marks: &Marks,
+        name: &str,
+    ) -> Result<Option<crate::store::InboxMessage>> {
+        if self.ahead.is_empty() && !self.complete {
+            self.load(engine, name)?;
+        }
+        let Some(id) = self.ahead.front().map(|m| m.id) else {
+            return Ok(None);
+        };
+        marks.write(self.slot, id)?;
+        self.handed = id;
+        self.unpruned += 1;
+        if self.unpruned >= INBOX_PRUNE {
+            // Best effort: rows left behind are deleted by the next prune.
+            if engine.inbox_prune(name, id).is_ok() {
+                self.unpruned = 0;
+            }
+        }
+        Ok(self.ahead.pop_front())
+    }
+}
+
 // --- shared state ---------------------------------------------------------------------------
 
 struct Shared {
@@ -166,11 +288,42 @@ struct Shared {
     handle: Handle,
     closed: std::sync::atomic::AtomicBool,
     retry_deadline: Duration,
+    marks: Marks,
+    inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
 }
 
 impl Shared {
     fn engine(&self) -> Result<Arc<Engine>> {
         lock(&self.engine).clone().ok_or_else(closed_error)
+    }
+
+    /// The channel's inbox (the same for every [`Channel`] object of one name, so a reopened
+    /// channel and the iterators of its closed predecessor never hand out a message twice).
+    fn inbox(&self, engine: &Engine, name: &str) -> Result<Arc<Mutex<Inbox>>> {
+        let mut inboxes = lock(&self.inboxes);
+        if let Some(inbox) = inboxes.get(name) {
+            return Ok(Arc::clone(inbox));
+        }
+        let slot = engine.inbox_slot(name)?;
+        let handed = self.marks.read(slot)?;
+        engine.inbox_prune(name, handed)?;
+        let inbox = Arc::new(Mutex::new(Inbox {
+            slot,
+            handed,
+            loaded: handed,
+            ahead: VecDeque::new(),
+            complete: false,
+            unpruned: 0,
+        }));
+        inboxes.insert(name.to_owned(), Arc::clone(&inbox));
+        Ok(inbox)
+    }
+
+    /// Takes the next received message of `name`, marking it handed out.
+    fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Vec<u8>>> {
+        let inbox = self.inbox(engine, name)?;
+        let mut inbox = lock(&inbox);
+        Ok(inbox.take(engine, &self.marks, name)?.map(|m| m.payload))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -273,14 +426,21 @@ impl Client {
     ) -> Result<Self> {
         let endpoint = transport::endpoint(endpoint)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .max_blocking_threads(16)
+            // One worker: the connection, the readers and the publishers are light async work,
+            // and on one thread they hand over to each other without waking another thread
+            // (measured: a lower round trip than two workers on a 2-core machine). Encryption
+            // runs on the senders' threads, decryption on each channel's applier thread.
+            .worker_threads(1)
+            // Token fetches and commits only.
+            .max_blocking_threads(8)
             .thread_name("static-sdk")
             .enable_all()
             .build()
             .map_err(|e| Error::Internal(format!("cannot start the runtime: {e}")))?;
         let data_dir = data_dir.as_ref().to_owned();
         let engine = Arc::new(Engine::open(&data_dir, identity)?);
+        // Opened under the engine's directory lock.
+        let marks = Marks::open(&data_dir)?;
         // connect_lazy spawns onto the current runtime.
         let relay = {
             let _guard = runtime.enter();
@@ -293,6 +453,8 @@ impl Client {
             handle: runtime.handle().clone(),
             closed: std::sync::atomic::AtomicBool::new(false),
             retry_deadline: retry_deadline_from_env(),
+            marks,
+            inboxes: Mutex::new(HashMap::new()),
         });
         Ok(Self {
             runtime: Mutex::new(Some(runtime)),
@@ -437,11 +599,18 @@ impl Client {
             .closed
             .store(true, std::sync::atomic::Ordering::SeqCst);
         let channels: Vec<_> = lock(&self.channels).drain().map(|(_, c)| c).collect();
-        for channel in channels {
+        for channel in &channels {
             channel.close();
         }
         if let Some(runtime) = lock(&self.runtime).take() {
             runtime.shutdown_timeout(Duration::from_secs(2));
+        }
+        // The readers are gone with the runtime, so the appliers end after their current batch;
+        // they hold the engine, which must be released before this returns.
+        for channel in channels {
+            if let Some(thread) = lock(&channel.applier_thread).take() {
+                let _ = thread.join();
+            }
         }
         // Dropping the last reference checkpoints the store and releases the directory lock.
         lock(&self.shared.engine).take();
@@ -511,9 +680,41 @@ pub enum Next {
     End,
 }
 
-struct SendJob {
-    payload: Vec<u8>,
-    reply: oneshot::Sender<Result<()>>,
+/// When the latest message of a channel passed each stage, in nanoseconds of the system
+/// clock (comparable across processes on one machine): what `bench/e2e.py` breaks a round
+/// trip down with. Relaxed atomic stores, a few nanoseconds per message.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// A send began (its payload was queued for encryption).
+    pub send_started: AtomicU64,
+    /// Its message was encrypted and handed to the publisher.
+    pub send_encrypted: AtomicU64,
+    /// The relay acknowledged it.
+    pub send_acked: AtomicU64,
+    /// Entries arrived from the relay.
+    pub received: AtomicU64,
+    /// They were applied (decrypted, stored in the inbox).
+    pub applied: AtomicU64,
+    /// A message was handed to the caller.
+    pub handed_out: AtomicU64,
+}
+
+/// Now, in nanoseconds since the Unix epoch.
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+fn stamp(at: &AtomicU64) {
+    at.store(now_ns(), Ordering::Relaxed);
+}
+
+/// A payload waiting to be encrypted (see [`Channel::send`]).
+struct Pending {
+    payload: Arc<Vec<u8>>,
+    deadline: Instant,
+    reply: oneshot::Sender<Outcome>,
 }
 
 /// One channel of ours, with its background tasks. See the module docs.
@@ -525,9 +726,18 @@ pub struct Channel {
     signal: (Mutex<u64>, Condvar),
     wakers: Mutex<Vec<UnixStream>>,
     commit_lock: tokio::sync::Mutex<()>,
-    sends: mpsc::UnboundedSender<SendJob>,
+    /// Payloads waiting for the encryption lock; whoever holds it encrypts them all.
+    encrypt_queue: Mutex<Vec<Pending>>,
+    /// Held while encrypting and handing the messages to the publisher, so the log gets them
+    /// in the order they were encrypted.
+    encrypt_lock: Mutex<()>,
+    outbound: mpsc::UnboundedSender<Vec<Outbound>>,
+    /// Our own messages, for the applier to skip when they come back.
+    own_messages: Mutex<OwnMessages>,
+    timings: Timings,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    applier_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// A readiness socket for async waiting: readable whenever the channel's inbox may have gained
@@ -569,7 +779,7 @@ impl Channel {
             epoch,
             ..Progress::default()
         });
-        let (sends, send_rx) = mpsc::unbounded_channel();
+        let (outbound, outbound_rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let channel = Arc::new(Self {
             name: name.to_owned(),
@@ -578,28 +788,53 @@ impl Channel {
             signal: (Mutex::new(0), Condvar::new()),
             wakers: Mutex::new(Vec::new()),
             commit_lock: tokio::sync::Mutex::new(()),
-            sends,
+            encrypt_queue: Mutex::new(Vec::new()),
+            encrypt_lock: Mutex::new(()),
+            outbound,
+            own_messages: Mutex::new(OwnMessages::default()),
+            timings: Timings::default(),
             shutdown,
             tasks: Mutex::new(Vec::new()),
+            applier_thread: Mutex::new(None),
         });
-        let (entries_tx, entries_rx) = mpsc::channel(4 * BATCH);
+        let (entries_tx, entries_rx) = mpsc::channel(16);
         // The tasks hold the channel weakly where they can, strongly where they must finish a
         // step; all stop when `shutdown` flips.
+        let (applier_done, applied_all) = oneshot::channel::<()>();
+        let applier_thread = {
+            let channel = Arc::clone(&channel);
+            std::thread::Builder::new()
+                .name("static-applier".into())
+                .spawn(move || {
+                    let _done = applier_done;
+                    applier(channel, entries_rx);
+                })
+                .map_err(|e| Error::Internal(format!("cannot start the applier thread: {e}")))?
+        };
         let tasks = vec![
             shared
                 .handle
                 .spawn(reader(Arc::clone(&channel), cursor, entries_tx)),
+            // Completes when the applier thread has finished.
+            shared.handle.spawn(async move {
+                let _ = applied_all.await;
+            }),
             shared
                 .handle
-                .spawn(applier(Arc::clone(&channel), entries_rx)),
-            shared.handle.spawn(sender(Arc::clone(&channel), send_rx)),
+                .spawn(publisher(Arc::clone(&channel), outbound_rx)),
         ];
         *lock(&channel.tasks) = tasks;
+        *lock(&channel.applier_thread) = Some(applier_thread);
         Ok(channel)
     }
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// When the latest message passed each stage (see [`Timings`]).
+    pub fn timings(&self) -> &Timings {
+        &self.timings
     }
 
     pub fn progress(&self) -> Progress {
@@ -673,16 +908,17 @@ impl Channel {
         let Ok(engine) = self.shared.engine() else {
             return Ok(Next::End);
         };
-        if let Some(message) = engine.inbox_take(&self.name)? {
-            return Ok(Next::Message(message.payload));
+        if let Some(payload) = self.shared.inbox_take(&engine, &self.name)? {
+            stamp(&self.timings.handed_out);
+            return Ok(Next::Message(payload));
         }
         let ended = self.progress.borrow().ended.clone();
         match ended {
             None => Ok(Next::Empty),
             Some(end) => {
                 // Messages stored before the end are still handed out.
-                if let Some(message) = engine.inbox_take(&self.name)? {
-                    return Ok(Next::Message(message.payload));
+                if let Some(payload) = self.shared.inbox_take(&engine, &self.name)? {
+                    return Ok(Next::Message(payload));
                 }
                 match end {
                     End::Failed(_) => Err(end.error(&self.name)),
@@ -718,10 +954,20 @@ impl Channel {
 
     /// How many received messages wait to be read.
     pub fn pending(&self) -> Result<u64> {
-        self.shared.engine()?.inbox_len(&self.name)
+        let engine = self.shared.engine()?;
+        let inbox = self.shared.inbox(&engine, &self.name)?;
+        let handed = lock(&inbox).handed;
+        engine.inbox_count_after(&self.name, handed)
     }
 
     /// Encrypts `payload` and publishes it; returns once the relay has it in the channel's log.
+    ///
+    /// Runs on the caller's thread up to the publishing: concurrent senders queue their
+    /// payloads, and the one that gets the encryption lock encrypts everything queued in one
+    /// transaction (flat combining) and hands the messages to the publisher task, which keeps
+    /// one pipelined `PublishBatches` call open. Refusals are handled here: a stale epoch is
+    /// caught up with and the payload encrypted again; a transient refusal is retried with the
+    /// same bytes (the relay's idempotency makes that safe) until the retry deadline.
     pub fn send(&self, payload: Vec<u8>) -> Result<()> {
         if payload.len() > MAX_PAYLOAD {
             return Err(Error::Transport(format!(
@@ -730,11 +976,110 @@ impl Channel {
             )));
         }
         self.check_usable()?;
+        stamp(&self.timings.send_started);
+        let payload = Arc::new(payload);
+        let deadline = Instant::now() + self.shared.retry_deadline;
+        let mut answer = self.encrypt_and_publish(&payload, deadline);
+        let mut reencrypted = 0;
+        let mut strikes = 0;
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let outcome = answer.blocking_recv().map_err(|_| self.ended_error())?;
+            let (refusal, message) = match outcome {
+                Outcome::Accepted => {
+                    stamp(&self.timings.send_acked);
+                    return Ok(());
+                }
+                Outcome::Failed(e) => return Err(e),
+                Outcome::Refused(refusal, message) => (refusal, message),
+            };
+            let status = Status::new(Code::from(refusal.code as i32), refusal.message.clone());
+            match status.code() {
+                Code::FailedPrecondition if reencrypted < 3 => {
+                    // Encrypted at an epoch the relay no longer accepts (the group moved on by
+                    // more than its window): catch up and encrypt again.
+                    reencrypted += 1;
+                    self.block_on(self.wait_epoch(refusal.current_epoch))?;
+                    answer = self.encrypt_and_publish(&payload, deadline);
+                    continue;
+                }
+                Code::Unauthenticated => {
+                    self.shared
+                        .on_unauthenticated(&status, None, &mut strikes)?;
+                }
+                Code::ResourceExhausted if refusal.retry_after_ms > 0 => {
+                    std::thread::sleep(Duration::from_millis(refusal.retry_after_ms));
+                }
+                _ if transport::is_transient(&status) && Instant::now() < deadline => {
+                    std::thread::sleep(backoff);
+                    backoff = backoff_next(backoff);
+                }
+                _ => return Err(transport::status_error("Publish", &status)),
+            }
+            self.check_usable()?;
+            let (reply, next) = oneshot::channel();
+            self.outbound
+                .send(vec![Outbound {
+                    message,
+                    deadline,
+                    reply,
+                }])
+                .map_err(|_| self.ended_error())?;
+            answer = next;
+        }
+    }
+
+    /// Queues `payload` for encryption, encrypts the queue if nobody else is doing it, and
+    /// returns where the outcome of its publishing will come.
+    fn encrypt_and_publish(
+        &self,
+        payload: &Arc<Vec<u8>>,
+        deadline: Instant,
+    ) -> oneshot::Receiver<Outcome> {
         let (reply, answer) = oneshot::channel();
-        self.sends
-            .send(SendJob { payload, reply })
-            .map_err(|_| self.ended_error())?;
-        self.block_on(async move { answer.await.map_err(|_| self.ended_error())? })
+        lock(&self.encrypt_queue).push(Pending {
+            payload: Arc::clone(payload),
+            deadline,
+            reply,
+        });
+        let _encrypting = lock(&self.encrypt_lock);
+        let batch = std::mem::take(&mut *lock(&self.encrypt_queue));
+        if batch.is_empty() {
+            // Another sender encrypted ours along with its own.
+            return answer;
+        }
+        let encrypted = self.shared.engine().and_then(|engine| {
+            let refs: Vec<&[u8]> = batch.iter().map(|p| p.payload.as_slice()).collect();
+            engine.encrypt_many(&self.name, &refs)
+        });
+        match encrypted {
+            Ok(messages) => {
+                {
+                    let mut own = lock(&self.own_messages);
+                    for message in &messages {
+                        own.remember(message);
+                    }
+                }
+                let items = batch
+                    .into_iter()
+                    .zip(messages)
+                    .map(|(p, message)| Outbound {
+                        message,
+                        deadline: p.deadline,
+                        reply: p.reply,
+                    })
+                    .collect();
+                stamp(&self.timings.send_encrypted);
+                // A publisher that is gone drops the replies: the senders see the channel's end.
+                let _ = self.outbound.send(items);
+            }
+            Err(e) => {
+                for p in batch {
+                    let _ = p.reply.send(Outcome::Failed(e.clone()));
+                }
+            }
+        }
+        answer
     }
 
     fn ended_error(&self) -> Error {
@@ -986,7 +1331,7 @@ enum Published {
 // --- background tasks -------------------------------------------------------------------------
 
 /// Subscribes to the channel's log and forwards entries, in order, to the applier.
-async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u64, Vec<u8>)>) {
+async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<Received>) {
     let mut shutdown = channel.shutdown.subscribe();
     let mut start = cursor;
     let mut backoff = BACKOFF_MIN;
@@ -1004,7 +1349,7 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
             .request(pb::SubscribeRequest {
                 channel: channel.name.clone(),
                 start: Some(start_field),
-                max_batch: 0,
+                max_batch: SUBSCRIBE_BATCH,
             })
             .await;
         let (request, token) = match request {
@@ -1060,18 +1405,25 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<(u6
                                 }
                                 None => continue,
                             };
-                            for entry in batch {
-                                let seen = match start {
-                                    Cursor::After(seq) => seq,
-                                    Cursor::FromEpoch(_) => 0,
-                                };
-                                if entry.seq <= seen {
-                                    continue;
-                                }
-                                start = Cursor::After(entry.seq);
-                                if entries.send((entry.seq, entry.message)).await.is_err() {
-                                    return;
-                                }
+                            let seen = match start {
+                                Cursor::After(seq) => seq,
+                                Cursor::FromEpoch(_) => 0,
+                            };
+                            let batch: Vec<(u64, u32, Vec<u8>)> = batch
+                                .into_iter()
+                                .filter(|entry| entry.seq > seen)
+                                .map(|entry| (entry.seq, entry.content_type, entry.message))
+                                .collect();
+                            let Some(&(last, _, _)) = batch.last() else {
+                                continue;
+                            };
+                            start = Cursor::After(last);
+                            let received = Received {
+                                entries: batch,
+                                at: now_ns(),
+                            };
+                            if entries.send(received).await.is_err() {
+                                return;
                             }
                         }
                     }
@@ -1123,33 +1475,114 @@ async fn sleep_or_shutdown(shutdown: &mut watch::Receiver<bool>, wait: Duration)
     }
 }
 
-/// Applies the log's entries in order, in batches: the one writer of the group's state.
-async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8>)>) {
-    let mut shutdown = channel.shutdown.subscribe();
-    loop {
-        let first = tokio::select! {
-            _ = shutdown.changed() => return,
-            e = entries.recv() => e,
+/// Consecutive entries of the log from one Subscribe response: (seq, content type, message).
+struct Received {
+    entries: Vec<(u64, u32, Vec<u8>)>,
+    /// When they arrived (see [`Timings`]).
+    at: u64,
+}
+
+/// The relay's content type of application messages.
+const APPLICATION: u32 = 1;
+/// Our own messages remembered for the applier to skip: at most this many, of at most
+/// [`OWN_MESSAGE_BYTES`] each.
+const OWN_MESSAGES: usize = 4096;
+const OWN_MESSAGE_BYTES: usize = 16 * 1024;
+
+/// The application messages we encrypted and that may still come back from the relay (it
+/// sends everyone's messages to every subscriber, ours included), by the last 8 bytes of
+/// their ciphertext (the end of the AEAD tag: random).
+#[derive(Default)]
+struct OwnMessages {
+    by_tag: HashMap<[u8; 8], Vec<u8>>,
+}
+
+impl OwnMessages {
+    fn key(message: &[u8]) -> Option<[u8; 8]> {
+        message
+            .len()
+            .checked_sub(8)
+            .and_then(|start| message.get(start..))
+            .and_then(|tail| tail.try_into().ok())
+    }
+
+    fn remember(&mut self, message: &[u8]) {
+        if message.len() > OWN_MESSAGE_BYTES {
+            return;
+        }
+        if self.by_tag.len() >= OWN_MESSAGES {
+            // Messages that never came back (refused, or sent while not subscribed): forget
+            // them all; this only costs the engine's time.
+            self.by_tag.clear();
+        }
+        if let Some(key) = Self::key(message) {
+            self.by_tag.insert(key, message.to_vec());
+        }
+    }
+
+    /// Whether `message` is one of ours (byte for byte), forgetting it.
+    fn take(&mut self, message: &[u8]) -> bool {
+        let Some(key) = Self::key(message) else {
+            return false;
         };
-        let Some(first) = first else { return };
-        let mut batch = vec![first];
+        if self.by_tag.get(&key).is_some_and(|m| m == message) {
+            self.by_tag.remove(&key);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Applies the log's entries in order, in batches: the one writer of the group's state.
+///
+/// Runs on a thread of its own rather than as a task handing each batch to tokio's blocking
+/// pool: a batch then costs one wake-up (the reader's hand-over) instead of three. It ends when
+/// the reader does (the channel's shutdown, or the runtime's).
+fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
+    let shutdown = channel.shutdown.subscribe();
+    loop {
+        let Some(first) = entries.blocking_recv() else {
+            return;
+        };
+        if *shutdown.borrow() {
+            return;
+        }
+        let received_at = first.at;
+        let mut batch = first.entries;
         while batch.len() < BATCH {
             match entries.try_recv() {
-                Ok(e) => batch.push(e),
+                Ok(more) => batch.extend(more.entries),
                 Err(_) => break,
             }
         }
-        let name = channel.name.clone();
-        let applied = channel
-            .shared
-            .blocking(move |e| {
-                let refs: Vec<(u64, &[u8])> =
-                    batch.iter().map(|(s, m)| (*s, m.as_slice())).collect();
-                let applied = e.process_entries(&name, &refs)?;
-                let epoch = e.epoch(&name).ok();
-                Ok((applied, epoch))
-            })
-            .await;
+        let passed = batch.last().map(|&(seq, _, _)| seq);
+        {
+            // Our own application messages come back from the relay too; applying one changes
+            // nothing (the engine recognises and skips it), so those we recognise byte for byte
+            // are not even handed to it. The stored cursor may then lag behind our own last
+            // messages: after a restart they are applied again, to the same effect.
+            let mut own = lock(&channel.own_messages);
+            if !own.by_tag.is_empty() {
+                batch.retain(|(_, kind, message)| !(*kind == APPLICATION && own.take(message)));
+            }
+        }
+        if batch.is_empty() {
+            if let Some(seq) = passed {
+                channel
+                    .progress
+                    .send_modify(|p| p.applied_seq = p.applied_seq.max(seq));
+            }
+            continue;
+        }
+        let name = &channel.name;
+        let applied = channel.shared.engine().and_then(|e| {
+            let refs: Vec<(u64, &[u8])> =
+                batch.iter().map(|(s, _, m)| (*s, m.as_slice())).collect();
+            let applied = e.process_entries(name, &refs)?;
+            let epoch = e.epoch(name).ok();
+            Ok((applied, epoch))
+        });
         let (applied, epoch) = match applied {
             Ok(v) => v,
             Err(e) => {
@@ -1160,9 +1593,9 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
         let mut messages = false;
         let mut proposals = false;
         let mut removed = false;
-        let mut last = None;
+        let mut last = passed;
         for a in &applied {
-            last = Some(a.seq);
+            last = last.max(Some(a.seq));
             match &a.outcome {
                 Ok(Incoming::Application { .. }) => messages = true,
                 Ok(Incoming::Proposal { .. }) => proposals = true,
@@ -1182,6 +1615,21 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
             }
         });
         if messages {
+            // Read what was just stored into the inbox's read-ahead here, once per batch,
+            // rather than on the readers' threads, once per wake-up.
+            if let Ok(engine) = channel.shared.engine() {
+                if let Ok(inbox) = channel.shared.inbox(&engine, &channel.name) {
+                    let mut inbox = lock(&inbox);
+                    // On failure the readers read the store themselves.
+                    let _ = inbox.load(&engine, &channel.name);
+                }
+            }
+            // Only batches with messages for us: our own messages come back too.
+            channel
+                .timings
+                .received
+                .store(received_at, Ordering::Relaxed);
+            stamp(&channel.timings.applied);
             channel.notify();
         }
         if removed {
@@ -1202,202 +1650,426 @@ async fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<(u64, Vec<u8
     }
 }
 
-/// Encrypts and publishes [`Channel::send`] payloads in batches, in submission order.
-async fn sender(channel: Arc<Channel>, mut jobs: mpsc::UnboundedReceiver<SendJob>) {
+/// Publishes encrypted messages on one long-lived `PublishBatches` call, pipelined: batches
+/// go out while earlier ones are in flight, and each message's result goes back to its sender.
+/// Failures of the call itself (connection lost, token expired, relay restarting) are handled
+/// here: the call is reopened and the messages in flight are sent again with the same bytes
+/// (the relay's idempotency answers those it already has). Refusals of single messages go to
+/// their senders, who decide (see [`Channel::send`]).
+async fn publisher(channel: Arc<Channel>, mut incoming: mpsc::UnboundedReceiver<Vec<Outbound>>) {
     let mut shutdown = channel.shutdown.subscribe();
-    loop {
-        let first = tokio::select! {
-            _ = shutdown.changed() => return,
-            j = jobs.recv() => j,
-        };
-        let Some(first) = first else { return };
-        let mut batch = vec![first];
-        while batch.len() < BATCH {
-            match jobs.try_recv() {
-                Ok(j) => batch.push(j),
-                Err(_) => break,
-            }
-        }
-        let results = publish_payloads(&channel, &batch).await;
-        for (job, result) in batch.into_iter().zip(results) {
-            let _ = job.reply.send(result);
-        }
-    }
-}
-
-/// Encrypts the payloads in one transaction and publishes them in order; one result each.
-async fn publish_payloads(channel: &Channel, jobs: &[SendJob]) -> Vec<Result<()>> {
-    let mut results: Vec<Option<Result<()>>> = (0..jobs.len()).map(|_| None).collect();
-    // (job index, encrypted message) still to publish, in order.
-    let mut queue: VecDeque<(usize, Vec<u8>)>;
-    let encrypt = |indices: Vec<usize>| {
-        let payloads: Vec<Vec<u8>> = indices.iter().map(|&i| jobs[i].payload.clone()).collect();
-        let name = channel.name.clone();
-        async move {
-            let messages = channel
-                .shared
-                .blocking(move |e| {
-                    let refs: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
-                    e.encrypt_many(&name, &refs)
-                })
-                .await?;
-            Ok::<_, Error>(indices.into_iter().zip(messages).collect::<VecDeque<_>>())
-        }
-    };
-    match encrypt((0..jobs.len()).collect()).await {
-        Ok(q) => queue = q,
-        Err(e) => {
-            return jobs.iter().map(|_| Err(e.clone())).collect();
-        }
-    }
-    let deadline = Instant::now() + channel.shared.retry_deadline;
+    let shared = Arc::clone(&channel.shared);
+    let mut queue: VecDeque<Outbound> = VecDeque::new();
+    let mut inflight: VecDeque<InFlight> = VecDeque::new();
+    let mut inflight_bytes = 0usize;
+    let mut call: Option<BatchCall> = None;
     let mut backoff = BACKOFF_MIN;
     let mut strikes = 0;
-    let mut reencrypted = 0;
-    while !queue.is_empty() {
-        let (accepted, failure) = match publish_batch(channel, &queue).await {
-            Ok(outcome) => outcome,
-            Err(e) if e.kind() == ErrorKind::Auth || Instant::now() >= deadline => {
-                for (i, _) in queue.drain(..) {
-                    results[i] = Some(Err(e.clone()));
+    // When the oldest batch in flight must have been answered by.
+    let mut answer_by = Instant::now();
+    loop {
+        while let Ok(more) = incoming.try_recv() {
+            queue.extend(more);
+        }
+        // Send what may go now.
+        let mut failure: Option<(Status, Option<String>)> = None;
+        while !queue.is_empty()
+            && inflight.len() < MAX_INFLIGHT_BATCHES
+            && inflight_bytes < MAX_INFLIGHT_BYTES
+        {
+            if call.is_none() {
+                match open_batch_call(&shared).await {
+                    Ok(opened) => call = Some(opened),
+                    Err(OpenFailure::Status(status, token)) => {
+                        failure = Some((status, token));
+                        break;
+                    }
+                    Err(OpenFailure::Final(e)) => {
+                        for item in queue.drain(..) {
+                            item.fail(e.clone());
+                        }
+                        break;
+                    }
+                    Err(OpenFailure::Token) => {
+                        // The token endpoint is unreachable for now.
+                        expire(&mut queue, "Publish: cannot get a relay token in time");
+                        if sleep_or_shutdown(&mut shutdown, backoff).await {
+                            return;
+                        }
+                        backoff = backoff_next(backoff);
+                        break;
+                    }
                 }
-                continue;
             }
-            Err(_) => {
-                // The token endpoint is unreachable for now.
-                tokio::time::sleep(backoff).await;
-                backoff = backoff_next(backoff);
-                continue;
+            let Some(open) = call.as_mut() else { break };
+            let batch = take_batch(&mut queue);
+            let request = pb::PublishBatchRequest {
+                requests: batch
+                    .items
+                    .iter()
+                    .map(|o| pb::PublishRequest {
+                        channel: channel.name.clone(),
+                        message: o.message.clone(),
+                        welcome: Vec::new(),
+                        idempotency_key: Vec::new(),
+                    })
+                    .collect(),
+            };
+            if inflight.is_empty() {
+                answer_by = Instant::now() + CALL_TIMEOUT;
             }
-        };
-        for _ in 0..accepted {
-            if let Some((i, _)) = queue.pop_front() {
-                results[i] = Some(Ok(()));
+            inflight_bytes += batch.bytes;
+            inflight.push_back(batch);
+            if open.requests.send(request).is_err() {
+                // The call is over; its status comes from the response stream.
+                failure = Some(match bounded(open.responses.message()).await {
+                    Err(status) => (status, open.token.clone()),
+                    _ => (
+                        Status::unavailable("the publish call ended"),
+                        open.token.clone(),
+                    ),
+                });
+                break;
+            }
+        }
+        if failure.is_none() {
+            let can_send = !queue.is_empty()
+                && inflight.len() < MAX_INFLIGHT_BATCHES
+                && inflight_bytes < MAX_INFLIGHT_BYTES;
+            let waiting = !inflight.is_empty();
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => return,
+                r = async {
+                    match call.as_mut() {
+                        Some(open) => open.responses.message().await,
+                        None => std::future::pending().await,
+                    }
+                }, if call.is_some() => match r {
+                    Ok(Some(response)) => {
+                        backoff = BACKOFF_MIN;
+                        strikes = 0;
+                        answer_by = Instant::now() + CALL_TIMEOUT;
+                        match inflight.pop_front() {
+                            Some(batch) => {
+                                inflight_bytes -= batch.bytes;
+                                batch.answer(response.results);
+                            }
+                            None => {
+                                let token = call.as_ref().and_then(|c| c.token.clone());
+                                failure = Some((
+                                    Status::internal("an answer to no batch of ours"),
+                                    token,
+                                ));
+                            }
+                        }
+                    }
+                    Ok(None) if !waiting => call = None,
+                    Ok(None) => {
+                        let token = call.as_ref().and_then(|c| c.token.clone());
+                        failure = Some((Status::unavailable("the publish call ended early"), token));
+                    }
+                    Err(_) if !waiting => call = None,
+                    Err(status) => {
+                        let token = call.as_ref().and_then(|c| c.token.clone());
+                        failure = Some((status, token));
+                    }
+                },
+                more = incoming.recv(), if !can_send => match more {
+                    Some(more) => queue.extend(more),
+                    None => return,
+                },
+                _ = tokio::time::sleep_until(answer_by.into()), if waiting => {
+                    let token = call.as_ref().and_then(|c| c.token.clone());
+                    failure = Some((
+                        Status::deadline_exceeded(format!(
+                            "no answer from the relay within {CALL_TIMEOUT:?}"
+                        )),
+                        token,
+                    ));
+                }
+                // Nothing to wait for: only after waiting out an unreachable token endpoint,
+                // with messages to send.
+                else => {}
             }
         }
         let Some((status, token)) = failure else {
             continue;
         };
-        let fail_front = |queue: &mut VecDeque<(usize, Vec<u8>)>,
-                          results: &mut Vec<Option<Result<()>>>,
-                          e: Error| {
-            if let Some((i, _)) = queue.pop_front() {
-                results[i] = Some(Err(e));
+        // The call failed: what was in flight goes back to the front of the queue, in order,
+        // to be sent again on a new call.
+        call = None;
+        inflight_bytes = 0;
+        let mut requeued = 0;
+        while let Some(batch) = inflight.pop_back() {
+            for item in batch.items.into_iter().rev() {
+                queue.push_front(item);
+                requeued += 1;
             }
-        };
-        let fail_all = |queue: &mut VecDeque<(usize, Vec<u8>)>,
-                        results: &mut Vec<Option<Result<()>>>,
-                        e: &Error| {
-            for (i, _) in queue.drain(..) {
-                results[i] = Some(Err(e.clone()));
-            }
-        };
+        }
         match status.code() {
             Code::Unauthenticated => {
-                if let Err(e) =
-                    channel
-                        .shared
-                        .on_unauthenticated(&status, token.as_deref(), &mut strikes)
-                {
-                    fail_all(&mut queue, &mut results, &e);
-                }
-            }
-            Code::FailedPrecondition if reencrypted < 3 => {
-                // Encrypted at an epoch the relay no longer accepts (the group moved on by
-                // more than its window): catch up and encrypt again.
-                reencrypted += 1;
-                let epoch = transport::current_epoch(&status).unwrap_or(0);
-                if let Err(e) = channel.wait_epoch(epoch).await {
-                    fail_all(&mut queue, &mut results, &e);
-                    continue;
-                }
-                let indices: Vec<usize> = queue.drain(..).map(|(i, _)| i).collect();
-                match encrypt(indices.clone()).await {
-                    Ok(q) => queue = q,
-                    Err(e) => {
-                        for i in indices {
-                            results[i] = Some(Err(e.clone()));
-                        }
+                if let Err(e) = shared.on_unauthenticated(&status, token.as_deref(), &mut strikes) {
+                    for item in queue.drain(..) {
+                        item.fail(e.clone());
                     }
                 }
             }
             Code::ResourceExhausted if transport::retry_after(&status).is_some() => {
-                tokio::time::sleep(transport::retry_after(&status).unwrap_or(BACKOFF_MIN)).await;
-            }
-            _ if transport::is_transient(&status) && Instant::now() < deadline => {
-                tokio::time::sleep(backoff).await;
-                backoff = backoff_next(backoff);
+                let wait = transport::retry_after(&status).unwrap_or(BACKOFF_MIN);
+                if sleep_or_shutdown(&mut shutdown, wait).await {
+                    return;
+                }
             }
             _ if transport::is_transient(&status) => {
-                let e = transport::status_error("Publish", &status);
-                fail_all(&mut queue, &mut results, &e);
+                expire(
+                    &mut queue,
+                    &format!("Publish: {} ({:?})", status.message(), status.code()),
+                );
+                if sleep_or_shutdown(&mut shutdown, backoff).await {
+                    return;
+                }
+                backoff = backoff_next(backoff);
             }
-            // Refused for itself (too large, malformed): fail that message, go on with the rest.
-            _ => fail_front(
-                &mut queue,
-                &mut results,
-                transport::status_error("Publish", &status),
-            ),
+            // A refusal of the call itself that retrying will not fix: what was sent on it
+            // fails, what was not yet sent goes on a new call (all of it fails when the call
+            // could not even be opened).
+            _ => {
+                let e = transport::status_error("Publish", &status);
+                let failed = if requeued == 0 { queue.len() } else { requeued };
+                for item in queue.drain(..failed.min(queue.len())) {
+                    item.fail(e.clone());
+                }
+            }
         }
     }
-    results
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|| Err(Error::Internal("a message was not sent".into()))))
-        .collect()
 }
 
-/// Publishes the queued messages in order; returns how many were accepted and, if the call
-/// ended early, its status and the token it used.
-async fn publish_batch(
-    channel: &Channel,
-    queue: &VecDeque<(usize, Vec<u8>)>,
-) -> Result<(usize, Option<(Status, Option<String>)>)> {
-    let shared = &channel.shared;
-    if queue.len() == 1 {
-        let Some((_, message)) = queue.front() else {
-            return Ok((0, None));
-        };
-        let request = shared
-            .request(pb::PublishRequest {
-                channel: channel.name.clone(),
-                message: message.clone(),
-                welcome: Vec::new(),
-                idempotency_key: Vec::new(),
-            })
-            .await;
-        let (request, token) = request?;
-        return Ok(match bounded(shared.relay.clone().publish(request)).await {
-            Ok(_) => (1, None),
-            Err(status) => (0, Some((status, token))),
-        });
+/// Fails the queued messages whose retry deadline has passed.
+fn expire(queue: &mut VecDeque<Outbound>, why: &str) {
+    let now = Instant::now();
+    if queue.iter().all(|o| o.deadline > now) {
+        return;
     }
-    let requests: Vec<pb::PublishRequest> = queue
-        .iter()
-        .map(|(_, message)| pb::PublishRequest {
-            channel: channel.name.clone(),
-            message: message.clone(),
-            welcome: Vec::new(),
-            idempotency_key: Vec::new(),
-        })
-        .collect();
-    let request = shared.request(tokio_stream::iter(requests)).await;
-    let (request, token) = request?;
-    let mut stream = match bounded(shared.relay.clone().publish_stream(request)).await {
-        Ok(response) => response.into_inner(),
-        Err(status) => return Ok((0, Some((status, token)))),
-    };
-    let mut accepted = 0;
-    loop {
-        match bounded(stream.message()).await {
-            Ok(Some(_)) => accepted += 1,
-            Ok(None) if accepted >= queue.len() => return Ok((accepted, None)),
-            Ok(None) => {
-                return Ok((
-                    accepted,
-                    Some((Status::unknown("the publish stream ended early"), token)),
-                ))
-            }
-            Err(status) => return Ok((accepted, Some((status, token)))),
+    let (late, on_time): (VecDeque<_>, VecDeque<_>) =
+        queue.drain(..).partition(|o| o.deadline <= now);
+    *queue = on_time;
+    for item in late {
+        item.fail(Error::Transport(why.to_owned()));
+    }
+}
+
+/// Most batches of one `PublishBatches` call awaiting their answer.
+const MAX_INFLIGHT_BATCHES: usize = 32;
+/// Most message bytes awaiting their answer on one call.
+const MAX_INFLIGHT_BYTES: usize = 8 * 1024 * 1024;
+/// Items per batch (the relay's limit).
+const MAX_BATCH_ITEMS: usize = 1024;
+/// Message bytes per batch: the relay reads requests of at most 1 MiB; leave room for the
+/// framing of each item. A larger single message goes alone.
+const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
+/// Framing of one item in a batch request, beyond its message (channel name, tags).
+const ITEM_OVERHEAD: usize = 256;
+
+/// One encrypted message on its way to the relay.
+struct Outbound {
+    message: Vec<u8>,
+    /// Until when failures of the call are retried for it.
+    deadline: Instant,
+    reply: oneshot::Sender<Outcome>,
+}
+
+impl Outbound {
+    fn fail(self, e: Error) {
+        let _ = self.reply.send(Outcome::Failed(e));
+    }
+}
+
+/// What became of one published message.
+enum Outcome {
+    /// In the channel's log.
+    Accepted,
+    /// Refused by the relay (the message comes back for a retry).
+    Refused(pb::Refusal, Vec<u8>),
+    /// Not published, and retrying will not help.
+    Failed(Error),
+}
+
+/// A batch sent and not yet answered.
+struct InFlight {
+    items: Vec<Outbound>,
+    bytes: usize,
+}
+
+impl InFlight {
+    /// Hands each item its result.
+    fn answer(self, results: Vec<pb::PublishResult>) {
+        let mut results = results.into_iter();
+        for item in self.items {
+            let outcome = match results.next().and_then(|r| r.outcome) {
+                Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
+                Some(pb::publish_result::Outcome::Refused(refusal)) => {
+                    Outcome::Refused(refusal, item.message)
+                }
+                // A short answer: treated as a transient refusal, retried with the same bytes.
+                None => Outcome::Refused(
+                    pb::Refusal {
+                        code: Code::Unavailable as u32,
+                        message: "the relay did not answer for this message".into(),
+                        current_epoch: 0,
+                        retry_after_ms: 0,
+                    },
+                    item.message,
+                ),
+            };
+            let _ = item.reply.send(outcome);
         }
+    }
+}
+
+/// Takes the next batch off the queue: up to [`MAX_BATCH_ITEMS`] items and
+/// [`MAX_BATCH_BYTES`], at least one.
+fn take_batch(queue: &mut VecDeque<Outbound>) -> InFlight {
+    let mut items = Vec::with_capacity(queue.len().min(MAX_BATCH_ITEMS));
+    let mut bytes = 0;
+    while let Some(next) = queue.front() {
+        let size = next.message.len() + ITEM_OVERHEAD;
+        if !items.is_empty() && (items.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES) {
+            break;
+        }
+        bytes += size;
+        if let Some(item) = queue.pop_front() {
+            items.push(item);
+        }
+    }
+    InFlight { items, bytes }
+}
+
+/// An open `PublishBatches` call.
+struct BatchCall {
+    requests: mpsc::UnboundedSender<pb::PublishBatchRequest>,
+    responses: tonic::Streaming<pb::PublishBatchResponse>,
+    token: Option<String>,
+}
+
+enum OpenFailure {
+    /// The relay refused or failed the call.
+    Status(Status, Option<String>),
+    /// No token for now (the token endpoint is unreachable): retried.
+    Token,
+    /// No token, final (the key is refused).
+    Final(Error),
+}
+
+async fn open_batch_call(shared: &Shared) -> std::result::Result<BatchCall, OpenFailure> {
+    let (requests, stream) = mpsc::unbounded_channel();
+    let (request, token) = match shared
+        .request(tokio_stream::wrappers::UnboundedReceiverStream::new(stream))
+        .await
+    {
+        Ok(r) => r,
+        Err(e) if e.kind() == ErrorKind::Auth => return Err(OpenFailure::Final(e)),
+        Err(_) => return Err(OpenFailure::Token),
+    };
+    match bounded(shared.relay.clone().publish_batches(request)).await {
+        Ok(response) => Ok(BatchCall {
+            requests,
+            responses: response.into_inner(),
+            token,
+        }),
+        Err(status) => Err(OpenFailure::Status(status, token)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn outbound(len: usize) -> (Outbound, oneshot::Receiver<Outcome>) {
+        let (reply, answer) = oneshot::channel();
+        let item = Outbound {
+            message: vec![0; len],
+            deadline: Instant::now() + Duration::from_secs(30),
+            reply,
+        };
+        (item, answer)
+    }
+
+    #[test]
+    fn batches_respect_the_relay_limits() {
+        let mut queue: VecDeque<Outbound> = (0..3000).map(|_| outbound(10).0).collect();
+        assert_eq!(take_batch(&mut queue).items.len(), MAX_BATCH_ITEMS);
+        assert_eq!(queue.len(), 3000 - MAX_BATCH_ITEMS);
+
+        let mut queue: VecDeque<Outbound> = (0..40).map(|_| outbound(100_000).0).collect();
+        let batch = take_batch(&mut queue);
+        assert!(batch.bytes <= MAX_BATCH_BYTES);
+        assert_eq!(
+            batch.items.len(),
+            MAX_BATCH_BYTES / (100_000 + ITEM_OVERHEAD)
+        );
+
+        // A message larger than a batch goes alone.
+        let mut queue: VecDeque<Outbound> = [outbound(MAX_PAYLOAD).0, outbound(10).0].into();
+        assert_eq!(take_batch(&mut queue).items.len(), 1);
+        assert_eq!(take_batch(&mut queue).items.len(), 1);
+        assert!(queue.is_empty());
+    }
+
+    #[test]
+    fn answers_go_to_their_senders_in_order() {
+        let (items, mut answers): (Vec<_>, Vec<_>) = (0..3).map(|_| outbound(1)).unzip();
+        let accepted = pb::PublishResult {
+            outcome: Some(pb::publish_result::Outcome::Accepted(
+                pb::PublishResponse::default(),
+            )),
+        };
+        let refused = pb::PublishResult {
+            outcome: Some(pb::publish_result::Outcome::Refused(pb::Refusal {
+                code: Code::FailedPrecondition as u32,
+                current_epoch: 7,
+                ..pb::Refusal::default()
+            })),
+        };
+        // The third gets no result: a transient refusal, retried with its bytes.
+        InFlight { items, bytes: 0 }.answer(vec![accepted, refused]);
+        assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
+        assert!(matches!(
+            answers[1].try_recv(),
+            Ok(Outcome::Refused(r, _)) if r.current_epoch == 7
+        ));
+        assert!(matches!(
+            answers[2].try_recv(),
+            Ok(Outcome::Refused(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
+        ));
+    }
+
+    #[test]
+    fn own_messages_are_recognised_byte_for_byte() {
+        let mut own = OwnMessages::default();
+        let ours: Vec<u8> = (0..100).collect();
+        own.remember(&ours);
+        own.remember(b"short");
+        let mut same_tag = vec![7u8; 100];
+        same_tag[92..].copy_from_slice(&ours[92..]);
+        assert!(!own.take(&same_tag));
+        assert!(!own.take(b"tiny"));
+        assert!(own.take(&ours));
+        assert!(!own.take(&ours));
+        own.remember(&vec![0; OWN_MESSAGE_BYTES + 1]);
+        assert!(own.by_tag.is_empty());
+    }
+
+    #[test]
+    fn marks_survive_reopening() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(|e| Error::Internal(e.to_string()))?;
+        let marks = Marks::open(dir.path())?;
+        assert_eq!(marks.read(3)?, 0);
+        marks.write(3, 42)?;
+        marks.write(0, 7)?;
+        drop(marks);
+        let marks = Marks::open(dir.path())?;
+        assert_eq!((marks.read(0)?, marks.read(1)?, marks.read(3)?), (7, 0, 42));
+        Ok(())
     }
 }

@@ -911,16 +911,43 @@ impl Engine {
     }
 
     /// Removes and returns the oldest received message of the channel (see
-    /// [`crate::store::Db::light_transaction`] for its durability).
+    /// [`crate::store::Db::light_transaction`] for its durability). For users of the engine
+    /// alone: the SDK's client reads with [`Engine::inbox_after`] and marks what it hands out.
     pub fn inbox_take(&self, channel: &str) -> Result<Option<InboxMessage>> {
         let db = lock(&self.db);
         db.light_transaction(|conn| Ok(store::inbox_take(conn, channel)?))
     }
 
-    /// How many received messages of the channel wait in the inbox.
-    pub fn inbox_len(&self, channel: &str) -> Result<u64> {
+    /// Up to `limit` received messages of the channel after inbox row `after_id`, oldest
+    /// first. Reading leaves them stored: the caller records what it handed out (see
+    /// [`crate::client`]) and prunes with [`Engine::inbox_prune`].
+    pub fn inbox_after(
+        &self,
+        channel: &str,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<InboxMessage>> {
         let db = lock(&self.db);
-        Ok(store::inbox_len(&db.conn, channel)?)
+        Ok(store::inbox_after(&db.conn, channel, after_id, limit)?)
+    }
+
+    /// Deletes the channel's inbox rows up to `upto_id` (handed out already), in a light
+    /// transaction (see [`crate::store::Db::light_transaction`]).
+    pub fn inbox_prune(&self, channel: &str, upto_id: i64) -> Result<()> {
+        let db = lock(&self.db);
+        db.light_transaction(|conn| Ok(store::inbox_prune(conn, channel, upto_id).map(|_| ())?))
+    }
+
+    /// How many received messages of the channel come after inbox row `after_id`.
+    pub fn inbox_count_after(&self, channel: &str, after_id: i64) -> Result<u64> {
+        let db = lock(&self.db);
+        Ok(store::inbox_count_after(&db.conn, channel, after_id)?)
+    }
+
+    /// The channel's slot in the client's hand-out marks file.
+    pub fn inbox_slot(&self, channel: &str) -> Result<u64> {
+        let db = lock(&self.db);
+        db.transaction(|conn| Ok(store::inbox_slot(conn, channel)?))
     }
 
     fn after_processing(&self, channel: &str, removed: bool, epoch_changed: bool) {

@@ -411,37 +411,98 @@ pub fn inbox_push(
 /// One received message waiting in the inbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboxMessage {
+    /// The row's id: increasing in arrival order, never reused.
+    pub id: i64,
     pub seq: u64,
     pub sender: Vec<u8>,
     pub payload: Vec<u8>,
 }
 
-/// Removes and returns the oldest message of the channel's inbox.
-pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
-    Ok(conn
-        .query_row(
-            "DELETE FROM static_inbox WHERE id = (
-                 SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
-             ) RETURNING seq, sender, payload",
-            [name],
+/// Up to `limit` messages of the channel's inbox after row `after_id`, oldest first (a read:
+/// no transaction needed).
+pub fn inbox_after(
+    conn: &Connection,
+    name: &str,
+    after_id: i64,
+    limit: usize,
+) -> Result<Vec<InboxMessage>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, seq, sender, payload FROM static_inbox
+         WHERE name = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+    )?;
+    let rows = stmt
+        .query_map(
+            (name, after_id, i64::try_from(limit).unwrap_or(i64::MAX)),
             |row| {
                 Ok(InboxMessage {
-                    seq: to_u64(row.get(0)?),
-                    sender: row.get(1)?,
-                    payload: row.get(2)?,
+                    id: row.get(0)?,
+                    seq: to_u64(row.get(1)?),
+                    sender: row.get(2)?,
+                    payload: row.get(3)?,
                 })
             },
-        )
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Removes and returns the oldest message of the channel's inbox (for users of the engine
+/// alone; the SDK's client hands messages out through [`inbox_after`] and its marks).
+pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "DELETE FROM static_inbox WHERE id = (
+                 SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
+             ) RETURNING id, seq, sender, payload",
+        )?
+        .query_row([name], |row| {
+            Ok(InboxMessage {
+                id: row.get(0)?,
+                seq: to_u64(row.get(1)?),
+                sender: row.get(2)?,
+                payload: row.get(3)?,
+            })
+        })
         .optional()?)
 }
 
-pub fn inbox_len(conn: &Connection, name: &str) -> Result<u64, StoreError> {
+/// Deletes the channel's inbox rows up to `upto_id` (messages already handed out).
+pub fn inbox_prune(conn: &Connection, name: &str, upto_id: i64) -> Result<usize, StoreError> {
+    Ok(conn
+        .prepare_cached("DELETE FROM static_inbox WHERE name = ?1 AND id <= ?2")?
+        .execute((name, upto_id))?)
+}
+
+/// How many messages of the channel's inbox come after row `after_id`.
+pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result<u64, StoreError> {
     let n: i64 = conn.query_row(
-        "SELECT count(*) FROM static_inbox WHERE name = ?1",
-        [name],
+        "SELECT count(*) FROM static_inbox WHERE name = ?1 AND id > ?2",
+        (name, after_id),
         |row| row.get(0),
     )?;
     Ok(to_u64(n))
+}
+
+/// The channel's slot in the hand-out marks file (see `crate::client`), assigned on first use
+/// and kept for good.
+pub fn inbox_slot(conn: &Connection, name: &str) -> Result<u64, StoreError> {
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS static_inbox_slots (
+             name TEXT PRIMARY KEY,
+             slot INTEGER NOT NULL UNIQUE
+         );",
+    )?;
+    conn.execute(
+        "INSERT OR IGNORE INTO static_inbox_slots (name, slot)
+         VALUES (?1, (SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots))",
+        [name],
+    )?;
+    let slot: i64 = conn.query_row(
+        "SELECT slot FROM static_inbox_slots WHERE name = ?1",
+        [name],
+        |row| row.get(0),
+    )?;
+    Ok(to_u64(slot))
 }
 
 /// The names with messages in the inbox (a channel we were removed from may still have some).

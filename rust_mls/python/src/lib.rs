@@ -460,20 +460,35 @@ impl Channel {
         (p.applied_seq, p.epoch, p.head_seq, p.connected)
     }
 
-    fn send(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<()> {
-        let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.send(payload)))
+    /// When the latest message passed each stage, in ns of the system clock: (send started,
+    /// encrypted, acknowledged, entries received, applied, handed out). For benchmarks.
+    fn timings(&self) -> (u64, u64, u64, u64, u64, u64) {
+        let t = self.inner.timings();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            get(&t.send_started),
+            get(&t.send_encrypted),
+            get(&t.send_acked),
+            get(&t.received),
+            get(&t.applied),
+            get(&t.handed_out),
+        )
     }
 
-    fn add_member(&self, py: Python<'_>, key_package: Vec<u8>) -> PyResult<Py<PyBytes>> {
+    fn send(&self, py: Python<'_>, payload: &[u8]) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        let welcome = native(py.allow_threads(move || inner.add_member(key_package)))?;
+        native(py.allow_threads(move || inner.send(payload.to_vec())))
+    }
+
+    fn add_member(&self, py: Python<'_>, key_package: &[u8]) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let welcome = native(py.allow_threads(move || inner.add_member(key_package.to_vec())))?;
         Ok(bytes(py, &welcome))
     }
 
-    fn remove_member(&self, py: Python<'_>, identity: Vec<u8>) -> PyResult<()> {
+    fn remove_member(&self, py: Python<'_>, identity: &[u8]) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.remove_member(identity)))
+        native(py.allow_threads(move || inner.remove_member(identity.to_vec())))
     }
 
     fn rotate_keys(&self, py: Python<'_>) -> PyResult<()> {
@@ -537,6 +552,22 @@ impl Channel {
             py.check_signals()?;
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok((NEXT_EMPTY, None));
+            }
+        }
+    }
+
+    /// The next message, waiting as long as it takes (like `next_message(None)`), or None once
+    /// the channel has ended: what `MessageIterator.__next__` calls, without a tuple per
+    /// message.
+    fn next_payload(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
+        loop {
+            let inner = Arc::clone(&self.inner);
+            let next =
+                native(py.allow_threads(move || inner.wait_next(Duration::from_millis(50))))?;
+            match next {
+                Next::Message(payload) => return Ok(Some(bytes(py, &payload))),
+                Next::End => return Ok(None),
+                Next::Empty => py.check_signals()?,
             }
         }
     }
