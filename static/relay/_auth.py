@@ -89,6 +89,19 @@ class Authenticator:
             raise Unauthenticated("token expired")
         return Caller(principal, principal.account_id, f"key:{principal.key_id}")
 
+    def authenticate_now(
+        self, metadata: tuple[tuple[str, str | bytes], ...], peer: str
+    ) -> Caller | None:
+        """The caller, when that takes no store access (an anonymous call this relay allows);
+        otherwise None, and :meth:`authenticate` decides."""
+        if not self._allow_anonymous:
+            return None
+        try:
+            token = bearer_token(metadata)
+        except RelayError:
+            return None
+        return Caller(None, ANONYMOUS_SCOPE, f"anonymous:{peer}") if token is None else None
+
     @contextmanager
     def watch(self, caller: Caller) -> Iterator[StreamGuard]:
         """A guard whose ``scope`` the stream runs in: cancelled on revocation or expiry."""

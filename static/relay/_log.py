@@ -1,10 +1,12 @@
 """Channel logs in the relay: the in-memory view, the group-committing writer, subscriptions.
 
-One writer task appends for every channel of the process: publishes queue up, and each batch the
+One writer appends for every channel of the process: publishes queue up, and each batch the
 writer takes (everything queued, up to ``_MAX_BATCH``) is fenced, numbered and stored in ONE
-transaction, so durability (fsync) is paid once per batch rather than once per message. Only
-after the commit are the entries published to memory: the channel's head advances, its recent
-entries ring gets them and its subscribers wake up.
+transaction, so durability (fsync) is paid once per batch rather than once per message. On
+SQLite the writer is the store's own writer thread (a publish starts its commit without a trio
+scheduling round); on PostgreSQL it is a trio task. Only after the commit are the entries
+published to memory, in the trio thread: the channel's head advances, its recent entries ring
+gets them, caught-up subscribers get them pushed, and publishers are answered.
 
 Subscribers pull: each holds a cursor (its last seq) and reads what is after it, from the ring
 when the ring still covers it, else from the store. So a slow subscriber costs no memory beyond
@@ -34,6 +36,7 @@ from static.store._channels import (
     EntryRecord,
     NewEntry,
     NewWelcome,
+    SyncChannelWriter,
     WelcomeRecord,
 )
 
@@ -84,6 +87,15 @@ class ChannelState:
     changed: trio.Event = field(default_factory=trio.Event)
     #: Subscribers waiting for ``changed``: new entries are pushed to them at commit time.
     followers: set[_Follower] = field(default_factory=set)
+    #: The writer's own view (committed, or being committed): only the writer reads or changes
+    #: them (in the store's writer thread on SQLite), ahead of ``head_seq``/``epoch``, which
+    #: change in the trio thread once the commit is known.
+    writer_head: int = -1
+    writer_epoch: int = -1
+
+    def __post_init__(self) -> None:
+        self.writer_head = self.head_seq
+        self.writer_epoch = self.epoch
 
     def entries_after(self, cursor: int) -> list[EntryRecord] | None:
         """The ring's entries after ``cursor``, or None when the ring no longer reaches back."""
@@ -118,6 +130,9 @@ class Submitted:
     result: PublishResult | RelayError | None = None
     #: Created by the first waiter only.
     waiter: trio.Event | None = None
+    #: Called (in the trio thread) as soon as it is settled, before any waiter runs: answers
+    #: then leave a scheduling round earlier. Must not raise.
+    on_settled: Callable[[], None] | None = None
 
 
 def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
@@ -145,6 +160,11 @@ def _push(state: ChannelState) -> None:
 def _settle(batch: list[Submitted]) -> None:
     for p in batch:
         p.settled = True
+        if p.on_settled is not None:
+            try:
+                p.on_settled()
+            except Exception:  # a bug: logged; the waiter answers instead
+                _logger.exception("relay: answering from the commit failed")
         if p.waiter is not None:
             p.waiter.set()
 
@@ -161,6 +181,15 @@ class ChannelLog:
         self._checkpoint_due = trio.Event()
         self._commits_since_checkpoint = 0
         self._bytes_since_checkpoint = 0
+        # SQLite: publishes go to the store's writer thread (see :meth:`submit`). ``_pending``
+        # is shared with that thread (a deque: its appends and pops are atomic).
+        self._threaded = store.has_writer_thread
+        self._pending: collections.deque[Submitted] = collections.deque()
+        self._posted = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        #: Submitted but not settled yet (threaded mode), and who waits for none to be left.
+        self._unsettled = 0
+        self._all_settled: trio.Event | None = None
 
     # -- channels -----------------------------------------------------------------------------
 
@@ -206,7 +235,18 @@ class ChannelLog:
         next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
         the order they were submitted."""
         submitted = Submitted(state, header, message, key, welcome, welcome_header)
-        self._send.send_nowait(submitted)
+        if not self._threaded:
+            self._send.send_nowait(submitted)
+            return submitted
+        # Straight to the store's writer thread: its commit starts without a trio scheduling
+        # round (no writer task to wake first).
+        if self._token is None:
+            self._token = trio.lowlevel.current_trio_token()
+        self._unsettled += 1
+        self._pending.append(submitted)
+        if not self._posted:
+            self._posted = True
+            self._store.post_write(self._write_pending)
         return submitted
 
     @staticmethod
@@ -250,9 +290,19 @@ class ChannelLog:
         return await self.outcome(self.submit(state, header, message, key, welcome, welcome_header))
 
     async def run_writer(self) -> None:
-        """The writer task: group-commit queued publishes until cancelled."""
+        """The writer: group-commit queued publishes until cancelled. On SQLite the store's
+        writer thread commits (see :meth:`submit`) and this only runs the checkpoints; once
+        cancelled it waits (shielded) until every submitted publish is settled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_checkpoints)
+            if self._threaded:
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        while self._unsettled:
+                            self._all_settled = trio.Event()
+                            await self._all_settled.wait()
             while True:
                 batch = [await self._receive.receive()]
                 while len(batch) < _MAX_BATCH:
@@ -261,13 +311,16 @@ class ChannelLog:
                     except trio.WouldBlock:
                         break
                 await self._commit(batch)
-                self._commits_since_checkpoint += 1
-                self._bytes_since_checkpoint += sum(len(p.message) for p in batch)
-                if (
-                    self._commits_since_checkpoint >= _CHECKPOINT_COMMITS
-                    or self._bytes_since_checkpoint >= _CHECKPOINT_BYTES
-                ):
-                    self._checkpoint_due.set()
+                self._count_commit(batch)
+
+    def _count_commit(self, batch: list[Submitted]) -> None:
+        self._commits_since_checkpoint += 1
+        self._bytes_since_checkpoint += sum(len(p.message) for p in batch)
+        if (
+            self._commits_since_checkpoint >= _CHECKPOINT_COMMITS
+            or self._bytes_since_checkpoint >= _CHECKPOINT_BYTES
+        ):
+            self._checkpoint_due.set()
 
     async def _run_checkpoints(self) -> None:
         """Checkpoint the store's log beside the writer, so that commits need not (measured at
@@ -284,7 +337,93 @@ class ChannelLog:
                 _logger.warning("relay: background checkpoint failed: %s", exc)
 
     def queued(self) -> int:
-        return self._receive.statistics().current_buffer_used
+        return self._receive.statistics().current_buffer_used + len(self._pending)
+
+    # -- the writer, in the store's writer thread (SQLite) ------------------------------------
+
+    def _write_pending(self, writer: SyncChannelWriter) -> None:
+        """In the writer thread: commit everything submitted so far, batch by batch."""
+        self._posted = False  # before taking: a later submit posts another job
+        while self._pending:
+            batch: list[Submitted] = []
+            while self._pending and len(batch) < _MAX_BATCH:
+                batch.append(self._pending.popleft())
+            try:
+                self._write_batch(writer, batch)
+            except Exception:  # a bug: logged, the batch refused as INTERNAL
+                _logger.exception("relay: group commit failed")
+                for p in batch:
+                    p.result = RelayError("internal error")
+                self._in_trio(self._settle_threaded, batch)
+
+    def _write_batch(self, writer: SyncChannelWriter, batch: list[Submitted]) -> None:
+        looked_up = False
+        try:
+            try:
+                plan = _decide(batch, {}, self._window)
+                if plan.entries:
+                    writer.append(plan.entries, plan.heads(), plan.epoch_starts, plan.welcomes)
+            except IntegrityError:
+                # Optimistic, as in :meth:`_commit`: a retried publish is found only now.
+                for p in batch:
+                    p.result = None
+                existing = {
+                    cid: writer.find_keys(cid, keys)
+                    for cid, keys in _keys_by_channel(batch).items()
+                }
+                looked_up = True
+                plan = _decide(batch, existing, self._window)
+                if plan.entries:
+                    writer.append(plan.entries, plan.heads(), plan.epoch_starts, plan.welcomes)
+        except DatabaseError as exc:
+            for p in batch:
+                if not isinstance(p.result, RelayError):
+                    p.result = Unavailable(f"store unavailable: {exc}")
+            self._in_trio(self._settle_threaded, batch)
+            return
+        plan.advance()
+        refused = [] if looked_up else [p for p in batch if isinstance(p.result, StaleEpoch)]
+        self._in_trio(self._committed_threaded, batch, plan.accepted, not refused)
+        if refused:
+            try:
+                for channel_id, keys in _keys_by_channel(refused).items():
+                    found = writer.find_keys(channel_id, keys)
+                    for p in refused:
+                        seen = found.get(p.key) if p.state.record.id == channel_id else None
+                        if seen is not None:
+                            p.result = PublishResult(seen[0], seen[1], duplicate=True)
+            except DatabaseError as exc:
+                for p in refused:
+                    p.result = Unavailable(f"store unavailable: {exc}")
+            self._in_trio(self._settle_threaded, batch)
+
+    def _in_trio(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            _logger.warning("relay: a group commit finished after the event loop")
+
+    def _committed_threaded(
+        self, batch: list[Submitted], accepted: list[tuple[Submitted, NewEntry]], settle: bool
+    ) -> None:
+        self._committed(batch, accepted, looked_up=False, settle=settle)
+        if accepted:
+            self._count_commit(batch)
+        if settle:
+            self._unsettled -= len(batch)
+            self._check_all_settled()
+
+    def _settle_threaded(self, batch: list[Submitted]) -> None:
+        _settle(batch)
+        self._unsettled -= len(batch)
+        self._check_all_settled()
+
+    def _check_all_settled(self) -> None:
+        if not self._unsettled and self._all_settled is not None:
+            self._all_settled.set()
+
+    # -- the writer task (PostgreSQL) ---------------------------------------------------------
 
     async def _commit(self, batch: list[Submitted]) -> None:
         # Optimistic: no idempotency lookup up front. The unique index on (channel, key) refuses
@@ -315,7 +454,11 @@ class ChannelLog:
                 _settle(batch)
 
     def _committed(
-        self, batch: list[Submitted], accepted: list[tuple[Submitted, NewEntry]], looked_up: bool
+        self,
+        batch: list[Submitted],
+        accepted: list[tuple[Submitted, NewEntry]],
+        looked_up: bool,
+        settle: bool | None = None,
     ) -> None:
         """The batch's transaction committed (or it had nothing to store): publish its entries
         to memory, wake the channels' subscribers, and settle the batch unless some refusal may
@@ -333,7 +476,9 @@ class ChannelLog:
             _push(state)
             event, state.changed = state.changed, trio.Event()
             event.set()
-        if looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch):
+        if settle is None:
+            settle = looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch)
+        if settle:
             _settle(batch)
 
     async def _answer_retries(self, refused: list[Submitted]) -> None:
@@ -357,64 +502,21 @@ class ChannelLog:
         *,
         looked_up: bool,
     ) -> None:
-        """Fence and number the batch on tentative copies of the channels' state and store the
-        accepted entries in one transaction; memory changes only once it committed (in
-        :meth:`_committed`, called by the store as soon as it knows, to save a round)."""
-        tentative: dict[int, tuple[int, int]] = {}  # channel id -> (head_seq, epoch)
-        entries: list[NewEntry] = []
-        epoch_starts: list[tuple[int, int, int]] = []
-        welcomes: list[NewWelcome] = []
-        accepted: list[tuple[Submitted, NewEntry]] = []
-        for p in batch:
-            cid = p.state.record.id
-            head, epoch = tentative.get(cid, (p.state.head_seq, p.state.epoch))
-            seen = existing.setdefault(cid, {}).get(p.key)
-            if seen is not None:
-                p.result = PublishResult(seen[0], seen[1], duplicate=True)
-                continue
-            try:
-                check_fence(p.header, epoch, self._window)
-            except RelayError as exc:
-                p.result = exc
-                continue
-            new_epoch = epoch_after(p.header, epoch)
-            entry = NewEntry(
-                cid,
-                head + 1,
-                p.header.epoch,
-                int(p.header.content_type),
-                new_epoch,
-                p.key,
-                p.message,
-            )
-            entries.append(entry)
-            existing[cid][p.key] = (entry.seq, new_epoch)
-            if new_epoch != epoch:
-                epoch_starts.append((cid, new_epoch, entry.seq))
-            if p.welcome_header is not None:
-                welcomes.append(
-                    NewWelcome(
-                        cid,
-                        hashlib.sha256(p.welcome).digest(),
-                        entry.seq,
-                        new_epoch,
-                        p.welcome,
-                        p.welcome_header.key_package_refs,
-                    )
-                )
-            tentative[cid] = (entry.seq, new_epoch)
-            accepted.append((p, entry))
-        if not entries:
-            self._committed(batch, accepted, looked_up)
+        """Fence and number the batch and store the accepted entries in one transaction;
+        memory changes only once it committed (in :meth:`_committed`, called by the store as
+        soon as it knows, to save a round)."""
+        plan = _decide(batch, existing, self._window)
+        if not plan.entries:
+            self._committed(batch, plan.accepted, looked_up)
             return
-        heads = [(cid, head, epoch) for cid, (head, epoch) in tentative.items()]
+
+        def on_commit() -> None:
+            plan.advance()
+            self._committed(batch, plan.accepted, looked_up)
+
         with trio.CancelScope(shield=True):
             await self._store.append(
-                entries,
-                heads,
-                epoch_starts,
-                welcomes,
-                on_commit=lambda: self._committed(batch, accepted, looked_up),
+                plan.entries, plan.heads(), plan.epoch_starts, plan.welcomes, on_commit=on_commit
             )
 
     # -- reading ------------------------------------------------------------------------------
@@ -484,3 +586,74 @@ class ChannelLog:
                     cursor = follower.cursor
             if idle.cancelled_caught:
                 yield None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the writer decided for a batch: the entries to store and who gets which."""
+
+    entries: list[NewEntry] = field(default_factory=list)
+    #: channel id -> (its state, head_seq, epoch) once the entries are stored.
+    tentative: dict[int, tuple[ChannelState, int, int]] = field(default_factory=dict)
+    epoch_starts: list[tuple[int, int, int]] = field(default_factory=list)
+    welcomes: list[NewWelcome] = field(default_factory=list)
+    accepted: list[tuple[Submitted, NewEntry]] = field(default_factory=list)
+
+    def heads(self) -> list[tuple[int, int, int]]:
+        return [(cid, head, epoch) for cid, (_, head, epoch) in self.tentative.items()]
+
+    def advance(self) -> None:
+        """The entries are committed: the writer's view moves past them."""
+        for state, head, epoch in self.tentative.values():
+            state.writer_head = head
+            state.writer_epoch = epoch
+
+
+def _decide(
+    batch: list[Submitted], existing: dict[int, dict[bytes, tuple[int, int]]], window: int
+) -> _Plan:
+    """Fence and number ``batch`` on tentative copies of the writer's view of its channels
+    (pure: refusals and duplicates are set on the submissions, tentatively)."""
+    plan = _Plan()
+    tentative = plan.tentative
+    for p in batch:
+        state = p.state
+        cid = state.record.id
+        _, head, epoch = tentative.get(cid, (state, state.writer_head, state.writer_epoch))
+        seen = existing.setdefault(cid, {}).get(p.key)
+        if seen is not None:
+            p.result = PublishResult(seen[0], seen[1], duplicate=True)
+            continue
+        try:
+            check_fence(p.header, epoch, window)
+        except RelayError as exc:
+            p.result = exc
+            continue
+        new_epoch = epoch_after(p.header, epoch)
+        entry = NewEntry(
+            cid,
+            head + 1,
+            p.header.epoch,
+            int(p.header.content_type),
+            new_epoch,
+            p.key,
+            p.message,
+        )
+        plan.entries.append(entry)
+        existing[cid][p.key] = (entry.seq, new_epoch)
+        if new_epoch != epoch:
+            plan.epoch_starts.append((cid, new_epoch, entry.seq))
+        if p.welcome_header is not None:
+            plan.welcomes.append(
+                NewWelcome(
+                    cid,
+                    hashlib.sha256(p.welcome).digest(),
+                    entry.seq,
+                    new_epoch,
+                    p.welcome,
+                    p.welcome_header.key_package_refs,
+                )
+            )
+        tentative[cid] = (state, entry.seq, new_epoch)
+        plan.accepted.append((p, entry))
+    return plan

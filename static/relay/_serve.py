@@ -21,7 +21,7 @@ from static.relay._auth import Authenticator
 from static.relay._errors import ResourceExhausted
 from static.relay._log import ChannelLog
 from static.relay._rules import TokenBucket
-from static.relay._service import RelayService
+from static.relay._service import Early, RelayService
 from static.relay._transport import RelayConnection, RelayStream, open_connection
 from static.store import Database
 from static.store._channels import ChannelStore
@@ -102,7 +102,8 @@ class _Relay:
                             return
                         scope = trio.CancelScope()
                         conn.handlers[stream.stream_id] = scope
-                        streams.start_soon(self._stream, conn, stream, scope)
+                        early = self._service.prepare(stream, conn.peer)
+                        streams.start_soon(self._stream, conn, stream, scope, early)
 
                     with conn.listening:
                         await grpc_socket.serve(on_stream)
@@ -118,11 +119,15 @@ class _Relay:
             await anyio.aclose_forcefully(sock)
 
     async def _stream(
-        self, conn: _Connection, stream: RelayStream, scope: trio.CancelScope
+        self,
+        conn: _Connection,
+        stream: RelayStream,
+        scope: trio.CancelScope,
+        early: Early | None,
     ) -> None:
         try:
             with scope:
-                await self._service.handle(stream, conn.peer)
+                await self._service.handle(stream, conn.peer, early)
         finally:
             conn.handlers.pop(stream.stream_id, None)
             stream.connection.forget(stream.stream_id)

@@ -51,9 +51,10 @@ from static.relay._transport import MessageTooLarge, RelayStream, StreamGone
 from static.store import DatabaseError
 from static.store._channels import ChannelExists, EntryRecord
 
-__all__ = ["SERVICE_NAME", "RelayService"]
+__all__ = ["SERVICE_NAME", "Early", "RelayService"]
 
 SERVICE_NAME = "static.relay.v1.Relay"
+_OK = Status(StatusCode.OK)
 _log = logging.getLogger("static.relay")
 _MAX_BUCKETS = 10_000
 #: Publishes of one PublishStream call queued ahead of their answers.
@@ -89,6 +90,17 @@ class _Checked(NamedTuple):
     welcome_header: WelcomeHeader | None
 
 
+class Early:
+    """What the connection's reader did with a unary Publish before its handler ran: the
+    submission (or the refusal) of its request, once it arrived."""
+
+    __slots__ = ("caller", "outcome")
+
+    def __init__(self, caller: Caller) -> None:
+        self.caller = caller
+        self.outcome: Submitted | RelayError | None = None
+
+
 class RelayService:
     """The relay's RPCs. ``handle`` serves one stream from its first event to its trailers."""
 
@@ -118,18 +130,68 @@ class RelayService:
         """Answer a stream with ``error`` without serving it."""
         _finish(stream, error)
 
-    async def handle(self, stream: RelayStream, peer: str) -> None:
+    def prepare(self, stream: RelayStream, peer: str) -> Early | None:
+        """Called by the connection's reader as a call arrives, before its handler starts: a
+        unary Publish whose caller is known at once (anonymous) has its request checked and
+        submitted by the reader as it arrives (a scheduling round before the handler could),
+        when its channel is loaded; its answer leaves from the commit callback. The handler
+        (:meth:`handle`, given what this returns) still runs, for the call's bookkeeping."""
+        request = stream.request
+        if (
+            self._draining
+            or request.method_name != "Publish"
+            or request.service_name != SERVICE_NAME
+        ):
+            return None
+        caller = self._auth.authenticate_now(request.custom_metadata, peer)
+        if caller is None:
+            return None
+        early = Early(caller)
+
+        def consume(event: Any) -> bool:
+            stream.consumer = None
+            if type(event) is not MessageReceived:
+                return False
+            try:
+                request = pb.PublishRequest.FromString(event.data)
+            except DecodeError:
+                return False  # the handler refuses it
+            state = self._log.loaded(caller.scope, request.channel)
+            if state is None:
+                return False  # the handler loads it
+            try:
+                submitted = self._submit_checked(state, self._check(request, caller))
+            except RelayError as exc:
+                early.outcome = exc
+                return True
+            except Exception:  # noqa: BLE001  (a bug: logged, the call ends with INTERNAL)
+                _log.exception("relay: unexpected error")
+                early.outcome = RelayError("internal error")
+                return True
+            submitted.on_settled = _answer_now(stream, submitted)
+            early.outcome = submitted
+            return True
+
+        stream.consumer = consume
+        return early
+
+    async def handle(self, stream: RelayStream, peer: str, early: Early | None = None) -> None:
         outcome: RelayError | None = None
         try:
             request = stream.request
-            if self._draining:
-                raise Unavailable("relay is shutting down")
+            if early is not None:
+                # The reader took the request only if it got here first; now it must not.
+                stream.consumer = None
             handler = (
                 self._methods.get(request.method_name)
                 if request.service_name == SERVICE_NAME
                 else None
             )
-            if handler is None:
+            if early is not None and early.outcome is not None:
+                await self._publish_early(stream, early.outcome)
+            elif self._draining:
+                raise Unavailable("relay is shutting down")
+            elif handler is None:
                 outcome = Unimplemented(f"no method /{request.service_name}/{request.method_name}")
             else:
                 caller = await self._auth.authenticate(request.custom_metadata, peer)
@@ -165,8 +227,17 @@ class RelayService:
 
     async def _publish(self, stream: RelayStream, caller: Caller) -> None:
         request: Any = await _request(stream, pb.PublishRequest)
-        result = await self._log.outcome(await self._submit(request, caller))
-        await stream.send(_publish_response(result), flush=False)
+        submitted = await self._submit(request, caller)
+        submitted.on_settled = _answer_now(stream, submitted)
+        await self._publish_early(stream, submitted)
+
+    async def _publish_early(self, stream: RelayStream, submitted: Submitted | RelayError) -> None:
+        """Answer a unary Publish already submitted (unless the commit callback did)."""
+        if isinstance(submitted, RelayError):
+            raise submitted
+        result = await self._log.outcome(submitted)
+        if not stream.finished:
+            await stream.send(_publish_response(result), flush=False)
 
     async def _publish_stream(self, stream: RelayStream, caller: Caller) -> None:
         """Pipelined: requests are read and queued while earlier ones are being committed (so a
@@ -313,7 +384,10 @@ class RelayService:
                             if last is not None and not last.settled:
                                 # Answers ready so far leave before waiting for the next ones.
                                 connection.flush()
+                                answered = _answer_on_settle(stream, batch, last)
                                 await ChannelLog.wait_settled(last)
+                                if answered[0]:
+                                    continue
                             await stream.send(_batch_response(batch), flush=False)
                     finally:
                         connection.flush()
@@ -538,6 +612,36 @@ def _chunks(page: list[EntryRecord], max_entries: int) -> list[list[EntryRecord]
     if current:
         chunks.append(current)
     return chunks
+
+
+def _answer_now(stream: RelayStream, submitted: Submitted) -> Callable[[], None]:
+    """A unary Publish's whole answer (headers, message, trailers) in one write as soon as its
+    commit is known, a scheduling round before its handler could; refusals are left to it."""
+
+    def answer_now() -> None:
+        result = submitted.result
+        if isinstance(result, PublishResult) and stream.send_now(_publish_response(result)):
+            stream.finish(_OK)
+
+    return answer_now
+
+
+def _answer_on_settle(
+    stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
+) -> list[bool]:
+    """Have ``batch`` answered from the commit callback as soon as ``last`` (its last
+    submission, which the caller is about to wait for: every answer before it is out) is
+    settled, a scheduling round earlier; a true first item in the returned list once done.
+    When flow control holds the answer back, it is left to the caller."""
+    answered = [False]
+
+    def answer_now() -> None:
+        if stream.send_now(_batch_response(batch)):
+            stream.connection.flush()
+            answered[0] = True
+
+    last.on_settled = answer_now
+    return answered
 
 
 def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:

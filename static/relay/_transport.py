@@ -18,7 +18,10 @@ their own). So the relay keeps purerpc's protocol state machine and replaces the
   resets streams faster than ``reset_rate`` (after a burst) is closed with
   GOAWAY(ENHANCE_YOUR_CALM): the rapid-reset flood;
 * a message over the transport limit ends its stream (RESOURCE_EXHAUSTED), not the connection;
-* data for a stream we no longer know is dropped (its flow-control credit given back).
+* data for a stream we no longer know is dropped (its flow-control credit given back);
+* a request's header block that repeats one already decoded, unchanged, is not decoded again,
+  nor are repeated answer headers encoded again (:class:`_CachingDecoder`,
+  :class:`_CachingEncoder`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import anyio
 import anyio.abc
 import h2.errors
 import h2.events
+import hpack
 import trio
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.connection import GRPCConfiguration, GRPCConnection
@@ -81,9 +85,88 @@ class MessageTooLarge(MessageReceived):  # type: ignore[misc]
         self.limit = limit
 
 
+#: Every byte of a header block made only of one-byte indexed fields (indexes 1-126).
+_INDEXED_BYTES = bytes(range(0x81, 0xFF))
+_CACHED_BLOCKS = 32
+_CACHED_BLOCK_BYTES = 64
+
+
+class _CachingDecoder(hpack.Decoder):  # type: ignore[misc]
+    """hpack's decoder, remembering the header lists of short blocks made only of one-byte
+    indexed fields: what gRPC clients send with every call once their headers are in the
+    dynamic table (pure Python, hpack costs ~25 us a block). Decoding such a block reads the
+    table and changes nothing, so the same bytes decode the same way until a block that can
+    change the table, which empties the memory; the limits are part of the key."""
+
+    def __init__(self, max_header_list_size: int, max_allowed_table_size: int) -> None:
+        super().__init__(max_header_list_size=max_header_list_size)
+        self.max_allowed_table_size = max_allowed_table_size
+        self._decoded: dict[tuple[bytes, int, int, int], list[Any]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> list[Any]:
+        block = bytes(data)
+        if (
+            not raw
+            or not block
+            or len(block) > _CACHED_BLOCK_BYTES
+            or block.translate(None, _INDEXED_BYTES)
+        ):
+            self._decoded.clear()
+            result: list[Any] = super().decode(data, raw)
+            return result
+        key = (
+            block,
+            self.max_header_list_size,
+            self.max_allowed_table_size,
+            self.header_table_size,
+        )
+        headers = self._decoded.get(key)
+        if headers is None:
+            headers = super().decode(data, raw)
+            if len(self._decoded) >= _CACHED_BLOCKS:
+                self._decoded.clear()
+            self._decoded[key] = headers
+        return list(headers)
+
+
+class _CachingEncoder(hpack.Encoder):  # type: ignore[misc]
+    """hpack's encoder, remembering the blocks it encoded as one-byte indexed fields only (the
+    response headers and trailers of every call, once they are in the dynamic table): such an
+    encoding changed nothing in the table, so the same headers encode the same way until an
+    encoding that can change it (a literal, a table resize), which empties the memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._encoded: dict[tuple[Any, ...], bytes] = {}
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        if isinstance(headers, dict) or self.header_table.resized:
+            self._encoded.clear()
+            block: bytes = super().encode(headers, huffman)
+            return block
+        headers = list(headers)
+        key = (huffman, *((type(h), *h) for h in headers))
+        cached = self._encoded.get(key)
+        if cached is not None:
+            return cached
+        block = super().encode(headers, huffman)
+        if len(block) > _CACHED_BLOCK_BYTES or block.translate(None, _INDEXED_BYTES):
+            self._encoded.clear()
+        else:
+            if len(self._encoded) >= _CACHED_BLOCKS:
+                self._encoded.clear()
+            self._encoded[key] = block
+        return block
+
+
 class _Connection(GRPCConnection):  # type: ignore[misc]
     def __init__(self, config: GRPCConfiguration) -> None:
         super().__init__(config=config)
+        plain = self.h2_connection.decoder
+        self.h2_connection.decoder = _CachingDecoder(
+            plain.max_header_list_size, plain.max_allowed_table_size
+        )
+        self.h2_connection.encoder = _CachingEncoder()
         #: Streams whose oversized message is being dropped.
         self.discarding: set[int] = set()
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from static.store._database import Database, IntegrityError
-from static.store._sqlite import SQLiteDatabase
+from static.store._sqlite import SQLiteDatabase, SyncWriter
 
 __all__ = [
     "ChannelExists",
@@ -21,6 +21,7 @@ __all__ = [
     "EntryRecord",
     "NewEntry",
     "NewWelcome",
+    "SyncChannelWriter",
     "WelcomeRecord",
 ]
 
@@ -75,6 +76,31 @@ class WelcomeRecord:
     epoch: int
 
 
+class SyncChannelWriter:
+    """:meth:`ChannelStore.append` and :meth:`ChannelStore.find_keys`, synchronous, for a job in
+    the store's writer thread."""
+
+    __slots__ = ("_writer",)
+
+    def __init__(self, writer: SyncWriter) -> None:
+        self._writer = writer
+
+    def append(
+        self,
+        entries: Sequence[NewEntry],
+        heads: Sequence[tuple[int, int, int]],
+        epoch_starts: Sequence[tuple[int, int, int]],
+        welcomes: Sequence[NewWelcome],
+    ) -> None:
+        self._writer.transact(_append_operations(entries, heads, epoch_starts, welcomes))
+
+    def find_keys(self, channel_id: int, keys: Sequence[bytes]) -> dict[bytes, tuple[int, int]]:
+        if not keys:
+            return {}
+        rows = self._writer.fetch(_find_keys_sql(len(keys)), channel_id, *keys)
+        return {bytes(row[0]): (int(row[1]), int(row[2])) for row in rows}
+
+
 class ChannelStore:
     """Channel logs on a :class:`~static.store.Database`."""
 
@@ -114,14 +140,18 @@ class ChannelStore:
         """The entries already holding these idempotency keys: key -> (seq, channel_epoch)."""
         if not keys:
             return {}
-        placeholders = ", ".join(f"${i}" for i in range(2, len(keys) + 2))
-        rows = await self._db.fetch(
-            "SELECT idempotency_key, seq, channel_epoch FROM relay_entries"
-            f" WHERE channel_id = $1 AND idempotency_key IN ({placeholders})",
-            channel_id,
-            *keys,
-        )
+        rows = await self._db.fetch(_find_keys_sql(len(keys)), channel_id, *keys)
         return {bytes(row[0]): (int(row[1]), int(row[2])) for row in rows}
+
+    @property
+    def has_writer_thread(self) -> bool:
+        """Whether :meth:`post_write` is available (SQLite: its writer has a thread of its own)."""
+        return isinstance(self._db, SQLiteDatabase)
+
+    def post_write(self, job: Callable[[SyncChannelWriter], None]) -> None:
+        """Run ``job`` in the store's writer thread (see :meth:`SQLiteDatabase.post_write`)."""
+        assert isinstance(self._db, SQLiteDatabase)
+        self._db.post_write(lambda writer: job(SyncChannelWriter(writer)))
 
     async def append(
         self,
@@ -135,48 +165,7 @@ class ChannelStore:
         the new (channel_id, epoch, start_seq) epoch starts and the kept Welcomes, atomically.
         ``on_commit`` is called once the transaction committed, before this returns (on SQLite
         a scheduling round before)."""
-        operations: list[tuple[str, Sequence[Sequence[Any]]]] = [
-            (
-                "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, channel_epoch,"
-                " idempotency_key, message) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-                [
-                    (
-                        e.channel_id,
-                        e.seq,
-                        e.epoch,
-                        e.content_type,
-                        e.channel_epoch,
-                        e.idempotency_key,
-                        e.message,
-                    )
-                    for e in entries
-                ],
-            ),
-            (
-                "UPDATE relay_channels SET head_seq = $2, epoch = $3 WHERE id = $1",
-                [tuple(h) for h in heads],
-            ),
-            (
-                "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, $2, $3)",
-                [tuple(s) for s in epoch_starts],
-            ),
-        ]
-        for w in welcomes:
-            operations.append(
-                (
-                    "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, epoch, welcome)"
-                    " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (channel_id, digest) DO NOTHING",
-                    [(w.channel_id, w.digest, w.commit_seq, w.epoch, w.welcome)],
-                )
-            )
-            operations.append(
-                (
-                    "INSERT INTO relay_welcome_refs (channel_id, key_package_ref, digest)"
-                    " VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref)"
-                    " DO UPDATE SET digest = excluded.digest",
-                    [(w.channel_id, ref, w.digest) for ref in w.key_package_refs],
-                )
-            )
+        operations = _append_operations(entries, heads, epoch_starts, welcomes)
         if isinstance(self._db, SQLiteDatabase):
             # The whole group commit in one worker-thread hop: on a quiet machine each hop costs
             # about as much as the durable commit itself, and a publish waits for all of them.
@@ -234,3 +223,62 @@ class ChannelStore:
         if row is None:
             return None
         return WelcomeRecord(bytes(row[0]), int(row[1]), int(row[2]))
+
+
+def _append_operations(
+    entries: Sequence[NewEntry],
+    heads: Sequence[tuple[int, int, int]],
+    epoch_starts: Sequence[tuple[int, int, int]],
+    welcomes: Sequence[NewWelcome],
+) -> list[tuple[str, Sequence[Sequence[Any]]]]:
+    operations: list[tuple[str, Sequence[Sequence[Any]]]] = [
+        (
+            "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, channel_epoch,"
+            " idempotency_key, message) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            [
+                (
+                    e.channel_id,
+                    e.seq,
+                    e.epoch,
+                    e.content_type,
+                    e.channel_epoch,
+                    e.idempotency_key,
+                    e.message,
+                )
+                for e in entries
+            ],
+        ),
+        (
+            "UPDATE relay_channels SET head_seq = $2, epoch = $3 WHERE id = $1",
+            [tuple(h) for h in heads],
+        ),
+        (
+            "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, $2, $3)",
+            [tuple(s) for s in epoch_starts],
+        ),
+    ]
+    for w in welcomes:
+        operations.append(
+            (
+                "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, epoch, welcome)"
+                " VALUES ($1, $2, $3, $4, $5) ON CONFLICT (channel_id, digest) DO NOTHING",
+                [(w.channel_id, w.digest, w.commit_seq, w.epoch, w.welcome)],
+            )
+        )
+        operations.append(
+            (
+                "INSERT INTO relay_welcome_refs (channel_id, key_package_ref, digest)"
+                " VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref)"
+                " DO UPDATE SET digest = excluded.digest",
+                [(w.channel_id, ref, w.digest) for ref in w.key_package_refs],
+            )
+        )
+    return operations
+
+
+def _find_keys_sql(count: int) -> str:
+    placeholders = ", ".join(f"${i}" for i in range(2, count + 2))
+    return (
+        "SELECT idempotency_key, seq, channel_epoch FROM relay_entries"
+        f" WHERE channel_id = $1 AND idempotency_key IN ({placeholders})"
+    )

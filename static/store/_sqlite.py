@@ -1,15 +1,20 @@
-"""SQLite backend: the stdlib ``sqlite3`` driven through ``trio.to_thread``.
+"""SQLite backend: the stdlib ``sqlite3`` driven from threads.
 
-One writer connection (serialised by a lock, transactions use ``BEGIN IMMEDIATE``) and a small
-pool of reader connections; WAL lets the readers run while the writer writes. ``synchronous=FULL``
-so that a committed transaction survives a power cut, not only a process crash.
+One writer connection, owned by a long-lived thread of its own fed by a plain queue (serialised
+by a lock on the trio side, transactions use ``BEGIN IMMEDIATE``), and a small pool of reader
+connections used through trio's worker threads; WAL lets the readers run while the writer writes.
+``synchronous=FULL`` so that a committed transaction survives a power cut, not only a process
+crash.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import queue
 import re
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,9 +25,13 @@ import trio
 
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 
-__all__ = ["SQLiteDatabase", "open_sqlite"]
+__all__ = ["SQLiteDatabase", "SyncWriter", "open_sqlite"]
 
+_logger = logging.getLogger("static.store")
 _T = TypeVar("_T")
+#: Starts ``fn`` elsewhere and calls ``deliver`` with its outcome there (as
+#: ``trio.lowlevel.start_thread_soon`` does).
+_Spawn = Callable[[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]], None]
 _PLACEHOLDER = re.compile(r"\$(\d+)")
 _READ_ONLY = re.compile(r"^\s*(SELECT|WITH)\b", re.IGNORECASE)
 _READERS = 4
@@ -62,6 +71,7 @@ async def _in_thread(
     fn: Callable[[sqlite3.Connection], _T],
     conn: sqlite3.Connection,
     on_success: Callable[[], None] | None = None,
+    spawn: _Spawn = trio.lowlevel.start_thread_soon,
 ) -> _T:
     """``trio.to_thread.run_sync(fn, conn)`` without its scheduling round before the thread
     starts (the capacity limiter's checkpoint: the calling task goes to the back of the run
@@ -86,7 +96,7 @@ async def _in_thread(
     def deliver(result: outcome.Outcome[_T]) -> None:
         token.run_sync_soon(resume, result)
 
-    trio.lowlevel.start_thread_soon(functools.partial(fn, conn), deliver)
+    spawn(functools.partial(fn, conn), deliver)
 
     def abort(_: Any) -> trio.lowlevel.Abort:
         return trio.lowlevel.Abort.FAILED
@@ -95,12 +105,88 @@ async def _in_thread(
     return result
 
 
-class _Handle:
-    """One sqlite3 connection; every use runs in a worker thread, one use at a time."""
+class SyncWriter:
+    """The writer connection as a job posted with :meth:`SQLiteDatabase.post_write` sees it
+    (in the writer's thread, outside any transaction); raises the store's errors."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def transact(self, operations: Sequence[tuple[str, Sequence[Sequence[Any]]]]) -> None:
+        """As :meth:`SQLiteDatabase.transact`: every ``(statement, rows)``, one transaction."""
+        try:
+            _transact(operations)(self._conn)
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(str(exc)) from exc
+        except sqlite3.Error as exc:
+            raise DatabaseError(str(exc)) from exc
+
+    def fetch(self, sql: str, *args: Any) -> list[Row]:
+        try:
+            return _fetch(sql, args)(self._conn)
+        except sqlite3.Error as exc:
+            raise DatabaseError(str(exc)) from exc
+
+
+class _WriterThread:
+    """The thread that owns the writer connection: it runs, in order, what is put on its queue.
+
+    A long-lived thread fed by a ``SimpleQueue`` rather than trio's worker threads: a job posted
+    from synchronous code (the relay's publish path) starts at once, with no trio scheduling
+    round first. Jobs posted with ``outside_transaction`` (the relay's group commits, which open
+    their own transaction) wait while a trio-side transaction is open on the connection between
+    its statements."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="static-sqlite-writer", daemon=True)
+        self._thread.start()
+
+    def spawn(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome[Any]], None]) -> None:
+        self._jobs.put((lambda: deliver(outcome.capture(fn)), False))
+
+    def post(self, job: Callable[[], None]) -> None:
+        self._jobs.put((job, True))
+
+    def stop(self) -> None:
+        """Run what is queued, then end the thread (waits for it)."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        deferred: list[Callable[[], None]] = []
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                break
+            job, outside_transaction = item
+            if outside_transaction and self.conn.in_transaction:
+                deferred.append(job)
+                continue
+            _run_job(job)
+            while deferred and not self.conn.in_transaction:
+                _run_job(deferred.pop(0))
+        for job in deferred:
+            _run_job(job)
+
+
+def _run_job(job: Callable[[], None]) -> None:
+    try:
+        job()
+    except Exception:  # a bug in a job: logged, the thread must go on
+        _logger.exception("store: a writer job failed")
+
+
+class _Handle:
+    """One sqlite3 connection, one use at a time, each in a worker thread (``spawn``)."""
+
+    def __init__(self, conn: sqlite3.Connection, spawn: _Spawn = trio.lowlevel.start_thread_soon):
+        self.conn = conn
         self.lock = trio.Lock()
+        self._spawn = spawn
 
     @asynccontextmanager
     async def locked(self) -> AsyncIterator[None]:
@@ -120,7 +206,7 @@ class _Handle:
         self, fn: Callable[[sqlite3.Connection], _T], on_success: Callable[[], None] | None = None
     ) -> _T:
         try:
-            return await _in_thread(fn, self.conn, on_success)
+            return await _in_thread(fn, self.conn, on_success, self._spawn)
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(str(exc)) from exc
         except sqlite3.Error as exc:
@@ -210,8 +296,9 @@ class SQLiteDatabase(Database):
 
     dialect = "sqlite"
 
-    def __init__(self, writer: _Handle, readers: list[_Handle]) -> None:
-        self._writer = writer
+    def __init__(self, writer: _WriterThread, readers: list[_Handle]) -> None:
+        self._writer_thread = writer
+        self._writer = _Handle(writer.conn, writer.spawn)
         self._readers = readers
         self._free_readers: trio.MemorySendChannel[_Handle]
         self._take_reader: trio.MemoryReceiveChannel[_Handle]
@@ -264,6 +351,13 @@ class SQLiteDatabase(Database):
             with trio.CancelScope(shield=True):
                 await self._writer.run(_transact(operations), on_commit)
 
+    def post_write(self, job: Callable[[SyncWriter], None]) -> None:
+        """Run ``job`` in the writer's thread as soon as the writer connection is free and
+        outside a transaction; callable from synchronous code. ``job`` handles its own errors
+        and reports back by itself (e.g. through a trio token)."""
+        writer = SyncWriter(self._writer_thread.conn)
+        self._writer_thread.post(lambda: job(writer))
+
     async def checkpoint(self) -> None:
         """Copy the WAL's committed pages into the database file (a PASSIVE checkpoint: it
         neither waits for nor blocks the writer), on a reader connection. Run off the commit
@@ -287,6 +381,7 @@ class SQLiteDatabase(Database):
                 await self._writer.run(_execute("COMMIT", ()))
 
     def _close(self) -> None:
+        self._writer_thread.stop()
         for handle in [self._writer, *self._readers]:
             handle.conn.close()
 
@@ -301,7 +396,7 @@ async def open_sqlite(path: str) -> AsyncIterator[SQLiteDatabase]:
         readers = [await trio.to_thread.run_sync(_connect, path) for _ in range(_READERS)]
     except sqlite3.Error as exc:
         raise DatabaseError(f"cannot open sqlite database {path!r}: {exc}") from exc
-    db = SQLiteDatabase(_Handle(writer), [_Handle(r) for r in readers])
+    db = SQLiteDatabase(_WriterThread(writer), [_Handle(r) for r in readers])
     try:
         yield db
     finally:
