@@ -111,6 +111,22 @@ class ChannelState:
             self.ring_bytes -= len(self.ring.popleft().message)
 
 
+def _answer_found_retries(
+    refused: list[Submitted], channel_id: int, found: dict[bytes, tuple[int, int]]
+) -> None:
+    """Refusals of ``channel_id`` whose key ``found`` has in the log are retries of a message
+    already appended: they get its original answer."""
+    for p in refused:
+        seen = found.get(p.key) if p.state.record.id == channel_id else None
+        if seen is not None:
+            p.result = PublishResult(seen[0], seen[1], duplicate=True)
+
+
+def _fail_unavailable(batch: list[Submitted], exc: DatabaseError) -> None:
+    for p in batch:
+        p.result = Unavailable(f"store unavailable: {exc}")
+
+
 @dataclass(slots=True, eq=False)
 class Submitted:
     """A publish queued for the writer; ``settled`` once its outcome is final.
@@ -387,14 +403,9 @@ class ChannelLog:
         if refused:
             try:
                 for channel_id, keys in _keys_by_channel(refused).items():
-                    found = writer.find_keys(channel_id, keys)
-                    for p in refused:
-                        seen = found.get(p.key) if p.state.record.id == channel_id else None
-                        if seen is not None:
-                            p.result = PublishResult(seen[0], seen[1], duplicate=True)
+                    _answer_found_retries(refused, channel_id, writer.find_keys(channel_id, keys))
             except DatabaseError as exc:
-                for p in refused:
-                    p.result = Unavailable(f"store unavailable: {exc}")
+                _fail_unavailable(refused, exc)
             self._in_trio(self._settle_threaded, batch)
 
     def _in_trio(self, fn: Callable[..., None], *args: object) -> None:
@@ -487,13 +498,9 @@ class ChannelLog:
         try:
             for channel_id, keys in _keys_by_channel(refused).items():
                 found = await self._store.find_keys(channel_id, keys)
-                for p in refused:
-                    seen = found.get(p.key) if p.state.record.id == channel_id else None
-                    if seen is not None:
-                        p.result = PublishResult(seen[0], seen[1], duplicate=True)
+                _answer_found_retries(refused, channel_id, found)
         except DatabaseError as exc:
-            for p in refused:
-                p.result = Unavailable(f"store unavailable: {exc}")
+            _fail_unavailable(refused, exc)
 
     async def _decide_and_store(
         self,

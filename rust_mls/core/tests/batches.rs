@@ -7,7 +7,6 @@ mod common;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use common::*;
@@ -293,23 +292,9 @@ fn batch_crash_child() {
 #[test]
 fn kill_during_batches_leaves_a_consistent_store() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = std::env::current_exe().unwrap();
     for round in 0..4u64 {
-        let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                "batch_crash_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ENV, dir.path())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(900 + 211 * round));
-        child.kill().unwrap(); // SIGKILL
-        child.wait().unwrap();
+        let after = Duration::from_millis(900 + 211 * round);
+        run_then_kill("batch_crash_child", ENV, dir.path(), after);
 
         let a = Engine::open(dir.path().join("alice"), b"alice").unwrap();
         let b = Engine::open(dir.path().join("bob"), b"bob").unwrap();

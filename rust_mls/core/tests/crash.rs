@@ -2,8 +2,9 @@
 //! that loads, with its identity, its groups and a usable state.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use static_core::{Engine, Incoming};
@@ -43,24 +44,10 @@ fn crash_child() {
 #[test]
 fn kill_mid_write_leaves_a_loadable_store() {
     let dir = tempfile::tempdir().unwrap();
-    let exe = std::env::current_exe().unwrap();
     let mut key = None;
     for round in 0..4u64 {
-        let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                "crash_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ENV, dir.path())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(700 + 173 * round));
-        child.kill().unwrap(); // SIGKILL
-        child.wait().unwrap();
+        let after = Duration::from_millis(700 + 173 * round);
+        common::run_then_kill("crash_child", ENV, dir.path(), after);
 
         let a = Engine::open(dir.path().join("alice"), b"alice").unwrap();
         let b = Engine::open(dir.path().join("bob"), b"bob").unwrap();

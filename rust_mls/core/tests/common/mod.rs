@@ -63,3 +63,24 @@ pub fn member_names(agent: &Agent) -> Vec<Vec<u8>> {
         .map(|m| m.identity)
         .collect()
 }
+
+/// Runs the ignored test `child` of the current test binary in a child process (with `env`
+/// set to `dir`), lets it work for `after`, then kills it with SIGKILL.
+pub fn run_then_kill(child: &str, env: &str, dir: &std::path::Path, after: std::time::Duration) {
+    let exe = std::env::current_exe().unwrap();
+    let mut process = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            child,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(env, dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(after);
+    process.kill().unwrap(); // SIGKILL
+    process.wait().unwrap();
+}
