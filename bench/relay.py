@@ -83,6 +83,16 @@ class Client:
             request_serializer=pb.CreateChannelRequest.SerializeToString,
             response_deserializer=pb.CreateChannelResponse.FromString,
         )
+        self.publish = self.channel.unary_unary(
+            SERVICE + "Publish",
+            request_serializer=pb.PublishRequest.SerializeToString,
+            response_deserializer=pb.PublishResponse.FromString,
+        )
+        self.publish_batches = self.channel.stream_stream(
+            SERVICE + "PublishBatches",
+            request_serializer=pb.PublishBatchRequest.SerializeToString,
+            response_deserializer=pb.PublishBatchResponse.FromString,
+        )
         self.publish_stream = self.channel.stream_stream(
             SERVICE + "PublishStream",
             request_serializer=pb.PublishRequest.SerializeToString,
@@ -209,11 +219,6 @@ def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> 
     CPU microseconds per message meanwhile)."""
     client = Client(target)
     client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
-    publish = client.channel.stream_stream(
-        SERVICE + "PublishBatches",
-        request_serializer=pb.PublishBatchRequest.SerializeToString,
-        response_deserializer=pb.PublishBatchResponse.FromString,
-    )
     messages = [r.message for r in _requests(channel, count)]  # built before the clock starts
     proc, out = _start_batched_subscriber(target, channel, count)
 
@@ -229,7 +234,7 @@ def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> 
     cpu_before = cpu_seconds(pid)
     started = time.monotonic()
     accepted = 0
-    for response in publish(batches(), timeout=600):
+    for response in client.publish_batches(batches(), timeout=600):
         accepted += sum(1 for r in response.results if r.WhichOneof("outcome") == "accepted")
     _, last, _ = out.get(timeout=600)
     cpu = cpu_seconds(pid) - cpu_before
@@ -277,15 +282,10 @@ def unary_latency(target: str, channel: str, count: int) -> tuple[float, float]:
     """(p50, p99) ms of one unary Publish at a time."""
     client = Client(target)
     client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
-    publish = client.channel.unary_unary(
-        SERVICE + "Publish",
-        request_serializer=pb.PublishRequest.SerializeToString,
-        response_deserializer=pb.PublishResponse.FromString,
-    )
     times = []
     for request in _requests(channel, count):
         started = time.monotonic_ns()
-        publish(request, timeout=10)
+        client.publish(request, timeout=10)
         times.append((time.monotonic_ns() - started) / 1e6)
     return _p50_p99(times)
 

@@ -552,7 +552,7 @@ impl Engine {
     pub fn create_group(&self, channel: &str) -> Result<()> {
         validate_channel_name(channel)?;
         let slot = self.new_slot(channel)?;
-        let mut slot = lock(&slot);
+        let slot = lock(&slot);
         let db = lock(&self.db);
         let group = db.transaction(|conn| {
             let provider = Provider::new(&self.crypto, conn);
@@ -568,17 +568,7 @@ impl Engine {
             store::set_cursor(conn, channel, Cursor::After(0))?;
             Ok::<_, Error>(group)
         });
-        match group {
-            Ok(group) => {
-                slot.group = Some(group);
-                Ok(())
-            }
-            Err(e) => {
-                drop(slot);
-                self.forget_empty_slot(channel);
-                Err(e)
-            }
-        }
+        self.install_group(slot, channel, group)
     }
 
     /// Joins `channel` from a Welcome (an `MLSMessage`, or a bare Welcome) that must be for
@@ -601,7 +591,7 @@ impl Engine {
             )));
         }
         let slot = self.new_slot(channel)?;
-        let mut slot = lock(&slot);
+        let slot = lock(&slot);
         let db = lock(&self.db);
         let expected = group_id_of(channel);
         let group = db.transaction(|conn| {
@@ -628,17 +618,7 @@ impl Engine {
             store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
             Ok(group)
         });
-        match group {
-            Ok(group) => {
-                slot.group = Some(group);
-                Ok(())
-            }
-            Err(e) => {
-                drop(slot);
-                self.forget_empty_slot(channel);
-                Err(e)
-            }
-        }
+        self.install_group(slot, channel, group)
     }
 
     /// Adds the owner of `key_package` (an `MLSMessage` or a bare `KeyPackage`): returns the
@@ -1080,6 +1060,26 @@ impl Engine {
             .is_some_and(|slot| lock(slot).group.is_none())
         {
             groups.remove(channel);
+        }
+    }
+
+    /// Puts a group just created or joined into the slot made for it; on failure the slot goes.
+    fn install_group(
+        &self,
+        mut slot: MutexGuard<'_, GroupSlot>,
+        channel: &str,
+        group: Result<MlsGroup>,
+    ) -> Result<()> {
+        match group {
+            Ok(group) => {
+                slot.group = Some(group);
+                Ok(())
+            }
+            Err(e) => {
+                drop(slot);
+                self.forget_empty_slot(channel);
+                Err(e)
+            }
         }
     }
 
