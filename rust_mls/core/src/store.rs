@@ -64,7 +64,8 @@ pub enum StoreError {
     },
 }
 
-/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use).
+/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
+/// message secrets are the exception (see [`crate::storage`]).
 #[derive(Default)]
 pub struct JsonCodec;
 

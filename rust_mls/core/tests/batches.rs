@@ -372,3 +372,35 @@ fn unsynced_batches_commit_like_synced_ones() {
     expected.push(b"next".to_vec());
     assert_eq!(drain(&bob), expected);
 }
+
+#[test]
+fn message_secrets_are_stored_in_the_binary_encoding() {
+    let alice = agent("alice");
+    let bob = agent("bob");
+    group_of(&alice, &[&bob]);
+    let log = alice
+        .engine
+        .encrypt_many(CH, &refs(&payloads("m", 3)))
+        .unwrap();
+    bob.engine.process_entries(CH, &entries(1, &log)).unwrap();
+    for who in [&alice, &bob] {
+        let db =
+            rusqlite::Connection::open(who.dir.path().join(static_core::store::DB_FILE)).unwrap();
+        let blob: Vec<u8> = db
+            .query_row(
+                "SELECT group_data FROM openmls_group_data WHERE data_type = 'message_secrets'",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert!(blob.starts_with(static_core::storage::BINARY_TAG));
+    }
+    // And read back: a reopened receiver decrypts the next messages.
+    let bob = reopen(bob, "bob");
+    let more = alice
+        .engine
+        .encrypt_many(CH, &refs(&payloads("n", 2)))
+        .unwrap();
+    bob.engine.process_entries(CH, &entries(4, &more)).unwrap();
+    assert_eq!(drain(&bob), [payloads("m", 3), payloads("n", 2)].concat());
+}
