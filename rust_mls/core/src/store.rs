@@ -21,6 +21,9 @@
 //! * **Deleted secrets are gone.** `secure_delete=ON` overwrites deleted rows (used message keys,
 //!   past-epoch secrets, consumed key packages) with zeros, and after every epoch change and on
 //!   close the WAL is checkpointed and truncated so no older page images linger in it.
+//! * **Checkpoints beside the calls.** Between those, a background thread copies the WAL into
+//!   the database file every few dozen commits (`Checkpointer`), so that no call pays for a
+//!   checkpoint (SQLite's own, inside a commit, remains as a backstop).
 //! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
 //!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
 //!   or another, gets a clear `runtime error:` instead of a corrupt state.
@@ -121,8 +124,95 @@ impl<'a, C: OpenMlsCrypto + OpenMlsRand> OpenMlsProvider for Provider<'a, C> {
 /// The open database and the held directory lock.
 pub struct Db {
     pub conn: Connection,
+    checkpointer: Checkpointer,
+    /// Commits since the checkpointer was last asked to run.
+    commits: std::cell::Cell<u32>,
     _lock: File,
     pub path: PathBuf,
+}
+
+/// Commits between two background checkpoints: a few dozen pages of WAL, far below
+/// [`BACKSTOP_AUTOCHECKPOINT`].
+const CHECKPOINT_EVERY: u32 = 32;
+
+/// SQLite's own checkpoint inside a commit (pages of WAL), only reached if the background
+/// checkpoints fall behind (their connection failed, or a long burst).
+const BACKSTOP_AUTOCHECKPOINT: u32 = 4096;
+
+/// Copies the WAL into the database file on its own thread and connection (a PASSIVE
+/// checkpoint: it neither waits for nor blocks the engine's writes). Left to SQLite, the
+/// checkpoint runs inside whichever commit crosses the threshold, and that call then waits for
+/// two extra fsyncs and the page copies (milliseconds on a slow disk) in the middle of a
+/// conversation.
+struct Checkpointer {
+    shared: std::sync::Arc<(std::sync::Mutex<CheckpointState>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct CheckpointState {
+    due: bool,
+    stop: bool,
+}
+
+impl Checkpointer {
+    fn start(path: &Path) -> Result<Self, StoreError> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // The checkpoint syncs the database file before the WAL may be reused.
+        conn.execute_batch("PRAGMA synchronous=FULL;")?;
+        let shared = std::sync::Arc::new((
+            std::sync::Mutex::new(CheckpointState::default()),
+            std::sync::Condvar::new(),
+        ));
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("static-mls-checkpoint".into())
+            .spawn(move || Self::run(&conn, &theirs))
+            .map_err(|e| StoreError::Io {
+                path: path.to_owned(),
+                source: e,
+            })?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn run(conn: &Connection, shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar)) {
+        let (state, wake) = shared;
+        loop {
+            {
+                let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+                while !state.due && !state.stop {
+                    state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
+                }
+                if state.stop {
+                    return;
+                }
+                state.due = false;
+            }
+            // Best effort: a failure leaves the WAL to the next run or SQLite's backstop.
+            let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+        }
+    }
+
+    fn request(&self) {
+        let (state, wake) = &*self.shared;
+        state.lock().unwrap_or_else(|e| e.into_inner()).due = true;
+        wake.notify_one();
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        let (state, wake) = &*self.shared;
+        state.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -159,9 +249,9 @@ impl Db {
             "PRAGMA journal_mode=WAL;
              PRAGMA synchronous=FULL;
              PRAGMA secure_delete=ON;
-             PRAGMA wal_autocheckpoint=256;
              PRAGMA foreign_keys=ON;",
         )?;
+        conn.pragma_update(None, "wal_autocheckpoint", BACKSTOP_AUTOCHECKPOINT)?;
         let mut storage: SqliteStorageProvider<JsonCodec, &mut Connection> =
             SqliteStorageProvider::new(&mut conn);
         storage
@@ -201,8 +291,12 @@ impl Db {
              );
              CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);",
         )?;
+        // After the schema exists: the checkpointer's connection needs the database in WAL mode.
+        let checkpointer = Checkpointer::start(&path)?;
         Ok(Self {
             conn,
+            checkpointer,
+            commits: std::cell::Cell::new(0),
             _lock: lock,
             path,
         })
@@ -229,7 +323,10 @@ impl Db {
             });
         match outcome {
             Ok(value) => match self.conn.exec_cached("COMMIT") {
-                Ok(()) => Ok(value),
+                Ok(()) => {
+                    self.committed();
+                    Ok(value)
+                }
                 Err(e) => {
                     let _ = self.conn.execute_batch("ROLLBACK");
                     Err(E::from(e.into()))
@@ -263,6 +360,16 @@ impl Db {
         let value = result?;
         restored?;
         Ok(value)
+    }
+
+    fn committed(&self) {
+        let commits = self.commits.get() + 1;
+        if commits >= CHECKPOINT_EVERY {
+            self.checkpointer.request();
+            self.commits.set(0);
+        } else {
+            self.commits.set(commits);
+        }
     }
 
     /// Checkpoints the WAL into the database and truncates it, so no page images of deleted

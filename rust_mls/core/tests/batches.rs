@@ -404,3 +404,29 @@ fn message_secrets_are_stored_in_the_binary_encoding() {
     bob.engine.process_entries(CH, &entries(4, &more)).unwrap();
     assert_eq!(drain(&bob), [payloads("m", 3), payloads("n", 2)].concat());
 }
+
+#[test]
+fn the_wal_is_checkpointed_beside_the_calls() {
+    let alice = agent("alice");
+    let bob = agent("bob");
+    group_of(&alice, &[&bob]);
+    alice.engine.checkpoint(); // everything so far in the database file
+    let db_file = alice.dir.path().join(static_core::store::DB_FILE);
+    let before = std::fs::read(&db_file).unwrap();
+    // A hundred commits: far below SQLite's own checkpoint threshold (4,096 pages), so only
+    // the background checkpoints copy them into the database file.
+    for i in 0..100 {
+        alice
+            .engine
+            .encrypt(CH, format!("m{i}").as_bytes())
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read(&db_file).unwrap() == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no checkpoint copied the commits into the database file"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
