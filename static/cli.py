@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -181,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # between SQLite calls): with CPython's default 5 ms switch interval a worker can wait that
     # long behind a busy event loop, which shows in every publish's tail latency.
     sys.setswitchinterval(0.0005)
+    # The modules loaded by now (some 40,000 objects) live as long as the process: out of the
+    # collector's sight, a full collection no longer stalls every connection for ~10 ms.
+    gc.collect()
+    gc.freeze()
     try:
         trio.run(_run, settings)
     except (OSError, DatabaseError) as exc:
