@@ -233,6 +233,28 @@ struct Inbox {
     complete: bool,
     /// Rows handed out and not yet deleted.
     unpruned: usize,
+    /// Appliers of the channel running (see [`ApplierCount`]): normally one, two while a
+    /// closed channel's applier outlives the wait for it when the channel is reopened.
+    appliers: usize,
+}
+
+/// Counts an applier thread in its channel's inbox while it runs. Rows it stored are pushed
+/// into the read-ahead only while it is the only one: ids follow the order of commits, and
+/// with two appliers one could push its row ahead of a row the other committed before.
+struct ApplierCount(Arc<Mutex<Inbox>>);
+
+impl ApplierCount {
+    fn new(inbox: Arc<Mutex<Inbox>>) -> Self {
+        lock(&inbox).appliers += 1;
+        Self(inbox)
+    }
+}
+
+impl Drop for ApplierCount {
+    fn drop(&mut self) {
+        let mut inbox = lock(&self.0);
+        inbox.appliers = inbox.appliers.saturating_sub(1);
+    }
 }
 
 impl Inbox {
@@ -257,7 +279,11 @@ impl Inbox {
     /// are to be read from the store (see [`Inbox::load`]).
     fn push_stored(&mut self, rows: Vec<crate::store::InboxMessage>) -> bool {
         let follows = rows.first().is_some_and(|first| first.id > self.loaded);
-        if !self.complete || !follows || self.ahead.len() + rows.len() > INBOX_READ_AHEAD {
+        if self.appliers != 1
+            || !self.complete
+            || !follows
+            || self.ahead.len() + rows.len() > INBOX_READ_AHEAD
+        {
             return false;
         }
         if let Some(last) = rows.last() {
@@ -329,6 +355,7 @@ impl Shared {
             ahead: VecDeque::new(),
             complete: false,
             unpruned: 0,
+            appliers: 0,
         }));
         inboxes.insert(name.to_owned(), Arc::clone(&inbox));
         Ok(inbox)
@@ -829,12 +856,14 @@ impl Channel {
         // The tasks hold the channel weakly where they can, strongly where they must finish a
         // step; all stop when `shutdown` flips.
         let (applier_done, applied_all) = oneshot::channel::<()>();
+        let counted = ApplierCount::new(shared.inbox(&engine, name)?);
         let applier_thread = {
             let channel = Arc::clone(&channel);
             std::thread::Builder::new()
                 .name("static-applier".into())
                 .spawn(move || {
                     let _done = applier_done;
+                    let _counted = counted;
                     applier(channel, entries_rx);
                 })
                 .map_err(|e| Error::Internal(format!("cannot start the applier thread: {e}")))?
@@ -2214,6 +2243,7 @@ mod tests {
             ahead: VecDeque::new(),
             complete: false,
             unpruned: 0,
+            appliers: 1,
         };
 
         // Not known to hold everything yet: refused, read from the store instead.
@@ -2244,7 +2274,13 @@ mod tests {
                 payload: Vec::new(),
             }));
         let late = applied_rows(&alice, &bob, name, 5, &[b"four"])?;
-        assert!(!inbox.push_stored(late));
+        assert!(!inbox.push_stored(late.clone()));
+        inbox.ahead.clear();
+        // Two appliers (a reopened channel's and its predecessor's): refused.
+        inbox.appliers = 2;
+        assert!(!inbox.push_stored(late.clone()));
+        inbox.appliers = 1;
+        assert!(inbox.push_stored(late));
         Ok(())
     }
 
