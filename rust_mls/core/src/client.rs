@@ -27,7 +27,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -789,6 +789,9 @@ pub struct Channel {
     /// Our own messages, for the applier to skip when they come back.
     own_messages: Mutex<OwnMessages>,
     timings: Timings,
+    /// Batches the reader handed to the applier thread that it has not finished applying
+    /// (see [`reader`]).
+    queued: AtomicUsize,
     shutdown: watch::Sender<bool>,
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     applier_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -848,6 +851,7 @@ impl Channel {
             outbound,
             own_messages: Mutex::new(OwnMessages::default()),
             timings: Timings::default(),
+            queued: AtomicUsize::new(0),
             shutdown,
             tasks: Mutex::new(Vec::new()),
             applier_thread: Mutex::new(None),
@@ -1532,10 +1536,22 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<Rec
                                 continue;
                             };
                             start = Cursor::After(last);
+                            // Our own messages coming back (every send of ours does) need no
+                            // engine: when the applier has applied everything before them,
+                            // they are passed here, without waking it.
+                            if channel.queued.load(Ordering::Acquire) == 0
+                                && lock(&channel.own_messages).take_all(&batch)
+                            {
+                                channel
+                                    .progress
+                                    .send_modify(|p| p.applied_seq = p.applied_seq.max(last));
+                                continue;
+                            }
                             let received = Received {
                                 entries: batch,
                                 at: now_ns(),
                             };
+                            channel.queued.fetch_add(1, Ordering::AcqRel);
                             if entries.send(received).await.is_err() {
                                 return;
                             }
@@ -1634,6 +1650,24 @@ impl OwnMessages {
         }
     }
 
+    /// Whether every entry of `batch` is an application message of ours (byte for byte),
+    /// forgetting them if so; otherwise nothing changes.
+    fn take_all(&mut self, batch: &[(u64, u32, Vec<u8>)]) -> bool {
+        let ours = |(_, kind, message): &(u64, u32, Vec<u8>)| {
+            *kind == APPLICATION
+                && Self::key(message)
+                    .and_then(|key| self.by_tag.get(&key))
+                    .is_some_and(|m| m == message)
+        };
+        if self.by_tag.is_empty() || !batch.iter().all(ours) {
+            return false;
+        }
+        for (_, _, message) in batch {
+            self.take(message);
+        }
+        true
+    }
+
     /// Whether `message` is one of ours (byte for byte), forgetting it.
     fn take(&mut self, message: &[u8]) -> bool {
         let Some(key) = Self::key(message) else {
@@ -1645,6 +1679,15 @@ impl OwnMessages {
         } else {
             false
         }
+    }
+}
+
+/// Counts `.1` batches handed to the applier as applied when dropped (see [`Channel::queued`]).
+struct Applying<'a>(&'a AtomicUsize, usize);
+
+impl Drop for Applying<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
     }
 }
 
@@ -1664,12 +1707,18 @@ fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
         }
         let received_at = first.at;
         let mut batch = first.entries;
+        let mut taken = 1;
         while batch.len() < BATCH {
             match entries.try_recv() {
-                Ok(more) => batch.extend(more.entries),
+                Ok(more) => {
+                    batch.extend(more.entries);
+                    taken += 1;
+                }
                 Err(_) => break,
             }
         }
+        // Counted as applied once the loop comes round again (or the applier ends).
+        let _applied = Applying(&channel.queued, taken);
         let passed = batch.last().map(|&(seq, _, _)| seq);
         {
             // Our own application messages come back from the relay too; applying one changes
@@ -2282,6 +2331,32 @@ mod tests {
         inbox.appliers = 1;
         assert!(inbox.push_stored(late));
         Ok(())
+    }
+
+    #[test]
+    fn a_batch_is_taken_as_ours_only_if_every_entry_is() {
+        let mut own = OwnMessages::default();
+        let (a, b) = (vec![1u8; 100], vec![2u8; 100]);
+        own.remember(&a);
+        own.remember(&b);
+        let entry = |m: &Vec<u8>| (1, APPLICATION, m.clone());
+        // One stranger (or a commit) in the batch: nothing is forgotten.
+        assert!(!own.take_all(&[entry(&a), entry(&vec![3u8; 100])]));
+        assert!(!own.take_all(&[entry(&a), (2, APPLICATION + 1, b.clone())]));
+        assert_eq!(own.by_tag.len(), 2);
+        assert!(own.take_all(&[entry(&a), entry(&b)]));
+        assert!(own.by_tag.is_empty());
+        assert!(!own.take_all(&[entry(&a)]));
+    }
+
+    #[test]
+    fn batches_count_as_applied_once_the_applier_is_done_with_them() {
+        let queued = AtomicUsize::new(3);
+        {
+            let _applying = Applying(&queued, 2);
+            assert_eq!(queued.load(Ordering::Acquire), 3);
+        }
+        assert_eq!(queued.load(Ordering::Acquire), 1);
     }
 
     #[test]
