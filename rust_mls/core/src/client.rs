@@ -8,7 +8,9 @@
 //!   - the **reader** task subscribes to the channel's log (in batches of up to
 //!     [`SUBSCRIBE_BATCH`] entries per response) after the last seq it has seen (or from the
 //!     epoch we joined at), reconnects with backoff (also after three silent keep-alive
-//!     intervals), refreshes the token on `UNAUTHENTICATED`, and hands entries to
+//!     intervals), refreshes the token on `UNAUTHENTICATED`, passes batches that are only our
+//!     own messages coming back itself (when nothing before them waits to be applied), and
+//!     hands other entries to
 //!   - the **applier** thread, the one writer of the channel's group state: it applies entries
 //!     strictly in log order in batches through [`Engine::process_entries`], which stores the
 //!     cursor and the decrypted messages (the inbox) in the same transaction as the MLS state
