@@ -93,6 +93,9 @@ struct GroupSlot {
 pub struct Applied {
     pub seq: u64,
     pub outcome: Result<Incoming>,
+    /// The inbox row an application message was stored in: lets a reader of the inbox take
+    /// what was just applied without reading it back (see [`crate::client`]).
+    pub inbox_id: Option<i64>,
 }
 
 /// One MLS client over a data directory. `Send + Sync`; see the module docs.
@@ -390,11 +393,13 @@ fn apply_entries_fast(
             .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
         match outcome {
             Ok(incoming) => {
+                let mut inbox_id = None;
                 if let Incoming::Application {
                     sender, payload, ..
                 } = &incoming
                 {
                     store::inbox_push(conn, channel, seq, sender, payload)?;
+                    inbox_id = Some(conn.last_insert_rowid());
                 }
                 batch.removed = matches!(incoming, Incoming::Removed { .. });
                 batch.epoch_changed |= changes_epoch(&incoming);
@@ -402,6 +407,7 @@ fn apply_entries_fast(
                 batch.applied.push(Applied {
                     seq,
                     outcome: Ok(incoming),
+                    inbox_id,
                 });
                 if batch.removed {
                     break;
@@ -818,11 +824,13 @@ impl Engine {
                 });
                 match outcome {
                     Ok(incoming) => {
+                        let mut inbox_id = None;
                         if let Incoming::Application {
                             sender, payload, ..
                         } = &incoming
                         {
                             store::inbox_push(conn, channel, seq, sender, payload)?;
+                            inbox_id = Some(conn.last_insert_rowid());
                         }
                         removed = matches!(incoming, Incoming::Removed { .. });
                         epoch_changed |= changes_epoch(&incoming);
@@ -834,6 +842,7 @@ impl Engine {
                         out.push(Applied {
                             seq,
                             outcome: Ok(incoming),
+                            inbox_id,
                         });
                         if removed {
                             break;
@@ -856,6 +865,7 @@ impl Engine {
                         out.push(Applied {
                             seq,
                             outcome: Err(err),
+                            inbox_id: None,
                         });
                     }
                 }
