@@ -45,7 +45,7 @@ from static.relay._framing import (
     parse_welcome,
 )
 from static.relay._generated import relay_pb2 as pb
-from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
+from static.relay._log import ChannelLog, ChannelState, Origin, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
 from static.relay._transport import MessageTooLarge, RelayStream, StreamGone
 from static.store import DatabaseError
@@ -160,7 +160,9 @@ class RelayService:
             if state is None:
                 return False  # the handler loads it
             try:
-                submitted = self._submit_checked(state, self._check(request, caller))
+                submitted = self._submit_checked(
+                    state, self._check(request, caller), stream.connection
+                )
             except RelayError as exc:
                 early.outcome = exc
                 return True
@@ -227,7 +229,7 @@ class RelayService:
 
     async def _publish(self, stream: RelayStream, caller: Caller) -> None:
         request: Any = await _request(stream, pb.PublishRequest)
-        submitted = await self._submit(request, caller)
+        submitted = await self._submit(request, caller, stream.connection)
         submitted.on_settled = _answer_now(stream, submitted)
         await self._publish_early(stream, submitted)
 
@@ -258,7 +260,9 @@ class RelayService:
                             return
                         if isinstance(event, MessageReceived):
                             request = pb.PublishRequest.FromString(event.data)
-                            await queue_in.send(await self._submit(request, caller))
+                            await queue_in.send(
+                                await self._submit(request, caller, stream.connection)
+                            )
                 except RelayError as exc:
                     await queue_in.send(exc)
                 except DecodeError:
@@ -330,7 +334,9 @@ class RelayService:
             for request, state in zip(requests, states, strict=True):
                 assert state is not None
                 try:
-                    batch.append(self._submit_checked(state, self._check(request, caller)))
+                    batch.append(
+                        self._submit_checked(state, self._check(request, caller), stream.connection)
+                    )
                 except RelayError as exc:
                     batch.append(exc)
                 except Exception:  # noqa: BLE001  (a bug: logged, the item refused as INTERNAL)
@@ -356,7 +362,10 @@ class RelayService:
                                 raise InvalidArgument(
                                     f"{len(requests)} requests in one batch; at most {_BATCH_ITEMS}"
                                 )
-                            batch = [await self._try_submit(r, caller) for r in requests]
+                            batch = [
+                                await self._try_submit(r, caller, stream.connection)
+                                for r in requests
+                            ]
                             try:
                                 queue_in.send_nowait(batch)
                             except trio.WouldBlock:
@@ -405,20 +414,22 @@ class RelayService:
         if failure:
             raise failure[0]
 
-    async def _try_submit(self, request: Any, caller: Caller) -> Submitted | RelayError:
+    async def _try_submit(
+        self, request: Any, caller: Caller, origin: Origin
+    ) -> Submitted | RelayError:
         try:
-            return await self._submit(request, caller)
+            return await self._submit(request, caller, origin)
         except RelayError as exc:
             return exc
         except DatabaseError as exc:
             return Unavailable(f"store unavailable: {exc}")
 
-    async def _submit(self, request: Any, caller: Caller) -> Submitted:
+    async def _submit(self, request: Any, caller: Caller, origin: Origin) -> Submitted:
         checked = self._check(request, caller)
         state = await self._log.channel(caller.scope, checked.name)
-        return self._submit_checked(state, checked)
+        return self._submit_checked(state, checked, origin)
 
-    def _submit_checked(self, state: ChannelState, checked: _Checked) -> Submitted:
+    def _submit_checked(self, state: ChannelState, checked: _Checked, origin: Origin) -> Submitted:
         return self._log.submit(
             state,
             checked.header,
@@ -426,6 +437,7 @@ class RelayService:
             checked.key,
             checked.welcome,
             checked.welcome_header,
+            origin,
         )
 
     def _check(self, request: Any, caller: Caller) -> _Checked:
@@ -541,7 +553,7 @@ class RelayService:
 
         # A first keep-alive right away tells the client the subscription is live.
         await stream.send(_keepalive(state))
-        async for page in self._log.follow(state, after_seq, keepalive, deliver):
+        async for page in self._log.follow(state, after_seq, keepalive, deliver, connection):
             # A peer that grants large HTTP/2 windows and then stops reading would otherwise
             # make the relay queue everything it is sent: such a subscriber simply falls
             # behind here and is served from the log later.

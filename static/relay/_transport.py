@@ -396,6 +396,8 @@ class RelayConnection:
         self._broken = False
         self._backlog_waiting = trio.lowlevel.ParkingLot()
         self._room = trio.lowlevel.ParkingLot()
+        #: While above 0, ``flush`` leaves everything queued (see :meth:`cork`).
+        self._corked = 0
 
     def _close_streams(self) -> None:
         for stream in list(self._streams.values()):
@@ -428,9 +430,23 @@ class RelayConnection:
 
     # -- writing ---------------------------------------------------------------------------
 
+    def cork(self) -> None:
+        """Hold back ``flush`` until the matching :meth:`uncork` (synchronous code that writes
+        several answers then sends them in one syscall: each costs the relay and the peer a
+        wake-up)."""
+        self._corked += 1
+
+    def uncork(self) -> None:
+        self._corked -= 1
+        if not self._corked:
+            self.flush()
+
     def flush(self) -> None:
-        """Hand everything h2 has queued to the socket now; what it does not take waits for
-        the writer task (behind which everything later queues, to keep the order)."""
+        """Hand everything h2 has queued to the socket now (unless corked); what it does not
+        take waits for the writer task (behind which everything later queues, to keep the
+        order)."""
+        if self._corked:
+            return
         data = self.h2.data_to_send()
         if not data or self._broken:
             return
