@@ -35,8 +35,10 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import h2.connection
 import h2.errors
 import h2.events
+import h2.stream
 import hpack
 import trio
 from purerpc.grpclib.buffers import MessageReadBuffer
@@ -64,6 +66,37 @@ _RECEIVE_BYTES = 256 * 1024
 _PREFIX = struct.Struct(">BI")
 #: How long a closing connection keeps trying to hand over what it has queued.
 _CLOSE_FLUSH_SECONDS = 1.0
+#: An HTTP/2 frame header (RFC 9113 §4.1): 24-bit length (as a byte and a short), type, flags,
+#: stream id.
+_FRAME_HEADER = struct.Struct(">BHBBI")
+_DATA = 0x0
+#: Stream states in which h2 sends DATA without changing the state.
+_SENDING = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_REMOTE})
+
+
+def _send_data(connection: h2.connection.H2Connection, stream_id: int, data: bytes) -> None:
+    """``connection.send_data(stream_id, data)``, in the common case (open connection and
+    stream, within the windows and the frame size) without h2's generic path: its state
+    machines do not change there, so what remains is its flow-control accounting and the
+    frame's bytes (measured: ~2 us a frame against h2's ~14 us, and a message costs the relay
+    up to three frames). Anything else goes to h2 (and its errors).
+    ``tests/relay/test_send_data.py`` checks it against h2's own."""
+    stream = connection.streams.get(stream_id)
+    size = len(data)
+    if (
+        stream is None
+        or connection.state_machine.state is not h2.connection.ConnectionState.SERVER_OPEN
+        or stream.state_machine.state not in _SENDING
+        or size > stream.outbound_flow_control_window
+        or size > connection.outbound_flow_control_window
+        or size > connection.max_outbound_frame_size
+    ):
+        connection.send_data(stream_id, data)
+        return
+    stream.outbound_flow_control_window -= size
+    connection.outbound_flow_control_window -= size
+    connection._data_to_send += _FRAME_HEADER.pack(size >> 16, size & 0xFFFF, _DATA, 0, stream_id)
+    connection._data_to_send += data
 
 
 class StreamGone(Exception):
@@ -334,9 +367,9 @@ class RelayStream:
                     raise StreamGone
                 continue
             if len(data) <= window:
-                h2_connection.send_data(self.stream_id, data)
+                _send_data(h2_connection, self.stream_id, data)
                 break
-            h2_connection.send_data(self.stream_id, data[:window])
+            _send_data(h2_connection, self.stream_id, data[:window])
             data = data[window:]
         if flush:
             connection.flush()
@@ -355,7 +388,7 @@ class RelayStream:
         data = _PREFIX.pack(0, len(message)) + message
         frame = h2_connection.max_outbound_frame_size
         for start in range(0, len(data), frame):
-            h2_connection.send_data(self.stream_id, data[start : start + frame])
+            _send_data(h2_connection, self.stream_id, data[start : start + frame])
         return True
 
     def finish(self, status: Status, trailers: tuple[tuple[str, str], ...] = ()) -> None:
