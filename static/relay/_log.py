@@ -84,6 +84,9 @@ class _Follower:
     cursor: int
     deliver: Deliver
     origin: Origin | None = None
+    #: Set when a push could not send everything: only then does its task need to run (a
+    #: task woken per entry for nothing costs about as much as the push itself).
+    behind: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass(slots=True)
@@ -174,7 +177,7 @@ def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
 def _push(state: ChannelState, origins: set[Origin], on_origins: bool) -> None:
     """Hand the new entries straight to the channel's caught-up subscribers whose connection
     is (``on_origins``) or is not one of ``origins``: no scheduling round before they leave
-    (the subscribers' tasks, woken too, then find nothing to do)."""
+    (and their tasks are not woken unless something is left for them)."""
     for follower in list(state.followers):
         if (follower.origin in origins) is not on_origins:
             continue
@@ -521,8 +524,11 @@ class ChannelLog:
         finally:
             for origin in origins:
                 origin.uncork()
-        # Their tasks find the pushed entries sent, and send what could not go at once.
+        # Followers' tasks only when a push left entries for them; readers without a push.
         for state in woken.values():
+            for follower in state.followers:
+                if follower.cursor < state.head_seq:
+                    follower.behind.set()
             event, state.changed = state.changed, trio.Event()
             event.set()
 
@@ -616,18 +622,24 @@ class ChannelLog:
                 cursor = page[-1].seq
                 yield page
                 continue
-            changed = state.changed
-            if follower is not None:
-                follower.cursor = cursor
-                state.followers.add(follower)
+            if follower is None:
+                with trio.move_on_after(keepalive_seconds) as idle:
+                    await state.changed.wait()
+                if idle.cancelled_caught:
+                    yield None
+                continue
+            follower.cursor = cursor
+            follower.behind = trio.Event()
+            state.followers.add(follower)
             try:
                 with trio.move_on_after(keepalive_seconds) as idle:
-                    await changed.wait()
+                    await follower.behind.wait()
             finally:
-                if follower is not None:
-                    state.followers.discard(follower)
-                    cursor = follower.cursor
-            if idle.cancelled_caught:
+                state.followers.discard(follower)
+                pushed = follower.cursor != cursor
+                cursor = follower.cursor
+            # Entries pushed meanwhile count as traffic: no keep-alive for that interval.
+            if idle.cancelled_caught and not pushed:
                 yield None
 
 

@@ -103,3 +103,107 @@ async def test_a_publish_from_elsewhere_is_pushed_to_every_subscriber(database_u
             await log.publish(state, parse_message(message), message, b"k")
             assert sorted(events) == [("deliver", "alice", False), ("deliver", "bob", False)]
             nursery.cancel_scope.cancel()
+
+
+class _TaskSteps(trio.abc.Instrument):
+    """Counts the steps of the tasks it is told to watch."""
+
+    def __init__(self) -> None:
+        self.watched: set[trio.lowlevel.Task] = set()
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self.watched:
+            self.steps += 1
+
+
+async def test_a_subscriber_pushed_everything_is_not_woken(database_url: str) -> None:
+    events: list[tuple[str, str, bool]] = []
+    bob = _Connection("bob", events)
+    steps = _TaskSteps()
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+
+            async def follow() -> None:
+                steps.watched.add(trio.lowlevel.current_task())
+                await _follow(log, state, bob)
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            trio.lowlevel.add_instrument(steps)
+            for n in range(5):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+            await trio.sleep(0.05)
+            trio.lowlevel.remove_instrument(steps)
+            assert events == [("deliver", "bob", False)] * 5
+            assert steps.steps == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_what_a_push_could_not_send_is_read_by_the_subscriber(database_url: str) -> None:
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            pushed: list[int] = []
+            read: list[int] = []
+
+            def deliver(page: list[EntryRecord]) -> int:
+                # Room for one entry at a time, and none for the second message.
+                if page[0].seq == 2:
+                    return 0
+                pushed.append(page[0].seq)
+                return 1
+
+            async def follow() -> None:
+                async for page in log.follow(state, 0, 60.0, deliver):
+                    read.extend(e.seq for e in page or ())
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            for n in range(3):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+                await trio.sleep(0.02)
+            # No gap, no duplicate: 1 pushed, 2 read by the task (and 3 after it, read or
+            # pushed depending on where the task was).
+            assert sorted(pushed + read) == [1, 2, 3]
+            assert 2 in read and 1 in pushed
+            nursery.cancel_scope.cancel()
+
+
+async def test_pushed_entries_hold_back_the_keepalive(database_url: str) -> None:
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            yielded: list[float] = []
+
+            async def follow() -> None:
+                async for page in log.follow(state, 0, 1.0, lambda page: len(page)):
+                    assert page is None
+                    yielded.append(trio.current_time())
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            started = trio.current_time()
+            for n in range(25):  # 2.5 s of traffic, an entry every 0.1 s
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+                await trio.sleep(0.1)
+            assert yielded == []
+            # Then, idle: keep-alives again.
+            with trio.fail_after(5):
+                while not yielded:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            assert yielded[0] - started > 2.5
+            nursery.cancel_scope.cancel()
