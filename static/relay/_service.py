@@ -378,25 +378,46 @@ class RelayService:
                     stream.consumer = None
 
         async def answer(nursery: trio.Nursery) -> None:
+            """Answers in request order. A request whose items are being committed is left to
+            its commit callback (``pending``): this task is not woken for it, only for the
+            next request, the end of the call, or when the callback could not send it."""
             connection = stream.connection
+            pending: _PendingAnswer | None = None
             try:
-                async for first in queue_out:
-                    batches = [first]
+                while True:
+                    with trio.CancelScope() as waiting:
+                        if pending is not None:
+                            pending.task_needed = waiting
+                        try:
+                            batches = [await queue_out.receive()]
+                        except trio.EndOfChannel:
+                            batches = []
+                    if waiting.cancelled_caught:
+                        batches = []  # the callback could not answer: do it here
+                    elif not batches:
+                        if pending is not None:
+                            await pending.resolve()
+                            connection.flush()
+                        return
                     with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
-                        while len(batches) < _BATCHES_AHEAD:
+                        while batches and len(batches) < _BATCHES_AHEAD:
                             batches.append(queue_out.receive_nowait())
                     try:
+                        if pending is not None and (not batches or pending.last.settled):
+                            await pending.resolve()
+                            pending = None
                         for batch in batches:
+                            if pending is not None:
+                                # Answers ready so far leave before waiting for the next ones.
+                                connection.flush()
+                                await pending.resolve()
+                                pending = None
                             if isinstance(batch, RelayError):
                                 raise batch
                             last = _last_submitted(batch)
                             if last is not None and not last.settled:
-                                # Answers ready so far leave before waiting for the next ones.
-                                connection.flush()
-                                answered = _answer_on_settle(stream, batch, last)
-                                await ChannelLog.wait_settled(last)
-                                if answered[0]:
-                                    continue
+                                pending = _PendingAnswer(stream, batch, last)
+                                continue
                             await stream.send(_batch_response(batch), flush=False)
                     finally:
                         connection.flush()
@@ -638,22 +659,38 @@ def _answer_now(stream: RelayStream, submitted: Submitted) -> Callable[[], None]
     return answer_now
 
 
-def _answer_on_settle(
-    stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
-) -> list[bool]:
-    """Have ``batch`` answered from the commit callback as soon as ``last`` (its last
-    submission, which the caller is about to wait for: every answer before it is out) is
-    settled, a scheduling round earlier; a true first item in the returned list once done.
-    When flow control holds the answer back, it is left to the caller."""
-    answered = [False]
+class _PendingAnswer:
+    """A PublishBatches request answered from the commit callback as soon as ``last`` (its
+    last submission; every answer before it is out) is settled, a scheduling round earlier
+    than its task could; when flow control holds the answer back (or anything fails), the
+    callback cancels ``task_needed`` so that the task sends it (:meth:`resolve`)."""
 
-    def answer_now() -> None:
-        if stream.send_now(_batch_response(batch)):
-            stream.connection.flush()
-            answered[0] = True
+    __slots__ = ("answered", "batch", "last", "stream", "task_needed")
 
-    last.on_settled = answer_now
-    return answered
+    def __init__(
+        self, stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
+    ) -> None:
+        self.stream = stream
+        self.batch = batch
+        self.last = last
+        self.answered = False
+        self.task_needed: trio.CancelScope | None = None
+        last.on_settled = self._answer_now
+
+    def _answer_now(self) -> None:
+        try:
+            if self.stream.send_now(_batch_response(self.batch)):
+                self.stream.connection.flush()
+                self.answered = True
+        finally:
+            if not self.answered and self.task_needed is not None:
+                self.task_needed.cancel()
+
+    async def resolve(self) -> None:
+        """Wait until it is settled; send the answer unless the callback did."""
+        await ChannelLog.wait_settled(self.last)
+        if not self.answered:
+            await self.stream.send(_batch_response(self.batch), flush=False)
 
 
 def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:
