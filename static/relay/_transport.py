@@ -21,7 +21,10 @@ their own). So the relay keeps purerpc's protocol state machine and replaces the
 * data for a stream we no longer know is dropped (its flow-control credit given back);
 * a request's header block that repeats one already decoded, unchanged, is not decoded again,
   nor are repeated answer headers encoded again (:class:`_CachingDecoder`,
-  :class:`_CachingEncoder`).
+  :class:`_CachingEncoder`);
+* DATA frames are encoded by hand in the common case, with h2's flow-control accounting
+  (:func:`_send_data`), and a connection can be corked so that several answers leave in one
+  write (:meth:`RelayConnection.cork`).
 """
 
 from __future__ import annotations
