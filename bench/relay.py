@@ -266,16 +266,19 @@ async def _one_by_one(target: str, channel: str, count: int, gap: float) -> list
 
 
 def single_latency(
-    target: str, channel: str, count: int
-) -> tuple[tuple[float, float], tuple[float, float]]:
+    target: str, pid: int, channel: str, count: int
+) -> tuple[tuple[float, float], tuple[float, float], float]:
     """((p50, p99) publish -> ack, (p50, p99) publish -> delivery) in ms, for one message at a
-    time (every 5 ms) through an open PublishBatches call and a live batched subscriber."""
+    time (every 5 ms) through an open PublishBatches call and a live batched subscriber, and
+    the relay's CPU microseconds per message meanwhile."""
     Client(target).create(pb.CreateChannelRequest(channel=channel), timeout=10)
     proc, out = _start_batched_subscriber(target, channel, count, stamped=True)
+    cpu_before = cpu_seconds(pid)
     acks = asyncio.run(_one_by_one(target, channel, count, 0.005))
     _, _, deliveries = out.get(timeout=600)
+    cpu = cpu_seconds(pid) - cpu_before
     proc.join(10)
-    return _p50_p99(acks), _p50_p99(deliveries)
+    return _p50_p99(acks), _p50_p99(deliveries), cpu / count * 1e6
 
 
 def unary_latency(target: str, channel: str, count: int) -> tuple[float, float]:
@@ -489,7 +492,9 @@ def main() -> None:
             fsync_ms = commit_cost(tmp)
             ceiling, echo_rtt = echo_ceiling(echo_target, n)
             batched_rate, cpu_us = batched(target, server_pid, "bench/batch/one", n)
-            ack, delivery = single_latency(target, "bench/single/one", 1000)
+            ack, delivery, single_cpu_us = single_latency(
+                target, server_pid, "bench/single/one", 1000
+            )
             unary = unary_latency(target, "bench/unary/one", 2000)
             if not args.only_new:
                 one = fan_out(target, "bench/one/one", n, 1)
@@ -518,6 +523,7 @@ def main() -> None:
             "one message: publish -> delivery",
             f"p50 {delivery[0]:.3f} ms, p99 {delivery[1]:.3f} ms (targets 0.3 / 1 ms)",
         ),
+        ("one message: relay CPU", f"{single_cpu_us:.0f} us/msg (including keep-alives)"),
         ("unary Publish", f"p50 {unary[0]:.3f} ms, p99 {unary[1]:.3f} ms (target p50 <= 0.5 ms)"),
     ]
     if not args.only_new:

@@ -23,6 +23,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import trio
 
@@ -40,7 +41,7 @@ from static.store._channels import (
     WelcomeRecord,
 )
 
-__all__ = ["ChannelLog", "ChannelState", "Deliver", "PublishResult", "Submitted"]
+__all__ = ["ChannelLog", "ChannelState", "Deliver", "Origin", "PublishResult", "Submitted"]
 
 _logger = logging.getLogger("static.relay")
 
@@ -67,12 +68,25 @@ class PublishResult:
 Deliver = Callable[[list[EntryRecord]], int]
 
 
+class Origin(Protocol):
+    """The connection a publish or a subscription is on. While corked, what is written to it
+    waits in memory; uncorking writes it all at once."""
+
+    def cork(self) -> None: ...
+
+    def uncork(self) -> None: ...
+
+
 @dataclass(eq=False, slots=True)
 class _Follower:
     """A subscriber parked at the head of its channel, with its cursor (the last seq it has)."""
 
     cursor: int
     deliver: Deliver
+    origin: Origin | None = None
+    #: Set when a push could not send everything: only then does its task need to run (a
+    #: task woken per entry for nothing costs about as much as the push itself).
+    behind: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass(slots=True)
@@ -149,6 +163,8 @@ class Submitted:
     #: Called (in the trio thread) as soon as it is settled, before any waiter runs: answers
     #: then leave a scheduling round earlier. Must not raise.
     on_settled: Callable[[], None] | None = None
+    #: The publisher's connection (see :meth:`ChannelLog._committed`).
+    origin: Origin | None = None
 
 
 def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
@@ -158,10 +174,13 @@ def _keys_by_channel(batch: list[Submitted]) -> dict[int, list[bytes]]:
     return keys
 
 
-def _push(state: ChannelState) -> None:
-    """Hand the new entries straight to the channel's caught-up subscribers: no scheduling
-    round before they leave (the subscribers' tasks, woken too, then find nothing to do)."""
+def _push(state: ChannelState, origins: set[Origin], on_origins: bool) -> None:
+    """Hand the new entries straight to the channel's caught-up subscribers whose connection
+    is (``on_origins``) or is not one of ``origins``: no scheduling round before they leave
+    (and their tasks are not woken unless something is left for them)."""
     for follower in list(state.followers):
+        if (follower.origin in origins) is not on_origins:
+            continue
         while follower.cursor < state.head_seq:
             page = state.entries_after(follower.cursor)
             if not page:
@@ -246,11 +265,12 @@ class ChannelLog:
         key: bytes,
         welcome: bytes = b"",
         welcome_header: WelcomeHeader | None = None,
+        origin: Origin | None = None,
     ) -> Submitted:
         """Queue ``message`` (its header already parsed and checked against the channel) for the
         next group commit; :meth:`outcome` waits for the answer. Submissions are committed in
-        the order they were submitted."""
-        submitted = Submitted(state, header, message, key, welcome, welcome_header)
+        the order they were submitted. ``origin``: the publisher's connection."""
+        submitted = Submitted(state, header, message, key, welcome, welcome_header, origin=origin)
         if not self._threaded:
             self._send.send_nowait(submitted)
             return submitted
@@ -473,7 +493,13 @@ class ChannelLog:
     ) -> None:
         """The batch's transaction committed (or it had nothing to store): publish its entries
         to memory, wake the channels' subscribers, and settle the batch unless some refusal may
-        still be a retry of a logged message (the optimistic path did not look them up)."""
+        still be a retry of a logged message (the optimistic path did not look them up).
+
+        Order of the writes: subscribers on other connections than the publishers' first (a
+        delivery is what a conversation waits for), then the publishers' answers, then the
+        subscribers on the publishers' own connections (usually the publisher's echo, which it
+        skips): the publishers' connections are corked meanwhile, so that each gets its answers
+        and its deliveries in one write."""
         woken: dict[int, ChannelState] = {}
         for p, entry in accepted:
             state = p.state
@@ -482,15 +508,29 @@ class ChannelLog:
             state.push(EntryRecord(entry.seq, entry.epoch, entry.content_type, entry.message))
             p.result = PublishResult(entry.seq, entry.channel_epoch, duplicate=False)
             woken[id(state)] = state
-        # Subscribers first (a delivery is what a conversation waits for), then the publishers.
-        for state in woken.values():
-            _push(state)
-            event, state.changed = state.changed, trio.Event()
-            event.set()
         if settle is None:
             settle = looked_up or not any(isinstance(p.result, StaleEpoch) for p in batch)
-        if settle:
-            _settle(batch)
+        origins = {p.origin for p in batch if p.origin is not None}
+        for origin in origins:
+            origin.cork()
+        try:
+            for state in woken.values():
+                _push(state, origins, on_origins=False)
+            if settle:
+                _settle(batch)
+            if origins:
+                for state in woken.values():
+                    _push(state, origins, on_origins=True)
+        finally:
+            for origin in origins:
+                origin.uncork()
+        # Followers' tasks only when a push left entries for them; readers without a push.
+        for state in woken.values():
+            for follower in state.followers:
+                if follower.cursor < state.head_seq:
+                    follower.behind.set()
+            event, state.changed = state.changed, trio.Event()
+            event.set()
 
     async def _answer_retries(self, refused: list[Submitted]) -> None:
         """A refusal may be the retry of a message already in the log (the optimistic path did
@@ -556,13 +596,15 @@ class ChannelLog:
         after_seq: int,
         keepalive_seconds: float,
         deliver: Deliver | None = None,
+        origin: Origin | None = None,
     ) -> AsyncIterator[list[EntryRecord] | None]:
         """Pages of consecutive entries after ``after_seq`` (what is available at once, never
         empty), then live ones, forever; None every ``keepalive_seconds`` without an entry.
         Gap-free and duplicate-free by construction (a cursor over seqs). With ``deliver``,
         live entries may instead be handed to it at commit time while this waits (see
-        :data:`Deliver`): they are then not yielded, and the cursor moves past them."""
-        follower = None if deliver is None else _Follower(after_seq, deliver)
+        :data:`Deliver`): they are then not yielded, and the cursor moves past them. ``origin``:
+        the subscriber's connection (see :meth:`_committed`)."""
+        follower = None if deliver is None else _Follower(after_seq, deliver, origin)
         cursor = after_seq
         while True:
             if cursor < state.head_seq:
@@ -580,18 +622,24 @@ class ChannelLog:
                 cursor = page[-1].seq
                 yield page
                 continue
-            changed = state.changed
-            if follower is not None:
-                follower.cursor = cursor
-                state.followers.add(follower)
+            if follower is None:
+                with trio.move_on_after(keepalive_seconds) as idle:
+                    await state.changed.wait()
+                if idle.cancelled_caught:
+                    yield None
+                continue
+            follower.cursor = cursor
+            follower.behind = trio.Event()
+            state.followers.add(follower)
             try:
                 with trio.move_on_after(keepalive_seconds) as idle:
-                    await changed.wait()
+                    await follower.behind.wait()
             finally:
-                if follower is not None:
-                    state.followers.discard(follower)
-                    cursor = follower.cursor
-            if idle.cancelled_caught:
+                state.followers.discard(follower)
+                pushed = follower.cursor != cursor
+                cursor = follower.cursor
+            # Entries pushed meanwhile count as traffic: no keep-alive for that interval.
+            if idle.cancelled_caught and not pushed:
                 yield None
 
 

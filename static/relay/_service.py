@@ -45,7 +45,7 @@ from static.relay._framing import (
     parse_welcome,
 )
 from static.relay._generated import relay_pb2 as pb
-from static.relay._log import ChannelLog, ChannelState, PublishResult, Submitted
+from static.relay._log import ChannelLog, ChannelState, Origin, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
 from static.relay._transport import MessageTooLarge, RelayStream, StreamGone
 from static.store import DatabaseError
@@ -160,7 +160,9 @@ class RelayService:
             if state is None:
                 return False  # the handler loads it
             try:
-                submitted = self._submit_checked(state, self._check(request, caller))
+                submitted = self._submit_checked(
+                    state, self._check(request, caller), stream.connection
+                )
             except RelayError as exc:
                 early.outcome = exc
                 return True
@@ -227,7 +229,7 @@ class RelayService:
 
     async def _publish(self, stream: RelayStream, caller: Caller) -> None:
         request: Any = await _request(stream, pb.PublishRequest)
-        submitted = await self._submit(request, caller)
+        submitted = await self._submit(request, caller, stream.connection)
         submitted.on_settled = _answer_now(stream, submitted)
         await self._publish_early(stream, submitted)
 
@@ -258,7 +260,9 @@ class RelayService:
                             return
                         if isinstance(event, MessageReceived):
                             request = pb.PublishRequest.FromString(event.data)
-                            await queue_in.send(await self._submit(request, caller))
+                            await queue_in.send(
+                                await self._submit(request, caller, stream.connection)
+                            )
                 except RelayError as exc:
                     await queue_in.send(exc)
                 except DecodeError:
@@ -330,7 +334,9 @@ class RelayService:
             for request, state in zip(requests, states, strict=True):
                 assert state is not None
                 try:
-                    batch.append(self._submit_checked(state, self._check(request, caller)))
+                    batch.append(
+                        self._submit_checked(state, self._check(request, caller), stream.connection)
+                    )
                 except RelayError as exc:
                     batch.append(exc)
                 except Exception:  # noqa: BLE001  (a bug: logged, the item refused as INTERNAL)
@@ -356,7 +362,10 @@ class RelayService:
                                 raise InvalidArgument(
                                     f"{len(requests)} requests in one batch; at most {_BATCH_ITEMS}"
                                 )
-                            batch = [await self._try_submit(r, caller) for r in requests]
+                            batch = [
+                                await self._try_submit(r, caller, stream.connection)
+                                for r in requests
+                            ]
                             try:
                                 queue_in.send_nowait(batch)
                             except trio.WouldBlock:
@@ -369,25 +378,46 @@ class RelayService:
                     stream.consumer = None
 
         async def answer(nursery: trio.Nursery) -> None:
+            """Answers in request order. A request whose items are being committed is left to
+            its commit callback (``pending``): this task is not woken for it, only for the
+            next request, the end of the call, or when the callback could not send it."""
             connection = stream.connection
+            pending: _PendingAnswer | None = None
             try:
-                async for first in queue_out:
-                    batches = [first]
+                while True:
+                    with trio.CancelScope() as waiting:
+                        if pending is not None:
+                            pending.task_needed = waiting
+                        try:
+                            batches = [await queue_out.receive()]
+                        except trio.EndOfChannel:
+                            batches = []
+                    if waiting.cancelled_caught:
+                        batches = []  # the callback could not answer: do it here
+                    elif not batches:
+                        if pending is not None:
+                            await pending.resolve()
+                            connection.flush()
+                        return
                     with contextlib.suppress(trio.WouldBlock, trio.EndOfChannel):
-                        while len(batches) < _BATCHES_AHEAD:
+                        while batches and len(batches) < _BATCHES_AHEAD:
                             batches.append(queue_out.receive_nowait())
                     try:
+                        if pending is not None and (not batches or pending.last.settled):
+                            await pending.resolve()
+                            pending = None
                         for batch in batches:
+                            if pending is not None:
+                                # Answers ready so far leave before waiting for the next ones.
+                                connection.flush()
+                                await pending.resolve()
+                                pending = None
                             if isinstance(batch, RelayError):
                                 raise batch
                             last = _last_submitted(batch)
                             if last is not None and not last.settled:
-                                # Answers ready so far leave before waiting for the next ones.
-                                connection.flush()
-                                answered = _answer_on_settle(stream, batch, last)
-                                await ChannelLog.wait_settled(last)
-                                if answered[0]:
-                                    continue
+                                pending = _PendingAnswer(stream, batch, last)
+                                continue
                             await stream.send(_batch_response(batch), flush=False)
                     finally:
                         connection.flush()
@@ -405,20 +435,22 @@ class RelayService:
         if failure:
             raise failure[0]
 
-    async def _try_submit(self, request: Any, caller: Caller) -> Submitted | RelayError:
+    async def _try_submit(
+        self, request: Any, caller: Caller, origin: Origin
+    ) -> Submitted | RelayError:
         try:
-            return await self._submit(request, caller)
+            return await self._submit(request, caller, origin)
         except RelayError as exc:
             return exc
         except DatabaseError as exc:
             return Unavailable(f"store unavailable: {exc}")
 
-    async def _submit(self, request: Any, caller: Caller) -> Submitted:
+    async def _submit(self, request: Any, caller: Caller, origin: Origin) -> Submitted:
         checked = self._check(request, caller)
         state = await self._log.channel(caller.scope, checked.name)
-        return self._submit_checked(state, checked)
+        return self._submit_checked(state, checked, origin)
 
-    def _submit_checked(self, state: ChannelState, checked: _Checked) -> Submitted:
+    def _submit_checked(self, state: ChannelState, checked: _Checked, origin: Origin) -> Submitted:
         return self._log.submit(
             state,
             checked.header,
@@ -426,6 +458,7 @@ class RelayService:
             checked.key,
             checked.welcome,
             checked.welcome_header,
+            origin,
         )
 
     def _check(self, request: Any, caller: Caller) -> _Checked:
@@ -541,7 +574,7 @@ class RelayService:
 
         # A first keep-alive right away tells the client the subscription is live.
         await stream.send(_keepalive(state))
-        async for page in self._log.follow(state, after_seq, keepalive, deliver):
+        async for page in self._log.follow(state, after_seq, keepalive, deliver, connection):
             # A peer that grants large HTTP/2 windows and then stops reading would otherwise
             # make the relay queue everything it is sent: such a subscriber simply falls
             # behind here and is served from the log later.
@@ -626,22 +659,38 @@ def _answer_now(stream: RelayStream, submitted: Submitted) -> Callable[[], None]
     return answer_now
 
 
-def _answer_on_settle(
-    stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
-) -> list[bool]:
-    """Have ``batch`` answered from the commit callback as soon as ``last`` (its last
-    submission, which the caller is about to wait for: every answer before it is out) is
-    settled, a scheduling round earlier; a true first item in the returned list once done.
-    When flow control holds the answer back, it is left to the caller."""
-    answered = [False]
+class _PendingAnswer:
+    """A PublishBatches request answered from the commit callback as soon as ``last`` (its
+    last submission; every answer before it is out) is settled, a scheduling round earlier
+    than its task could; when flow control holds the answer back (or anything fails), the
+    callback cancels ``task_needed`` so that the task sends it (:meth:`resolve`)."""
 
-    def answer_now() -> None:
-        if stream.send_now(_batch_response(batch)):
-            stream.connection.flush()
-            answered[0] = True
+    __slots__ = ("answered", "batch", "last", "stream", "task_needed")
 
-    last.on_settled = answer_now
-    return answered
+    def __init__(
+        self, stream: RelayStream, batch: list[Submitted | RelayError], last: Submitted
+    ) -> None:
+        self.stream = stream
+        self.batch = batch
+        self.last = last
+        self.answered = False
+        self.task_needed: trio.CancelScope | None = None
+        last.on_settled = self._answer_now
+
+    def _answer_now(self) -> None:
+        try:
+            if self.stream.send_now(_batch_response(self.batch)):
+                self.stream.connection.flush()
+                self.answered = True
+        finally:
+            if not self.answered and self.task_needed is not None:
+                self.task_needed.cancel()
+
+    async def resolve(self) -> None:
+        """Wait until it is settled; send the answer unless the callback did."""
+        await ChannelLog.wait_settled(self.last)
+        if not self.answered:
+            await self.stream.send(_batch_response(self.batch), flush=False)
 
 
 def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:

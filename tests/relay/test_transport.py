@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import errno
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import h2.errors
+import h2.settings
 import pytest
 
 from tests.relay import mls_vectors as mls
@@ -298,3 +301,63 @@ def test_a_peer_that_grants_windows_but_stops_reading_costs_bounded_memory(
         assert grown < 20 * 1024, f"RSS grew by {grown} KiB"
         fair.cancel()
         greedy.close()
+
+
+def _batch_answers(raw: RawH2, stream_id: int) -> list[Any]:
+    data, out, pos = bytes(raw.buffers.get(stream_id, b"")), [], 0
+    while pos + 5 <= len(data):
+        (length,) = struct.unpack(">I", data[pos + 1 : pos + 5])
+        if pos + 5 + length > len(data):
+            break
+        out.append(pb.PublishBatchResponse.FromString(data[pos + 5 : pos + 5 + length]))
+        pos += 5 + length
+    return out
+
+
+def test_a_batch_answer_held_back_by_flow_control_leaves_once_the_window_opens(
+    start_server: Start,
+) -> None:
+    """The commit callback cannot send it (no window): the call's own task must, later."""
+    server = start_server("--allow-anonymous")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+    raw = RawH2(server.relay_url)
+    # Room for no answer at all (an answer is at least 11 bytes with its prefix).
+    raw.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 8})
+    raw.flush()
+    assert raw.pump(0.3)
+
+    def publish(stream_id: int | None, n: int) -> int:
+        request = pb.PublishBatchRequest(
+            requests=[
+                pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"m%d" % n))
+            ]
+        )
+        if stream_id is None:
+            return raw.start("PublishBatches", request, end=False)
+        body = request.SerializeToString()
+        raw.conn.send_data(stream_id, struct.pack(">?I", False, len(body)) + body)
+        raw.flush()
+        return stream_id
+
+    # Never acknowledged (ack=False): only the windows granted below open.
+    stream_id = publish(None, 0)
+    assert raw.pump(1.0, ack=False)
+    assert _batch_answers(raw, stream_id) == []  # committed, but held back
+    for n in range(1, 4):
+        raw.conn.increment_flow_control_window(11, stream_id)
+        raw.flush()
+        deadline = time.monotonic() + 10
+        while len(_batch_answers(raw, stream_id)) < n and time.monotonic() < deadline:
+            assert raw.pump(0.1, ack=False)
+        answers = _batch_answers(raw, stream_id)
+        assert [a.results[0].accepted.seq for a in answers] == list(range(1, n + 1))
+        publish(stream_id, n)
+    raw.conn.increment_flow_control_window(1000, stream_id)
+    raw.conn.end_stream(stream_id)
+    raw.flush()
+    deadline = time.monotonic() + 10
+    while stream_id not in raw.ended and time.monotonic() < deadline:
+        assert raw.pump(0.1, ack=False)
+    assert [a.results[0].accepted.seq for a in _batch_answers(raw, stream_id)] == [1, 2, 3, 4]
+    raw.close()

@@ -1,0 +1,209 @@
+"""The channel log's commit-time push, on a real store: who is written to first, and which
+connections get their answers and deliveries in one write."""
+
+from __future__ import annotations
+
+import trio
+
+from static.relay._framing import parse_message
+from static.relay._log import ChannelLog, ChannelState, Origin
+from static.store import open_database
+from static.store._channels import ChannelStore, EntryRecord
+from tests.relay import mls_vectors as mls
+
+CHANNEL = "org/log/order"
+
+
+class _Connection:
+    """Records what the log does with a connection: corks, deliveries, answers, writes."""
+
+    def __init__(self, name: str, events: list[tuple[str, str, bool]]) -> None:
+        self.name = name
+        self.events = events
+        self.corked = 0
+
+    def cork(self) -> None:
+        self.corked += 1
+
+    def uncork(self) -> None:
+        self.corked -= 1
+        if not self.corked:
+            self.events.append(("write", self.name, False))
+
+    def deliver(self, page: list[EntryRecord]) -> int:
+        self.events.append(("deliver", self.name, bool(self.corked)))
+        return len(page)
+
+
+async def _follow(log: ChannelLog, state: ChannelState, connection: _Connection) -> None:
+    origin: Origin = connection
+    async for page in log.follow(state, 0, 60.0, connection.deliver, origin):
+        if page is not None:  # everything is pushed at commit time here
+            connection.events.append(("yielded", connection.name, False))
+
+
+async def test_other_connections_are_served_first_and_the_publisher_in_one_write(
+    database_url: str,
+) -> None:
+    events: list[tuple[str, str, bool]] = []
+    alice = _Connection("alice", events)
+    bob = _Connection("bob", events)
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            # Alice's own subscription subscribes first: set order must not matter.
+            nursery.start_soon(_follow, log, state, alice)
+            while len(state.followers) < 1:  # noqa: ASYNC110  (a test waiting for a task)
+                await trio.sleep(0.001)
+            nursery.start_soon(_follow, log, state, bob)
+            while len(state.followers) < 2:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            for n in range(3):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                submitted = log.submit(
+                    state, parse_message(message), message, b"k%d" % n, origin=alice
+                )
+
+                def answered(name: str = "alice") -> None:
+                    events.append(("answer", name, alice.corked > 0))
+
+                submitted.on_settled = answered
+                result = await log.outcome(submitted)
+                assert result.seq == n + 1
+                assert events == [
+                    ("deliver", "bob", False),
+                    ("answer", "alice", True),
+                    ("deliver", "alice", True),
+                    ("write", "alice", False),
+                ]
+                events.clear()
+                # Both subscribers park again before the next one.
+                while len(state.followers) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+    assert alice.corked == bob.corked == 0
+
+
+async def test_a_publish_from_elsewhere_is_pushed_to_every_subscriber(database_url: str) -> None:
+    events: list[tuple[str, str, bool]] = []
+    alice = _Connection("alice", events)
+    bob = _Connection("bob", events)
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            nursery.start_soon(_follow, log, state, alice)
+            nursery.start_soon(_follow, log, state, bob)
+            while len(state.followers) < 2:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            message = mls.application(CHANNEL, 0)
+            await log.publish(state, parse_message(message), message, b"k")
+            assert sorted(events) == [("deliver", "alice", False), ("deliver", "bob", False)]
+            nursery.cancel_scope.cancel()
+
+
+class _TaskSteps(trio.abc.Instrument):
+    """Counts the steps of the tasks it is told to watch."""
+
+    def __init__(self) -> None:
+        self.watched: set[trio.lowlevel.Task] = set()
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task in self.watched:
+            self.steps += 1
+
+
+async def test_a_subscriber_pushed_everything_is_not_woken(database_url: str) -> None:
+    events: list[tuple[str, str, bool]] = []
+    bob = _Connection("bob", events)
+    steps = _TaskSteps()
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+
+            async def follow() -> None:
+                steps.watched.add(trio.lowlevel.current_task())
+                await _follow(log, state, bob)
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            trio.lowlevel.add_instrument(steps)
+            for n in range(5):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+            await trio.sleep(0.05)
+            trio.lowlevel.remove_instrument(steps)
+            assert events == [("deliver", "bob", False)] * 5
+            assert steps.steps == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_what_a_push_could_not_send_is_read_by_the_subscriber(database_url: str) -> None:
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            pushed: list[int] = []
+            read: list[int] = []
+
+            def deliver(page: list[EntryRecord]) -> int:
+                # Room for one entry at a time, and none for the second message.
+                if page[0].seq == 2:
+                    return 0
+                pushed.append(page[0].seq)
+                return 1
+
+            async def follow() -> None:
+                async for page in log.follow(state, 0, 60.0, deliver):
+                    read.extend(e.seq for e in page or ())
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            for n in range(3):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+                await trio.sleep(0.02)
+            # No gap, no duplicate: 1 pushed, 2 read by the task (and 3 after it, read or
+            # pushed depending on where the task was).
+            assert sorted(pushed + read) == [1, 2, 3]
+            assert 2 in read and 1 in pushed
+            nursery.cancel_scope.cancel()
+
+
+async def test_pushed_entries_hold_back_the_keepalive(database_url: str) -> None:
+    async with open_database(database_url) as db:
+        log = ChannelLog(ChannelStore(db), application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            yielded: list[float] = []
+
+            async def follow() -> None:
+                async for page in log.follow(state, 0, 1.0, lambda page: len(page)):
+                    assert page is None
+                    yielded.append(trio.current_time())
+
+            nursery.start_soon(follow)
+            while not state.followers:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            started = trio.current_time()
+            for n in range(25):  # 2.5 s of traffic, an entry every 0.1 s
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                await log.publish(state, parse_message(message), message, b"k%d" % n)
+                await trio.sleep(0.1)
+            assert yielded == []
+            # Then, idle: keep-alives again.
+            with trio.fail_after(5):
+                while not yielded:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            assert yielded[0] - started > 2.5
+            nursery.cancel_scope.cancel()
