@@ -21,6 +21,7 @@ import collections
 import hashlib
 import logging
 import math
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -221,7 +222,10 @@ class ChannelLog:
         self._threaded = store.has_writer_thread
         self._pending: collections.deque[Submitted] = collections.deque()
         self._posted = False
+        #: A :meth:`commit_pending` is due (at the end of the connection's read, else soon).
+        self._scheduled = False
         self._token: trio.lowlevel.TrioToken | None = None
+        self._trio_thread = 0
         #: Submitted but not settled yet (threaded mode), and who waits for none to be left.
         self._unsettled = 0
         self._all_settled: trio.Event | None = None
@@ -274,16 +278,33 @@ class ChannelLog:
         if not self._threaded:
             self._send.send_nowait(submitted)
             return submitted
-        # Straight to the store's writer thread: its commit starts without a trio scheduling
-        # round (no writer task to wake first).
         if self._token is None:
             self._token = trio.lowlevel.current_trio_token()
+            self._trio_thread = threading.get_ident()
         self._unsettled += 1
         self._pending.append(submitted)
-        if not self._posted:
-            self._posted = True
-            self._store.post_write(self._write_pending)
+        if not self._posted and not self._scheduled:
+            # Committed once the connection's read is handed out (commit_pending, called by the
+            # reader), or else at the next scheduling round: everything that read brought
+            # goes in one commit.
+            self._scheduled = True
+            self._token.run_sync_soon(self.commit_pending)
         return submitted
+
+    def commit_pending(self) -> None:
+        """Start the group commit of what was submitted (SQLite; in the trio thread): right
+        here if the store's writer is idle (no thread hand-off either way: at low load the
+        publish is answered and delivered before this returns), else on the writer's thread,
+        where it follows the commit in progress."""
+        if not self._scheduled:
+            return
+        self._scheduled = False
+        if self._posted or not self._pending:
+            return  # a posted job takes them
+        if self._store.write_now_if_idle(self._write_pending):
+            return
+        self._posted = True
+        self._store.post_write(self._write_pending)
 
     @staticmethod
     async def wait_settled(submitted: Submitted) -> None:
@@ -375,10 +396,11 @@ class ChannelLog:
     def queued(self) -> int:
         return self._receive.statistics().current_buffer_used + len(self._pending)
 
-    # -- the writer, in the store's writer thread (SQLite) ------------------------------------
+    # -- the writer: the store's writer thread, or the trio thread when that is idle (SQLite) --
 
     def _write_pending(self, writer: SyncChannelWriter) -> None:
-        """In the writer thread: commit everything submitted so far, batch by batch."""
+        """In the writer thread (or the trio thread, when the writer is idle): commit
+        everything submitted so far, batch by batch."""
         self._posted = False  # before taking: a later submit posts another job
         while self._pending:
             batch: list[Submitted] = []
@@ -430,6 +452,9 @@ class ChannelLog:
 
     def _in_trio(self, fn: Callable[..., None], *args: object) -> None:
         assert self._token is not None
+        if threading.get_ident() == self._trio_thread:  # a commit made in the trio thread
+            fn(*args)
+            return
         try:
             self._token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:

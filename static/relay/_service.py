@@ -126,6 +126,10 @@ class RelayService:
         for guard in list(self._subscriptions):
             guard.end(Unavailable("relay is shutting down"))
 
+    def commit_pending(self) -> None:
+        """A connection's read is handed out: what it published goes to the store now."""
+        self._log.commit_pending()
+
     def refuse(self, stream: RelayStream, error: RelayError) -> None:
         """Answer a stream with ``error`` without serving it."""
         _finish(stream, error)

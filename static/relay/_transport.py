@@ -525,9 +525,15 @@ class RelayConnection:
 
     # -- reading ---------------------------------------------------------------------------
 
-    async def serve(self, on_stream: Callable[[RelayStream], None]) -> None:
+    async def serve(
+        self,
+        on_stream: Callable[[RelayStream], None],
+        after_read: Callable[[], None] | None = None,
+    ) -> None:
         """Read the connection until it ends; ``on_stream`` gets each new call (synchronously:
-        it starts the handler). Returns when the peer closes, or must go (flood)."""
+        it starts the handler); ``after_read`` runs once everything one read brought was
+        handed out (the relay starts its group commit there). Returns when the peer closes, or
+        must go (flood)."""
         while True:
             try:
                 data = await self._sock.receive(_RECEIVE_BYTES)
@@ -563,6 +569,8 @@ class RelayConnection:
                     if not self._on_reset(event.stream_id):
                         self.flush()
                         return
+            if after_read is not None:
+                after_read()
             # Settings and ping acknowledgements, window updates.
             self.flush()
             if self._broken:

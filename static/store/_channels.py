@@ -148,6 +148,11 @@ class ChannelStore:
         """Whether :meth:`post_write` is available (SQLite: its writer has a thread of its own)."""
         return isinstance(self._db, SQLiteDatabase)
 
+    def write_now_if_idle(self, job: Callable[[SyncChannelWriter], None]) -> bool:
+        """Run ``job`` now if the writer is idle (see :meth:`SQLiteDatabase.write_now_if_idle`)."""
+        assert isinstance(self._db, SQLiteDatabase)
+        return self._db.write_now_if_idle(lambda writer: job(SyncChannelWriter(writer)))
+
     def post_write(self, job: Callable[[SyncChannelWriter], None]) -> None:
         """Run ``job`` in the store's writer thread (see :meth:`SQLiteDatabase.post_write`)."""
         assert isinstance(self._db, SQLiteDatabase)

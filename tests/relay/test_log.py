@@ -3,15 +3,23 @@ connections get their answers and deliveries in one write."""
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import trio
 
 from static.relay._framing import parse_message
 from static.relay._log import ChannelLog, ChannelState, Origin
 from static.store import open_database
 from static.store._channels import ChannelStore, EntryRecord
+from static.store._sqlite import SQLiteDatabase, SyncWriter
 from tests.relay import mls_vectors as mls
 
 CHANNEL = "org/log/order"
+
+
+async def db_entries(store: ChannelStore, state: ChannelState) -> list[EntryRecord]:
+    return await store.read(state.record.id, 0, 100)
 
 
 class _Connection:
@@ -206,4 +214,52 @@ async def test_pushed_entries_hold_back_the_keepalive(database_url: str) -> None
                 while not yielded:  # noqa: ASYNC110
                     await trio.sleep(0.05)
             assert yielded[0] - started > 2.5
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_writer_commits_at_the_end_of_the_read(tmp_path: Path) -> None:
+    """SQLite, nothing else writing: the publish is committed, answered and delivered in the
+    trio thread before ``commit_pending`` returns (no hand-off to the writer's thread)."""
+    async with open_database(f"sqlite:///{tmp_path / 'static.db'}") as db:
+        store = ChannelStore(db)
+        log = ChannelLog(store, application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            message = mls.application(CHANNEL, 0, b"m")
+            submitted = log.submit(state, parse_message(message), message, b"k")
+            assert not submitted.settled
+            log.commit_pending()  # what the connection's reader calls after a read
+            assert submitted.settled
+            assert log.result(submitted).seq == 1
+            assert [e.seq for e in await db_entries(store, state)] == [1]
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_busy_writer_takes_the_commit_on_its_thread(tmp_path: Path) -> None:
+    """While the writer's thread runs another job, the commit queues behind it there (the
+    event loop is not blocked), and still lands in order."""
+    async with open_database(f"sqlite:///{tmp_path / 'static.db'}") as db:
+        assert isinstance(db, SQLiteDatabase)
+        store = ChannelStore(db)
+        log = ChannelLog(store, application_window=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(log.run_writer)
+            state = await log.create("scope", CHANNEL)
+            gate = threading.Event()
+
+            def hold(_writer: SyncWriter) -> None:
+                gate.wait()
+
+            db.post_write(hold)
+            submitted = []
+            for n in range(3):
+                message = mls.application(CHANNEL, 0, b"m%d" % n)
+                submitted.append(log.submit(state, parse_message(message), message, b"k%d" % n))
+            log.commit_pending()
+            assert not any(s.settled for s in submitted)
+            gate.set()
+            results = [await log.outcome(s) for s in submitted]
+            assert [r.seq for r in results] == [1, 2, 3]
+            assert [e.seq for e in await db_entries(store, state)] == [1, 2, 3]
             nursery.cancel_scope.cancel()
