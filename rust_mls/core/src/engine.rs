@@ -357,6 +357,24 @@ fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>)
     Ok(())
 }
 
+/// Stores a decrypted application message in the inbox (with the state change that
+/// decrypted it: MLS deletes the key once used); its inbox row id, `None` for anything else.
+fn keep_for_caller(
+    conn: &rusqlite::Connection,
+    channel: &str,
+    seq: u64,
+    incoming: &Incoming,
+) -> Result<Option<i64>> {
+    let Incoming::Application {
+        sender, payload, ..
+    } = incoming
+    else {
+        return Ok(None);
+    };
+    store::inbox_push(conn, channel, seq, sender, payload)?;
+    Ok(Some(conn.last_insert_rowid()))
+}
+
 /// What [`apply_entries_fast`] did.
 struct FastBatch {
     applied: Vec<Applied>,
@@ -393,14 +411,7 @@ fn apply_entries_fast(
             .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
         match outcome {
             Ok(incoming) => {
-                let mut inbox_id = None;
-                if let Incoming::Application {
-                    sender, payload, ..
-                } = &incoming
-                {
-                    store::inbox_push(conn, channel, seq, sender, payload)?;
-                    inbox_id = Some(conn.last_insert_rowid());
-                }
+                let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
                 batch.removed = matches!(incoming, Incoming::Removed { .. });
                 batch.epoch_changed |= changes_epoch(&incoming);
                 last = Some(seq);
@@ -824,14 +835,7 @@ impl Engine {
                 });
                 match outcome {
                     Ok(incoming) => {
-                        let mut inbox_id = None;
-                        if let Incoming::Application {
-                            sender, payload, ..
-                        } = &incoming
-                        {
-                            store::inbox_push(conn, channel, seq, sender, payload)?;
-                            inbox_id = Some(conn.last_insert_rowid());
-                        }
+                        let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
                         removed = matches!(incoming, Incoming::Removed { .. });
                         epoch_changed |= changes_epoch(&incoming);
                         if !removed {
