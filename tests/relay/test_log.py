@@ -75,6 +75,15 @@ async def _follow(log: ChannelLog, state: ChannelState, connection: _Connection)
             connection.events.append(("yielded", connection.name, False))
 
 
+async def _follow_in_order(run: _Running, *connections: _Connection) -> None:
+    """Subscribe ``connections`` to the channel one after the other, each parked at the head
+    before the next starts."""
+    for n, connection in enumerate(connections, start=1):
+        run.nursery.start_soon(_follow, run.log, run.state, connection)
+        while len(run.state.followers) < n:  # noqa: ASYNC110  (a test waiting for a task)
+            await trio.sleep(0.001)
+
+
 async def test_other_connections_are_served_first_and_the_publisher_in_one_write(
     database_url: str,
 ) -> None:
@@ -82,14 +91,9 @@ async def test_other_connections_are_served_first_and_the_publisher_in_one_write
     alice = _Connection("alice", events)
     bob = _Connection("bob", events)
     async with _running_log(database_url) as run:
-        log, state, nursery = run.log, run.state, run.nursery
+        log, state = run.log, run.state
         # Alice's own subscription subscribes first: set order must not matter.
-        nursery.start_soon(_follow, log, state, alice)
-        while len(state.followers) < 1:  # noqa: ASYNC110  (a test waiting for a task)
-            await trio.sleep(0.001)
-        nursery.start_soon(_follow, log, state, bob)
-        while len(state.followers) < 2:  # noqa: ASYNC110
-            await trio.sleep(0.001)
+        await _follow_in_order(run, alice, bob)
         for n in range(3):
             message = mls.application(CHANNEL, 0, b"m%d" % n)
             submitted = log.submit(state, parse_message(message), message, b"k%d" % n, origin=alice)
@@ -118,11 +122,8 @@ async def test_a_publish_from_elsewhere_is_pushed_to_every_subscriber(database_u
     alice = _Connection("alice", events)
     bob = _Connection("bob", events)
     async with _running_log(database_url) as run:
-        log, state, nursery = run.log, run.state, run.nursery
-        nursery.start_soon(_follow, log, state, alice)
-        nursery.start_soon(_follow, log, state, bob)
-        while len(state.followers) < 2:  # noqa: ASYNC110
-            await trio.sleep(0.001)
+        log, state = run.log, run.state
+        await _follow_in_order(run, alice, bob)
         message = mls.application(CHANNEL, 0)
         await log.publish(state, parse_message(message), message, b"k")
         assert sorted(events) == [("deliver", "alice", False), ("deliver", "bob", False)]

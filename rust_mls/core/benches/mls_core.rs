@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use static_core::bench_support::{
-    ed25519_engine_sign_verify_ns, ed25519_sign_verify_ns, synthetic_key_packages,
+    ed25519_engine_sign_verify_ns, ed25519_sign_verify_ns, synthetic_key_packages, two_member_group,
 };
 use static_core::Engine;
 
@@ -16,12 +16,7 @@ const CH: &str = "bench/mls/core";
 fn pair(dir: &std::path::Path, tag: &str) -> (Engine, Engine) {
     let a = Engine::open(dir.join(format!("{tag}a")), b"alice").unwrap();
     let b = Engine::open(dir.join(format!("{tag}b")), b"bob").unwrap();
-    a.create_group(CH).unwrap();
-    let out = a
-        .add_member(CH, &b.generate_key_package().unwrap())
-        .unwrap();
-    a.merge_pending_commit(CH).unwrap();
-    b.join_group(CH, &out.welcome).unwrap();
+    two_member_group(&a, &b, CH).unwrap();
     (a, b)
 }
 

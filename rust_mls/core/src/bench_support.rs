@@ -21,6 +21,16 @@ fn internal(e: impl std::fmt::Debug) -> Error {
     Error::Internal(format!("{e:?}"))
 }
 
+/// Makes `channel` a two-member group: `creator` creates it and adds `joiner`, who joins from
+/// the Welcome. Shared by the benchmarks and the crash tests' child processes.
+pub fn two_member_group(creator: &Engine, joiner: &Engine, channel: &str) -> Result<()> {
+    creator.create_group(channel)?;
+    let out = creator.add_member(channel, &joiner.generate_key_package()?)?;
+    creator.merge_pending_commit(channel)?;
+    joiner.join_group(channel, &out.welcome)?;
+    Ok(())
+}
+
 /// `n` key packages of distinct throwaway identities (`member-<i>`), as `MLSMessage` bytes,
 /// for building large groups. Their private keys live in an in-memory store and are dropped.
 pub fn synthetic_key_packages(n: usize) -> Result<Vec<Vec<u8>>> {

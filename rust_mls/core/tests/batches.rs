@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
+use static_core::bench_support::two_member_group;
 use static_core::{Applied, Cursor, Engine, Incoming};
 
 fn reopen(agent: Agent, name: &str) -> Agent {
@@ -247,12 +248,7 @@ fn batch_crash_child() {
     let a = Engine::open(dir.join("alice"), b"alice").unwrap();
     let b = Engine::open(dir.join("bob"), b"bob").unwrap();
     if !a.has_group(CRASH_CH) {
-        a.create_group(CRASH_CH).unwrap();
-        let out = a
-            .add_member(CRASH_CH, &b.generate_key_package().unwrap())
-            .unwrap();
-        a.merge_pending_commit(CRASH_CH).unwrap();
-        b.join_group(CRASH_CH, &out.welcome).unwrap();
+        two_member_group(&a, &b, CRASH_CH).unwrap();
     }
     let log_path = dir.join("log");
     let mut seq = read_log(&log_path).len() as u64;

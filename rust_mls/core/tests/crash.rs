@@ -7,6 +7,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use static_core::bench_support::two_member_group;
 use static_core::{Engine, Incoming};
 
 const CH: &str = "acme/agents/crash";
@@ -21,12 +22,7 @@ fn crash_child() {
     let a = Engine::open(dir.join("alice"), b"alice").unwrap();
     let b = Engine::open(dir.join("bob"), b"bob").unwrap();
     if !a.has_group(CH) {
-        a.create_group(CH).unwrap();
-        let out = a
-            .add_member(CH, &b.generate_key_package().unwrap())
-            .unwrap();
-        a.merge_pending_commit(CH).unwrap();
-        b.join_group(CH, &out.welcome).unwrap();
+        two_member_group(&a, &b, CH).unwrap();
     }
     println!("ready");
     loop {
