@@ -75,6 +75,12 @@ async def _follow(log: ChannelLog, state: ChannelState, connection: _Connection)
             connection.events.append(("yielded", connection.name, False))
 
 
+def _alice_and_bob() -> tuple[list[tuple[str, str, bool]], _Connection, _Connection]:
+    """Two recorded connections writing to one list of events."""
+    events: list[tuple[str, str, bool]] = []
+    return events, _Connection("alice", events), _Connection("bob", events)
+
+
 async def _follow_in_order(run: _Running, *connections: _Connection) -> None:
     """Subscribe ``connections`` to the channel one after the other, each parked at the head
     before the next starts."""
@@ -87,9 +93,7 @@ async def _follow_in_order(run: _Running, *connections: _Connection) -> None:
 async def test_other_connections_are_served_first_and_the_publisher_in_one_write(
     database_url: str,
 ) -> None:
-    events: list[tuple[str, str, bool]] = []
-    alice = _Connection("alice", events)
-    bob = _Connection("bob", events)
+    events, alice, bob = _alice_and_bob()
     async with _running_log(database_url) as run:
         log, state = run.log, run.state
         # Alice's own subscription subscribes first: set order must not matter.
@@ -118,9 +122,7 @@ async def test_other_connections_are_served_first_and_the_publisher_in_one_write
 
 
 async def test_a_publish_from_elsewhere_is_pushed_to_every_subscriber(database_url: str) -> None:
-    events: list[tuple[str, str, bool]] = []
-    alice = _Connection("alice", events)
-    bob = _Connection("bob", events)
+    events, alice, bob = _alice_and_bob()
     async with _running_log(database_url) as run:
         log, state = run.log, run.state
         await _follow_in_order(run, alice, bob)

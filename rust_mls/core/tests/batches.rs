@@ -6,11 +6,10 @@
 mod common;
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use static_core::bench_support::two_member_group;
 use static_core::{Applied, Cursor, Engine, Incoming};
 
 fn reopen(agent: Agent, name: &str) -> Agent {
@@ -243,13 +242,9 @@ fn read_log(path: &Path) -> Vec<Vec<u8>> {
 #[test]
 #[ignore = "run as a child process by kill_during_batches_leaves_a_consistent_store"]
 fn batch_crash_child() {
-    let Ok(dir) = std::env::var(ENV) else { return };
-    let dir = PathBuf::from(dir);
-    let a = Engine::open(dir.join("alice"), b"alice").unwrap();
-    let b = Engine::open(dir.join("bob"), b"bob").unwrap();
-    if !a.has_group(CRASH_CH) {
-        two_member_group(&a, &b, CRASH_CH).unwrap();
-    }
+    let Some((dir, a, b)) = common::child_pair(ENV, CRASH_CH) else {
+        return;
+    };
     let log_path = dir.join("log");
     let mut seq = read_log(&log_path).len() as u64;
     let mut log = std::fs::OpenOptions::new()

@@ -4,10 +4,8 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use static_core::bench_support::two_member_group;
 use static_core::{Engine, Incoming};
 
 const CH: &str = "acme/agents/crash";
@@ -17,13 +15,9 @@ const ENV: &str = "STATIC_CORE_CRASH_DIR";
 #[test]
 #[ignore = "run as a child process by kill_mid_write_leaves_a_loadable_store"]
 fn crash_child() {
-    let Ok(dir) = std::env::var(ENV) else { return };
-    let dir = PathBuf::from(dir);
-    let a = Engine::open(dir.join("alice"), b"alice").unwrap();
-    let b = Engine::open(dir.join("bob"), b"bob").unwrap();
-    if !a.has_group(CH) {
-        two_member_group(&a, &b, CH).unwrap();
-    }
+    let Some((_, a, b)) = common::child_pair(ENV, CH) else {
+        return;
+    };
     println!("ready");
     loop {
         for _ in 0..5 {

@@ -5,6 +5,19 @@ use tempfile::TempDir;
 
 pub const CH: &str = "acme/agents/planner";
 
+/// In a crash test's child process (the data directory in `env`): that directory, and
+/// alice's and bob's engines in it with `channel` a two-member group (made on the first run).
+/// `None` when the test runs on its own, not as a child.
+pub fn child_pair(env: &str, channel: &str) -> Option<(std::path::PathBuf, Engine, Engine)> {
+    let dir = std::path::PathBuf::from(std::env::var(env).ok()?);
+    let a = Engine::open(dir.join("alice"), b"alice").unwrap();
+    let b = Engine::open(dir.join("bob"), b"bob").unwrap();
+    if !a.has_group(channel) {
+        static_core::bench_support::two_member_group(&a, &b, channel).unwrap();
+    }
+    Some((dir, a, b))
+}
+
 pub struct Agent {
     pub dir: TempDir,
     pub engine: Engine,
