@@ -216,12 +216,17 @@ def main() -> None:
                 answers = channel.messages()
                 rtts = []
                 payload = b"p" * PAYLOAD
+                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
                 for _ in range(args.round_trips):
                     started = time.perf_counter()
                     channel.send(payload)
                     next(answers)
                     rtts.append((time.perf_counter() - started) * 1000)
                 assert ours.recv() == "echoed"
+                rtt_cpu = {
+                    name: (_cpu_seconds(pid) - before[name]) / args.round_trips * 1e6
+                    for name, pid in pids.items()
+                }
                 stages = trace(channel, ours, min(args.round_trips, 300))
                 ours.send("stop")
         finally:
@@ -242,6 +247,8 @@ def main() -> None:
         f"  round trip: median {statistics.median(rtts):.2f} ms, p99 {p99:.2f} ms"
         "   (targets <= 1.5 ms, <= 5 ms)"
     )
+    per_trip = ", ".join(f"{name} {us:.0f} us" for name, us in rtt_cpu.items())
+    print(f"    CPU per round trip: {per_trip}")
     print("  reference, AGNTCY SLIM 3.3.8: ~3,600 msg/s one-way; RTT median 1.9 ms at best")
     print("  where a round trip goes (ms, median and p99; the relay's ack and delivery overlap):")
     for label, (median, p99_ms) in stages:
