@@ -121,13 +121,13 @@ def one_way(channel: object, conn: Connection, messages: int, senders: int) -> f
 # (label, (process, stage) it starts at, (process, stage) it ends at); stages index timings():
 # 0 send started, 1 encrypted, 2 acknowledged, 3 received, 4 applied, 5 handed out.
 _STAGES = [
-    ("A encrypt (queue + MLS + fsync)", ("a", 0), ("a", 1)),
+    ("A encrypt (queue + MLS + store)", ("a", 0), ("a", 1)),
     ("A publish until relay ack", ("a", 1), ("a", 2)),
     ("relay delivery A -> B", ("a", 1), ("b", 3)),
     ("B decrypt + store (apply)", ("b", 3), ("b", 4)),
     ("B hand-out to its loop", ("b", 4), ("b", 5)),
     ("B loop until send()", ("b", 5), ("b", 0)),
-    ("B encrypt (queue + MLS + fsync)", ("b", 0), ("b", 1)),
+    ("B encrypt (queue + MLS + store)", ("b", 0), ("b", 1)),
     ("relay delivery B -> A", ("b", 1), ("a", 3)),
     ("A decrypt + store (apply)", ("a", 3), ("a", 4)),
     ("A hand-out to its loop", ("a", 4), ("a", 5)),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -171,3 +174,35 @@ def test_client_process_killed_and_restarted(
     assert bobs.epoch_authenticator() == channel.epoch_authenticator()
     bobs.send(b"bob is back")
     assert receive_n(channel, 1) == [b"bob is back"]
+
+
+def test_machine_restart_moves_to_a_new_epoch_before_sending(
+    relay: ServerProcess, clients: Clients, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sends do not wait for the disk, so a power loss may take back the ratchet advance of a
+    message already sent. After the machine restarts, the client first moves the channel to a
+    new epoch, so that no key and nonce is used twice: Bob reads every message (one encrypted
+    with a reused generation would be unreadable for him)."""
+    monkeypatch.setenv("STATIC_TEST_BOOT_ID", "boot-1")
+    alices, bobs = clients.pair(relay)
+    alices.send(b"one")
+    assert receive_n(bobs, 1) == [b"one"]
+    data_dir = tmp_path / "agent-alice"
+    disk = tmp_path / "what-the-disk-keeps.sqlite3"
+    with contextlib.closing(sqlite3.connect(data_dir / "mls.sqlite3")) as db:
+        db.execute("VACUUM INTO ?", (str(disk),))
+    alices.send(b"two")
+    assert receive_n(bobs, 1) == [b"two"]
+    epoch = alices.epoch()
+
+    # The power goes: the disk holds the copy, whose last opening was not closed.
+    clients.opened[0].close()
+    for written in data_dir.glob("mls.sqlite3*"):
+        written.unlink()
+    shutil.copy(disk, data_dir / "mls.sqlite3")
+    monkeypatch.setenv("STATIC_TEST_BOOT_ID", "boot-2")
+    channel = clients(relay, b"alice").open_channel(alices.name)
+    channel.send(b"three")
+    assert receive_n(bobs, 1) == [b"three"]
+    assert channel.epoch() == bobs.epoch() == epoch + 1
+    assert channel.epoch_authenticator() == bobs.epoch_authenticator()

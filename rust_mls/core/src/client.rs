@@ -1044,6 +1044,16 @@ impl Channel {
         }
         self.check_usable()?;
         stamp(&self.timings.send_started);
+        if self.shared.engine()?.needs_fresh_epoch(&self.name)? {
+            // The machine went down while this channel was open: move to a new epoch first.
+            self.block_on(self.commit(Arc::new(|e: &Engine, name: &str| {
+                Ok(if e.needs_fresh_epoch(name)? {
+                    Some((e.self_update(name)?, None))
+                } else {
+                    None
+                })
+            })))?;
+        }
         let payload = Arc::new(payload);
         let deadline = Instant::now() + self.shared.retry_deadline;
         let mut answer = self.encrypt_and_publish(&payload, deadline);
@@ -1153,12 +1163,13 @@ impl Channel {
             handoff.0 - 1
         };
         drop(encrypting);
-        // Nothing leaves before the state that produced it is on disk.
+        // Nothing leaves before the state that produced it is written (and, where a crash of
+        // the machine could not be told afterwards, on disk).
         let encrypted = encrypted.and_then(|messages| {
             engine
                 .as_ref()
                 .map_err(Clone::clone)
-                .and_then(|engine| engine.sync())
+                .and_then(|engine| engine.sync_before_send())
                 .map(|()| messages)
         });
         let mut handoff = lock(&self.handoff.0);

@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -107,6 +108,27 @@ pub struct Engine {
     db: Mutex<Db>,
     groups: Mutex<HashMap<String, Arc<Mutex<GroupSlot>>>>,
     data_dir: PathBuf,
+    /// The kernel's boot id at opening; `None` where the system has none. See
+    /// [`Engine::sync_before_send`].
+    boot_id: Option<String>,
+    /// Whether some group must move to a new epoch before we encrypt in it (see
+    /// [`Engine::open`]); when false (nearly always) encrypting does not look.
+    fresh_epochs_needed: AtomicBool,
+}
+
+/// Where Linux keeps the id of the running boot (a new random one at every boot).
+const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Overrides the boot id, for tests that simulate a machine restart.
+pub const BOOT_ID_ENV: &str = "STATIC_TEST_BOOT_ID";
+
+/// The id of the running boot of the machine, `None` when the system does not say.
+fn current_boot_id() -> Option<String> {
+    std::env::var(BOOT_ID_ENV)
+        .ok()
+        .or_else(|| std::fs::read_to_string(BOOT_ID_FILE).ok())
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -279,7 +301,7 @@ fn apply_message(
             group
                 .merge_pending_commit(provider)
                 .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
-            store::clear_pending_commit(conn, channel)?;
+            store::own_commit_merged(conn, channel)?;
             return Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
             });
@@ -330,7 +352,7 @@ fn apply_message(
             group
                 .merge_pending_commit(provider)
                 .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
-            store::clear_pending_commit(conn, channel)?;
+            store::own_commit_merged(conn, channel)?;
             Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
             })
@@ -455,14 +477,32 @@ fn apply_entries_fast(
 impl Engine {
     /// Opens (or creates) the engine of `identity` under `data_dir`. The directory is locked
     /// for the life of the engine; a data_dir created for another identity is refused.
+    ///
+    /// Sends skip the disk sync where the machine has a boot id (see
+    /// [`Engine::sync_before_send`]). In exchange, the opening records the boot id and, on a
+    /// clean close, that every commit is on disk; opening after the machine went down while
+    /// the engine was open (another boot id, not closed cleanly) means sends that were not on
+    /// disk yet may be lost, which would make encrypting again reuse their generations' keys and
+    /// nonces: every group is then marked to need a commit of ours (a new epoch, fresh secrets)
+    /// before we encrypt in it again.
     pub fn open(data_dir: impl AsRef<Path>, identity: &[u8]) -> Result<Self> {
+        Self::open_with_boot_id(data_dir, identity, current_boot_id())
+    }
+
+    /// [`Engine::open`] as if the machine's boot id were `boot_id` (tests simulate restarts).
+    #[doc(hidden)]
+    pub fn open_with_boot_id(
+        data_dir: impl AsRef<Path>,
+        identity: &[u8],
+        boot_id: Option<String>,
+    ) -> Result<Self> {
         let data_dir = data_dir.as_ref().to_owned();
         if identity.is_empty() {
             return Err(Error::Internal("identity must not be empty".into()));
         }
         let db = Db::open(&data_dir)?;
         let crypto = StaticCrypto::default();
-        let (signer, groups) = db.transaction(|conn| -> Result<_> {
+        let (signer, groups, fresh_epochs_needed) = db.transaction(|conn| -> Result<_> {
             let provider = Provider::new(&crypto, conn);
             let signer = match store::read_identity(conn)? {
                 Some((stored, public)) => {
@@ -500,7 +540,19 @@ impl Engine {
             }
             let signer = Ed25519Signer::from_key_pair(&signer)
                 .map_err(|e| Error::Internal(format!("the stored signature key: {e}")))?;
-            Ok((signer, groups))
+            // Committed durably (like all of this transaction) before any send of this opening.
+            let sends_lost = match store::read_session(conn)? {
+                Some((Some(previous), false)) => boot_id.as_deref() != Some(previous.as_str()),
+                _ => false,
+            };
+            if sends_lost {
+                for name in groups.keys() {
+                    store::require_fresh_epoch(conn, name)?;
+                }
+            }
+            store::write_session(conn, boot_id.as_deref(), false)?;
+            let fresh_epochs_needed = store::any_fresh_epoch_needed(conn)?;
+            Ok((signer, groups, fresh_epochs_needed))
         })?;
         let credential = CredentialWithKey {
             credential: BasicCredential::new(identity.to_vec()).into(),
@@ -514,6 +566,8 @@ impl Engine {
             db: Mutex::new(db),
             groups: Mutex::new(groups),
             data_dir,
+            boot_id,
+            fresh_epochs_needed: AtomicBool::new(fresh_epochs_needed),
         })
     }
 
@@ -760,7 +814,7 @@ impl Engine {
             group
                 .merge_pending_commit(provider)
                 .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
-            store::clear_pending_commit(conn, channel)?;
+            store::own_commit_merged(conn, channel)?;
             Ok(group.epoch().as_u64())
         })?;
         self.checkpoint();
@@ -786,7 +840,8 @@ impl Engine {
                 payload.len()
             )));
         }
-        self.with_group(channel, |group, provider, _| {
+        self.with_group(channel, |group, provider, conn| {
+            self.check_may_encrypt(conn, channel)?;
             let msg = group
                 .create_message(provider, &self.signer, payload)
                 .map_err(|e| Error::mls("cannot encrypt", e))?;
@@ -887,10 +942,10 @@ impl Engine {
     }
 
     /// [`Engine::encrypt_many`] whose transaction does not wait for the disk: the caller MUST
-    /// call [`Engine::sync`] before any returned message leaves the process (a message sent
-    /// from a state a power loss could take back would let a later message reuse its
-    /// generation, and so its key and nonce). Lets a sender encrypt the next batch while the
-    /// previous one is being synced.
+    /// call [`Engine::sync_before_send`] before any returned message leaves the process (a
+    /// message sent from a state a power loss could take back would let a later message reuse
+    /// its generation, and so its key and nonce, unless that loss is detected). Lets a sender
+    /// encrypt the next batch while the previous one is being synced.
     pub fn encrypt_many_unsynced(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
         self.encrypt_with_durability(channel, payloads, false)
     }
@@ -912,6 +967,43 @@ impl Engine {
         }
     }
 
+    /// What a sender calls between [`Engine::encrypt_many_unsynced`] and sending the
+    /// messages. Where the machine has a boot id this does not wait for the disk: the messages
+    /// are written (a killed process loses nothing) and a power loss or crash of the machine is
+    /// detected at the next opening, which then requires a new epoch before encrypting again
+    /// (see [`Engine::open`]). Elsewhere it is [`Engine::sync`].
+    pub fn sync_before_send(&self) -> Result<()> {
+        if self.boot_id.is_some() {
+            Ok(())
+        } else {
+            self.sync()
+        }
+    }
+
+    /// Whether we must commit (e.g. [`Engine::self_update`]) before encrypting in `channel`:
+    /// only after the machine went down while the engine was open (see [`Engine::open`]).
+    pub fn needs_fresh_epoch(&self, channel: &str) -> Result<bool> {
+        if !self.fresh_epochs_needed.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let db = lock(&self.db);
+        Ok(store::fresh_epoch_needed(&db.conn, channel)?)
+    }
+
+    /// Refuses to encrypt where our sending generations of the epoch may have been lost.
+    fn check_may_encrypt(&self, conn: &rusqlite::Connection, channel: &str) -> Result<()> {
+        if self.fresh_epochs_needed.load(Ordering::Relaxed)
+            && store::fresh_epoch_needed(conn, channel)?
+        {
+            return Err(Error::Mls(format!(
+                "cannot encrypt in channel {channel:?} before a commit of ours: the machine went \
+                 down while it was open, so messages it sent at this epoch may be unknown to it \
+                 (rotate_keys moves the channel to a new epoch)"
+            )));
+        }
+        Ok(())
+    }
+
     fn encrypt_with_durability(
         &self,
         channel: &str,
@@ -926,7 +1018,8 @@ impl Engine {
                 )));
             }
         }
-        self.with_group_durability(channel, durable, |group, provider, _| {
+        self.with_group_durability(channel, durable, |group, provider, conn| {
+            self.check_may_encrypt(conn, channel)?;
             // One write of the ratchet state for the batch, not one per message (the
             // transaction commits it before any ciphertext is returned).
             if payloads.len() > 1 {
@@ -1129,10 +1222,10 @@ impl Engine {
     /// [`Engine::with_group`] with a choice of durability: `durable == false` commits with
     /// `synchronous=NORMAL` (see [`crate::store::Db::light_transaction`]): atomic and safe
     /// against the process being killed, but a power loss may take back the last commits.
-    /// Only for changes that can be redone from the relay's log (applying entries); never for
-    /// encryption, whose ratchet advance must be on disk before the message leaves (a lost
-    /// advance would reuse a nonce). A later durable commit syncs the earlier light ones too
-    /// (the WAL is written in order).
+    /// For changes that can be redone from the relay's log (applying entries), and for
+    /// encryption followed by [`Engine::sync_before_send`] (a lost ratchet advance would reuse
+    /// a key and nonce: either it is synced, or its loss is detected at the next opening). A
+    /// later durable commit syncs the earlier light ones too (the WAL is written in order).
     fn with_group_durability<T>(
         &self,
         channel: &str,
@@ -1177,6 +1270,13 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.checkpoint();
+        // Everything on disk, then recorded as such (durably): the next opening need not
+        // suspect lost sends, whatever happens to the machine meanwhile.
+        if self.sync().is_ok() {
+            let db = lock(&self.db);
+            let _ =
+                db.transaction(|conn| store::write_session(conn, self.boot_id.as_deref(), true));
+        }
     }
 }
 

@@ -4,7 +4,8 @@
 //! The product surface is [`Engine`]: one MLS client (an identity and its signature key) with
 //! its groups, persisted under a data directory. Every method is safe to call from several
 //! threads at once (`Engine: Send + Sync`); each group is guarded by its own mutex and every
-//! state change is committed durably before the call returns (see [`store`]).
+//! state change is committed before the call returns (durably, or such that a crash of the
+//! machine is detected and answered: see [`store`]).
 
 #![forbid(unsafe_code)]
 

@@ -15,7 +15,12 @@
 //!   killing the process at any moment, or losing power, leaves the last committed state, which
 //!   loads. Applying the relay's log (and taking from the inbox) commits with
 //!   `synchronous=NORMAL` instead ([`Db::light_transaction`]): still atomic and safe against a
-//!   killed process; a power loss may take back such commits, which are redone from the log. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
+//!   killed process; a power loss may take back such commits, which are redone from the log.
+//!   Encrypting application messages too, where the kernel has a boot id: a power loss may
+//!   then take back ratchet advances of messages already sent, which the next opening detects
+//!   (another boot, not closed cleanly: `static_session`) and answers by requiring a commit of
+//!   ours in each group before encrypting there again (`static_fresh_epoch_needed`), so no key
+//!   and nonce is ever used twice. Commits and proposals stay durable. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
 //!   group state per message and would still need a journal across the several keys OpenMLS
 //!   writes per operation.
 //! * **Deleted secrets are gone.** `secure_delete=ON` overwrites deleted rows (used message keys,
@@ -289,7 +294,19 @@ impl Db {
                  sender BLOB NOT NULL,
                  payload BLOB NOT NULL
              );
-             CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);",
+             CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);
+             -- The engine's last opening: the kernel's boot id then (NULL: unknown, every send
+             -- was synced) and whether it was closed cleanly (see `Engine::open`).
+             CREATE TABLE IF NOT EXISTS static_session (
+                 id INTEGER PRIMARY KEY CHECK (id = 0),
+                 boot_id TEXT,
+                 clean INTEGER NOT NULL
+             );
+             -- Groups in which we must not encrypt until a commit of ours moved them to a new
+             -- epoch: after the machine went down, sends not yet on disk may have been lost.
+             CREATE TABLE IF NOT EXISTS static_fresh_epoch_needed (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
+             );",
         )?;
         // After the schema exists: the checkpointer's connection needs the database in WAL mode.
         let checkpointer = Checkpointer::start(&path)?;
@@ -453,6 +470,64 @@ pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, 
 
 pub fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute("DELETE FROM static_pending_commits WHERE name = ?1", [name])?;
+    Ok(())
+}
+
+/// The engine's last opening: (boot id, closed cleanly).
+pub fn read_session(conn: &Connection) -> Result<Option<(Option<String>, bool)>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT boot_id, clean FROM static_session WHERE id = 0",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?)
+}
+
+pub fn write_session(
+    conn: &Connection,
+    boot_id: Option<&str>,
+    clean: bool,
+) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO static_session (id, boot_id, clean) VALUES (0, ?1, ?2)",
+        (boot_id, clean),
+    )?;
+    Ok(())
+}
+
+pub fn require_fresh_epoch(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR IGNORE INTO static_fresh_epoch_needed (name) VALUES (?1)",
+        [name],
+    )?;
+    Ok(())
+}
+
+pub fn fresh_epoch_needed(conn: &Connection, name: &str) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM static_fresh_epoch_needed WHERE name = ?1")?
+        .query_row([name], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
+pub fn any_fresh_epoch_needed(conn: &Connection) -> Result<bool, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT 1 FROM static_fresh_epoch_needed LIMIT 1",
+            [],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// Our pending commit was merged: it is gone, and the group is at an epoch of its own making.
+pub fn own_commit_merged(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    clear_pending_commit(conn, name)?;
+    conn.prepare_cached("DELETE FROM static_fresh_epoch_needed WHERE name = ?1")?
+        .execute([name])?;
     Ok(())
 }
 
