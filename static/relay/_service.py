@@ -126,6 +126,10 @@ class RelayService:
         for guard in list(self._subscriptions):
             guard.end(Unavailable("relay is shutting down"))
 
+    def reading(self) -> None:
+        """A connection's reader hands out a read; :meth:`commit_pending` follows it."""
+        self._log.reader_will_commit()
+
     def commit_pending(self) -> None:
         """A connection's read is handed out: what it published goes to the store now."""
         self._log.commit_pending()

@@ -529,52 +529,64 @@ class RelayConnection:
         self,
         on_stream: Callable[[RelayStream], None],
         after_read: Callable[[], None] | None = None,
+        before_read: Callable[[], None] | None = None,
     ) -> None:
         """Read the connection until it ends; ``on_stream`` gets each new call (synchronously:
         it starts the handler); ``after_read`` runs once everything one read brought was
-        handed out (the relay starts its group commit there). Returns when the peer closes, or
-        must go (flood)."""
+        handed out (the relay starts its group commit there), and ``before_read`` before that
+        (``after_read`` is then sure to follow, whatever happens meanwhile). Returns when the
+        peer closes, or must go (flood)."""
         while True:
             try:
                 data = await self._sock.receive(_RECEIVE_BYTES)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return
             events = self.grpc.receive_data(data)
-            streams = self._streams
-            for event in events:
-                kind = type(event)
-                if kind is MessageReceived or kind is MessageTooLarge:
-                    target = streams.get(event.stream_id)
-                    if target is not None:
-                        target._deliver(event)
-                elif kind is RequestReceived:
-                    stream = streams[event.stream_id] = RelayStream(self, event.stream_id, event)
-                    on_stream(stream)
-                elif kind is RequestEnded:
-                    target = streams.get(event.stream_id)
-                    if target is not None:
-                        target._deliver(event)
-                elif kind is WindowUpdated:
-                    if event.stream_id == 0:
-                        for waiter in list(self.credit_waiters):
-                            waiter._window_opened()
-                    else:
-                        target = streams.get(event.stream_id)
-                        if target is not None:
-                            target._window_opened()
-                elif kind is StreamWasReset:
-                    gone = streams.pop(event.stream_id, None)
-                    if gone is not None:
-                        gone._lost()
-                    if not self._on_reset(event.stream_id):
-                        self.flush()
-                        return
-            if after_read is not None:
-                after_read()
+            if before_read is not None:
+                before_read()
+            try:
+                if not self._hand_out(events, on_stream):
+                    return
+            finally:
+                if after_read is not None:
+                    after_read()
             # Settings and ping acknowledgements, window updates.
             self.flush()
             if self._broken:
                 return
+
+    def _hand_out(self, events: list[Any], on_stream: Callable[[RelayStream], None]) -> bool:
+        """Hand one read's events to their streams; False when the connection must go."""
+        streams = self._streams
+        for event in events:
+            kind = type(event)
+            if kind is MessageReceived or kind is MessageTooLarge:
+                target = streams.get(event.stream_id)
+                if target is not None:
+                    target._deliver(event)
+            elif kind is RequestReceived:
+                stream = streams[event.stream_id] = RelayStream(self, event.stream_id, event)
+                on_stream(stream)
+            elif kind is RequestEnded:
+                target = streams.get(event.stream_id)
+                if target is not None:
+                    target._deliver(event)
+            elif kind is WindowUpdated:
+                if event.stream_id == 0:
+                    for waiter in list(self.credit_waiters):
+                        waiter._window_opened()
+                else:
+                    target = streams.get(event.stream_id)
+                    if target is not None:
+                        target._window_opened()
+            elif kind is StreamWasReset:
+                gone = streams.pop(event.stream_id, None)
+                if gone is not None:
+                    gone._lost()
+                if not self._on_reset(event.stream_id):
+                    self.flush()
+                    return False
+        return True
 
 
 @asynccontextmanager
