@@ -24,7 +24,9 @@ their own). So the relay keeps purerpc's protocol state machine and replaces the
   :class:`_CachingEncoder`);
 * DATA frames are encoded by hand in the common case, with h2's flow-control accounting
   (:func:`_send_data`), and a connection can be corked so that several answers leave in one
-  write (:meth:`RelayConnection.cork`).
+  write (:meth:`RelayConnection.cork`);
+* inbound DATA frames are parsed by hand in the common case too, with the same accounting, and
+  a frame holding one whole message skips purerpc's read buffer (:meth:`_Connection.receive_data`).
 """
 
 from __future__ import annotations
