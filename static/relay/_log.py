@@ -224,6 +224,9 @@ class ChannelLog:
         self._posted = False
         #: A :meth:`commit_pending` is due (at the end of the connection's read, else soon).
         self._scheduled = False
+        #: A connection's reader is handing out a read and calls :meth:`commit_pending` at its
+        #: end (see :meth:`reader_will_commit`).
+        self._reader_commits = False
         self._token: trio.lowlevel.TrioToken | None = None
         self._trio_thread = 0
         #: Submitted but not settled yet (threaded mode), and who waits for none to be left.
@@ -286,16 +289,27 @@ class ChannelLog:
         if not self._posted and not self._scheduled:
             # Committed once the connection's read is handed out (commit_pending, called by the
             # reader), or else at the next scheduling round: everything that read brought
-            # goes in one commit.
+            # goes in one commit. The scheduled round is only a safety net for publishes made
+            # by tasks; a reader that will commit anyway saves it (a wake-up of the event
+            # loop, its socketpair write and read, an extra poll: ~4% of the relay's CPU per
+            # single publish).
             self._scheduled = True
-            self._token.run_sync_soon(self.commit_pending)
+            if not self._reader_commits:
+                self._token.run_sync_soon(self.commit_pending)
         return submitted
+
+    def reader_will_commit(self) -> None:
+        """A connection's reader is about to hand out a read (synchronously) and promises to
+        call :meth:`commit_pending` once done: what is submitted until then is committed there,
+        without a scheduled commit."""
+        self._reader_commits = True
 
     def commit_pending(self) -> None:
         """Start the group commit of what was submitted (SQLite; in the trio thread): right
         here if the store's writer is idle (no thread hand-off either way: at low load the
         publish is answered and delivered before this returns), else on the writer's thread,
         where it follows the commit in progress."""
+        self._reader_commits = False
         if not self._scheduled:
             return
         self._scheduled = False

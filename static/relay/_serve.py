@@ -106,7 +106,9 @@ class _Relay:
                         streams.start_soon(self._stream, conn, stream, scope, early)
 
                     with conn.listening:
-                        await grpc_socket.serve(on_stream, self._service.commit_pending)
+                        await grpc_socket.serve(
+                            on_stream, self._service.commit_pending, self._service.reading
+                        )
                     if conn.flooded:
                         _log.warning("relay: closing %s: too many stream resets", peer)
                         grpc_socket.goaway(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)

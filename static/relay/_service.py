@@ -126,6 +126,10 @@ class RelayService:
         for guard in list(self._subscriptions):
             guard.end(Unavailable("relay is shutting down"))
 
+    def reading(self) -> None:
+        """A connection's reader hands out a read; :meth:`commit_pending` follows it."""
+        self._log.reader_will_commit()
+
     def commit_pending(self) -> None:
         """A connection's read is handed out: what it published goes to the store now."""
         self._log.commit_pending()
@@ -314,6 +318,7 @@ class RelayService:
         failure: list[BaseException] = []
         # True while ``read`` holds a request it has not queued yet (the consumer must wait).
         reading = [False]
+        answers = _Answers()
 
         def consume(event: Any) -> bool:
             """The connection's reader hands a request over as it arrives (saving a scheduling
@@ -346,7 +351,9 @@ class RelayService:
                 except Exception:  # noqa: BLE001  (a bug: logged, the item refused as INTERNAL)
                     _log.exception("relay: unexpected error")
                     batch.append(RelayError("internal error"))
-            queue_in.send_nowait(batch)
+            if not answers.take(stream, batch):
+                answers.behind += 1
+                queue_in.send_nowait(batch)
             return True
 
         async def read(nursery: trio.Nursery) -> None:
@@ -370,32 +377,41 @@ class RelayService:
                                 await self._try_submit(r, caller, stream.connection)
                                 for r in requests
                             ]
+                            answers.behind += 1
                             try:
                                 queue_in.send_nowait(batch)
                             except trio.WouldBlock:
                                 await queue_in.send(batch)
                 except RelayError as exc:
+                    answers.behind += 1
                     await queue_in.send(exc)
                 except DecodeError:
+                    answers.behind += 1
                     await queue_in.send(InvalidArgument("request is not a valid protobuf message"))
                 finally:
                     stream.consumer = None
 
         async def answer(nursery: trio.Nursery) -> None:
             """Answers in request order. A request whose items are being committed is left to
-            its commit callback (``pending``): this task is not woken for it, only for the
-            next request, the end of the call, or when the callback could not send it."""
+            its commit callback (``answers.pending``): this task is not woken for it, only for
+            the next request, the end of the call, or when the callback could not send it.
+            While this waits with nothing left to do, the consumer hands such requests to
+            their callbacks itself, without queueing them (:meth:`_Answers.take`)."""
             connection = stream.connection
-            pending: _PendingAnswer | None = None
             try:
                 while True:
                     with trio.CancelScope() as waiting:
-                        if pending is not None:
-                            pending.task_needed = waiting
+                        if answers.pending is not None:
+                            answers.pending.task_needed = waiting
+                        answers.idle = waiting
                         try:
                             batches = [await queue_out.receive()]
                         except trio.EndOfChannel:
                             batches = []
+                        finally:
+                            answers.idle = None
+                    # The consumer may have left one to a callback meanwhile.
+                    pending = answers.pending
                     if waiting.cancelled_caught:
                         batches = []  # the callback could not answer: do it here
                     elif not batches:
@@ -424,7 +440,9 @@ class RelayService:
                                 continue
                             await stream.send(_batch_response(batch), flush=False)
                     finally:
+                        answers.pending = pending
                         connection.flush()
+                    answers.behind -= len(batches)
             except (RelayError, *_GONE) as exc:
                 failure.append(exc)
                 nursery.cancel_scope.cancel()
@@ -695,6 +713,39 @@ class _PendingAnswer:
         await ChannelLog.wait_settled(self.last)
         if not self.answered:
             await self.stream.send(_batch_response(self.batch), flush=False)
+
+
+class _Answers:
+    """Where a PublishBatches call's answers stand, shared by its consumer (the connection's
+    reader) and its ``answer`` task."""
+
+    __slots__ = ("behind", "idle", "pending")
+
+    def __init__(self) -> None:
+        #: Requests queued for the answer task and not yet answered or left to a callback.
+        self.behind = 0
+        #: The answer task's wait, while it waits for a request with nothing else to do.
+        self.idle: trio.CancelScope | None = None
+        #: The request left to its commit callback, the latest one.
+        self.pending: _PendingAnswer | None = None
+
+    def take(self, stream: RelayStream, batch: list[Submitted | RelayError]) -> bool:
+        """Leave ``batch`` (just submitted) to its commit callback right away when every
+        earlier answer is out and the answer task waits with nothing to do: the order holds,
+        and that task is not woken for a request it would only pass on (~8% of the relay's
+        CPU per single publish). False: queue it for the task."""
+        last = _last_submitted(batch)
+        if (
+            last is None
+            or self.behind
+            or self.idle is None
+            or (self.pending is not None and not self.pending.answered)
+        ):
+            return False
+        self.pending = _PendingAnswer(stream, batch, last)
+        # When the callback cannot send the answer, the task wakes up and sends it.
+        self.pending.task_needed = self.idle
+        return True
 
 
 def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:

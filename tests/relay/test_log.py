@@ -259,3 +259,24 @@ async def test_a_busy_writer_takes_the_commit_on_its_thread(tmp_path: Path) -> N
         results = [await log.outcome(s) for s in submitted]
         assert [r.seq for r in results] == [1, 2, 3]
         assert [e.seq for e in await db_entries(store, state)] == [1, 2, 3]
+
+
+async def test_a_publish_while_a_reader_hands_out_a_read_waits_for_its_commit(
+    tmp_path: Path,
+) -> None:
+    """The reader promised to call ``commit_pending`` at the end of its read: a publish made
+    meanwhile schedules no commit round of its own (only the reader's call commits it), while
+    a publish made later by a task still gets that round."""
+    async with _running_log(f"sqlite:///{tmp_path / 'static.db'}") as run:
+        log, state = run.log, run.state
+        log.reader_will_commit()
+        message = mls.application(CHANNEL, 0, b"m0")
+        by_reader = log.submit(state, parse_message(message), message, b"k0")
+        await trio.sleep(0.05)  # plenty of scheduling rounds
+        assert not by_reader.settled
+        log.commit_pending()
+        assert by_reader.settled
+        message = mls.application(CHANNEL, 0, b"m1")
+        by_task = log.submit(state, parse_message(message), message, b"k1")
+        with trio.fail_after(5):
+            assert (await log.outcome(by_task)).seq == 2

@@ -4,6 +4,7 @@ enough here, the store is not what is under test."""
 from __future__ import annotations
 
 import errno
+import random
 import socket
 import struct
 import threading
@@ -360,4 +361,111 @@ def test_a_batch_answer_held_back_by_flow_control_leaves_once_the_window_opens(
     while stream_id not in raw.ended and time.monotonic() < deadline:
         assert raw.pump(0.1, ack=False)
     assert [a.results[0].accepted.seq for a in _batch_answers(raw, stream_id)] == [1, 2, 3, 4]
+    raw.close()
+
+
+def test_a_lone_batch_is_answered_from_its_commit_ahead_of_the_publishers_echo(
+    start_server: Start,
+) -> None:
+    """A PublishBatches request arriving while its call has nothing else to answer is left to
+    its commit callback by the connection's reader (the call's task is not woken for it): the
+    answer leaves with the commit, ahead of the publisher's own echo on the same connection.
+    (Queued for the task, it would leave only after the commit's write, behind the echo.)"""
+    server = start_server("--allow-anonymous")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+    raw = RawH2(server.relay_url)
+    received: dict[int, bytearray] = {}
+    order: list[tuple[str, int]] = []
+
+    def pump(subscription: int, call: int) -> None:
+        data = raw.sock.recv(65536)
+        assert data
+        for event in raw.conn.receive_data(data):
+            if not isinstance(event, h2.events.DataReceived):
+                continue
+            raw.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            buffer = received.setdefault(event.stream_id, bytearray())
+            buffer += event.data
+            while len(buffer) >= 5 and len(buffer) >= 5 + struct.unpack(">I", buffer[1:5])[0]:
+                length = struct.unpack(">I", buffer[1:5])[0]
+                body = bytes(buffer[5 : 5 + length])
+                del buffer[: 5 + length]
+                if event.stream_id == subscription:
+                    response = pb.SubscribeResponse.FromString(body)
+                    if response.HasField("entry"):
+                        order.append(("echo", response.entry.seq))
+                elif event.stream_id == call:
+                    answer = pb.PublishBatchResponse.FromString(body)
+                    order.append(("answer", answer.results[0].accepted.seq))
+        raw.flush()
+
+    def request(n: int) -> pb.PublishBatchRequest:
+        return pb.PublishBatchRequest(
+            requests=[
+                pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"m%d" % n))
+            ]
+        )
+
+    subscription = raw.start("Subscribe", pb.SubscribeRequest(channel=CHANNEL))
+    call = raw.start("PublishBatches", request(1), end=False)
+    raw.sock.settimeout(10)
+    while len(order) < 2:
+        pump(subscription, call)
+    assert sorted(order) == [("answer", 1), ("echo", 1)]
+    for n in range(2, 7):
+        order.clear()
+        body = request(n).SerializeToString()
+        raw.conn.send_data(call, struct.pack(">?I", False, len(body)) + body)
+        raw.flush()
+        while len(order) < 2:
+            pump(subscription, call)
+        assert order == [("answer", n), ("echo", n)]
+    raw.close()
+
+
+def test_batch_answers_keep_request_order_whoever_sends_them(start_server: Start) -> None:
+    """Requests left to their commit callbacks by the reader, queued for the call's task
+    (several in one read, refused ones, ones sent before earlier answers are out): every
+    answer, in request order."""
+    server = start_server("--allow-anonymous")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+    raw = RawH2(server.relay_url)
+    rng = random.Random(7)
+    expected: list[int | None] = []  # the seq of each accepted request; None: refused
+    call: int | None = None
+    for _ in range(60):
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            refused = rng.random() < 0.25
+            unique = b"m%d" % len(expected)
+            message = b"not mls" if refused else mls.application(CHANNEL, 0, unique)
+            request = pb.PublishBatchRequest(
+                requests=[pb.PublishRequest(channel=CHANNEL, message=message)]
+            )
+            expected.append(None if refused else sum(e is not None for e in expected) + 1)
+            if call is None:
+                call = raw.start("PublishBatches", request, end=False)
+                continue
+            body = request.SerializeToString()
+            raw.conn.send_data(call, struct.pack(">?I", False, len(body)) + body)
+        raw.flush()
+        assert call is not None
+        if rng.random() < 0.5:
+            deadline = time.monotonic() + 10
+            while len(_batch_answers(raw, call)) < len(expected) and time.monotonic() < deadline:
+                assert raw.pump(0.05)
+    assert call is not None
+    raw.conn.end_stream(call)
+    raw.flush()
+    deadline = time.monotonic() + 10
+    while call not in raw.ended and time.monotonic() < deadline:
+        assert raw.pump(0.05)
+    answers = [a.results[0] for a in _batch_answers(raw, call)]
+    assert [a.accepted.seq if a.HasField("accepted") else None for a in answers] == expected
+    assert all(
+        a.refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        for a in answers
+        if a.HasField("refused")
+    )
     raw.close()
