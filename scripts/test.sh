@@ -15,6 +15,8 @@ echo "== ruff"
 .venv/bin/ruff format --check .
 echo "== mypy"
 .venv/bin/mypy
+# The benchmarks: scripts, outside the packages the configuration lists.
+.venv/bin/mypy --strict bench
 echo "== rustfmt"
 (cd rust_mls && cargo fmt --all --check)
 echo "== clippy"
