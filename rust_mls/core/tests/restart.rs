@@ -39,22 +39,29 @@ fn send(engine: &Engine, payload: &[u8]) -> Vec<u8> {
     messages.pop().unwrap()
 }
 
-#[test]
-fn after_the_machine_went_down_a_new_epoch_comes_before_encrypting() {
+/// Sends `payload` from alice's `engine`; bob reads it at `epoch`.
+fn send_to_bob(engine: &Engine, bob: &Agent, payload: &[u8], epoch: u64) {
+    let message = send(engine, payload);
+    assert_eq!(
+        bob.engine.process_incoming(CH, &message).unwrap(),
+        app(b"alice", payload, epoch)
+    );
+}
+
+/// Alice (opened on "boot-1") and bob in a group.
+fn alice_and_bob() -> (Agent, Agent) {
     let (a, b) = (agent_on_boot("alice", Some("boot-1")), common::agent("bob"));
     group_of(&a, &[&b]);
-    let one = send(&a.engine, b"one");
-    assert_eq!(
-        b.engine.process_incoming(CH, &one).unwrap(),
-        app(b"alice", b"one", 1)
-    );
+    (a, b)
+}
+
+#[test]
+fn after_the_machine_went_down_a_new_epoch_comes_before_encrypting() {
+    let (a, b) = alice_and_bob();
+    send_to_bob(&a.engine, &b, b"one", 1);
     let disk = disk_now(&a);
     // Sent (the relay has it, bob read it), but its ratchet advance never reached the disk.
-    let two = send(&a.engine, b"two");
-    assert_eq!(
-        b.engine.process_incoming(CH, &two).unwrap(),
-        app(b"alice", b"two", 1)
-    );
+    send_to_bob(&a.engine, &b, b"two", 1);
 
     // The machine restarts (another boot id); the engine was not closed.
     let a2 = reopen(disk.path(), "alice", Some("boot-2"));
@@ -83,11 +90,7 @@ fn after_the_machine_went_down_a_new_epoch_comes_before_encrypting() {
         Incoming::OwnCommit { epoch: 2 }
     );
     assert!(!a2.needs_fresh_epoch(CH).unwrap());
-    let three = send(&a2, b"three");
-    assert_eq!(
-        b.engine.process_incoming(CH, &three).unwrap(),
-        app(b"alice", b"three", 2)
-    );
+    send_to_bob(&a2, &b, b"three", 2);
 
     // Closed cleanly: the next opening, whatever the boot, suspects nothing.
     drop(a2);
@@ -100,14 +103,9 @@ fn what_the_fresh_epoch_prevents() {
     // The same loss, but the opening cannot tell (same boot id, as after a killed process,
     // which loses nothing written): encrypting again reuses the lost message's generation,
     // and bob cannot read it.
-    let (a, b) = (agent_on_boot("alice", Some("boot-1")), common::agent("bob"));
-    group_of(&a, &[&b]);
+    let (a, b) = alice_and_bob();
     let disk = disk_now(&a);
-    let one = send(&a.engine, b"one");
-    assert_eq!(
-        b.engine.process_incoming(CH, &one).unwrap(),
-        app(b"alice", b"one", 1)
-    );
+    send_to_bob(&a.engine, &b, b"one", 1);
     let a2 = reopen(disk.path(), "alice", Some("boot-1"));
     assert!(!a2.needs_fresh_epoch(CH).unwrap());
     let reused = send(&a2, b"two");
@@ -116,9 +114,8 @@ fn what_the_fresh_epoch_prevents() {
 
 #[test]
 fn a_killed_process_a_clean_close_or_synced_sends_need_no_new_epoch() {
-    let (a, b) = (agent_on_boot("alice", Some("boot-1")), common::agent("bob"));
-    group_of(&a, &[&b]);
-    send(&a.engine, b"one");
+    let (a, b) = alice_and_bob();
+    send_to_bob(&a.engine, &b, b"one", 1);
     // Killed process: the same boot, nothing written was lost.
     let killed = disk_now(&a);
     assert!(!reopen(killed.path(), "alice", Some("boot-1"))
@@ -143,8 +140,7 @@ fn a_killed_process_a_clean_close_or_synced_sends_need_no_new_epoch() {
 
 #[test]
 fn the_requirement_survives_another_restart_until_met() {
-    let (a, b) = (agent_on_boot("alice", Some("boot-1")), common::agent("bob"));
-    group_of(&a, &[&b]);
+    let (a, b) = alice_and_bob();
     let disk = disk_now(&a);
     let a2 = reopen(disk.path(), "alice", Some("boot-2"));
     assert!(a2.needs_fresh_epoch(CH).unwrap());
