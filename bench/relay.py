@@ -75,34 +75,35 @@ def app_message(channel: str, body: bytes) -> bytes:
 # -- clients -----------------------------------------------------------------------------------
 
 
+#: The relay's methods: (how grpc calls them, request type, response type).
+_METHODS: dict[str, tuple[str, Any, Any]] = {
+    "CreateChannel": ("unary_unary", pb.CreateChannelRequest, pb.CreateChannelResponse),
+    "Publish": ("unary_unary", pb.PublishRequest, pb.PublishResponse),
+    "PublishBatches": ("stream_stream", pb.PublishBatchRequest, pb.PublishBatchResponse),
+    "PublishStream": ("stream_stream", pb.PublishRequest, pb.PublishResponse),
+    "Subscribe": ("unary_stream", pb.SubscribeRequest, pb.SubscribeResponse),
+}
+
+
+def _stub(channel: Any, method: str, *, raw_responses: bool = False) -> Any:
+    """The callable for the relay's ``method`` on a grpc (or grpc.aio) ``channel``;
+    ``raw_responses`` leaves responses as bytes."""
+    kind, request, response = _METHODS[method]
+    return getattr(channel, kind)(
+        SERVICE + method,
+        request_serializer=request.SerializeToString,
+        response_deserializer=None if raw_responses else response.FromString,
+    )
+
+
 class Client:
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target, options=_OPTIONS)
-        self.create = self.channel.unary_unary(
-            SERVICE + "CreateChannel",
-            request_serializer=pb.CreateChannelRequest.SerializeToString,
-            response_deserializer=pb.CreateChannelResponse.FromString,
-        )
-        self.publish = self.channel.unary_unary(
-            SERVICE + "Publish",
-            request_serializer=pb.PublishRequest.SerializeToString,
-            response_deserializer=pb.PublishResponse.FromString,
-        )
-        self.publish_batches = self.channel.stream_stream(
-            SERVICE + "PublishBatches",
-            request_serializer=pb.PublishBatchRequest.SerializeToString,
-            response_deserializer=pb.PublishBatchResponse.FromString,
-        )
-        self.publish_stream = self.channel.stream_stream(
-            SERVICE + "PublishStream",
-            request_serializer=pb.PublishRequest.SerializeToString,
-            response_deserializer=pb.PublishResponse.FromString,
-        )
-        self.subscribe = self.channel.unary_stream(
-            SERVICE + "Subscribe",
-            request_serializer=pb.SubscribeRequest.SerializeToString,
-            response_deserializer=pb.SubscribeResponse.FromString,
-        )
+        self.create = _stub(self.channel, "CreateChannel")
+        self.publish = _stub(self.channel, "Publish")
+        self.publish_batches = _stub(self.channel, "PublishBatches")
+        self.publish_stream = _stub(self.channel, "PublishStream")
+        self.subscribe = _stub(self.channel, "Subscribe")
 
 
 def _subscriber(target: str, channel: str, count: int, ready: Any, out: Any, stamped: bool) -> None:
@@ -112,11 +113,7 @@ def _subscriber(target: str, channel: str, count: int, ready: Any, out: Any, sta
     is the cheap side: a SubscribeResponse holding an entry starts with field 1's tag (0x0a).
     """
     channel_ = grpc.insecure_channel(target, options=_OPTIONS)
-    subscribe = channel_.unary_stream(
-        SERVICE + "Subscribe",
-        request_serializer=pb.SubscribeRequest.SerializeToString,
-        response_deserializer=None,
-    )
+    subscribe = _stub(channel_, "Subscribe", raw_responses=True)
     call = subscribe(pb.SubscribeRequest(channel=channel, after_seq=0), timeout=600)
     seen, first, latencies = 0, 0.0, []
     for raw in call:
@@ -170,11 +167,7 @@ def _batched_subscriber(
     """Subscriber process body with ``max_batch``: read ``count`` entries; report (first, last,
     latencies); each latency is taken when the response holding the entry arrives."""
     channel_ = grpc.insecure_channel(target, options=_OPTIONS)
-    subscribe = channel_.unary_stream(
-        SERVICE + "Subscribe",
-        request_serializer=pb.SubscribeRequest.SerializeToString,
-        response_deserializer=pb.SubscribeResponse.FromString,
-    )
+    subscribe = _stub(channel_, "Subscribe")
     call = subscribe(pb.SubscribeRequest(channel=channel, after_seq=0, max_batch=256), timeout=600)
     seen, first, latencies = 0, 0.0, []
     for response in call:
@@ -247,11 +240,7 @@ def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> 
 async def _one_by_one(target: str, channel: str, count: int, gap: float) -> list[float]:
     """Ack latencies (ms) of ``count`` single-item batches sent ``gap`` s apart on one call."""
     async with grpc.aio.insecure_channel(target, options=_OPTIONS) as channel_:
-        call = channel_.stream_stream(
-            SERVICE + "PublishBatches",
-            request_serializer=pb.PublishBatchRequest.SerializeToString,
-            response_deserializer=pb.PublishBatchResponse.FromString,
-        )()
+        call = _stub(channel_, "PublishBatches")()
         acks = []
         for i in range(count):
             sent = time.monotonic_ns()
@@ -332,11 +321,7 @@ async def _idle_subscribers(target: str, channel: str, n: int, hold: Any, ready:
     ]
     calls = []
     for i in range(n):
-        subscribe = channels[i // per_connection].unary_stream(
-            SERVICE + "Subscribe",
-            request_serializer=pb.SubscribeRequest.SerializeToString,
-            response_deserializer=pb.SubscribeResponse.FromString,
-        )
+        subscribe = _stub(channels[i // per_connection], "Subscribe")
         calls.append(subscribe(pb.SubscribeRequest(channel=channel), timeout=600))
     for start in range(0, n, 500):  # each got its first keep-alive: the subscription is live
         await asyncio.gather(*(call.read() for call in calls[start : start + 500]))

@@ -752,6 +752,13 @@ mod tests {
         }
     }
 
+    /// Runs `test` on a fresh in-memory store, our wrapper over it and the group it writes for.
+    fn with_storage(test: impl FnOnce(&Connection, &Storage<'_>, &GroupId)) {
+        let conn = database();
+        let storage = Storage::new(&conn);
+        test(&conn, &storage, &GroupId::from_slice(b"org/ns/svc"));
+    }
+
     fn stored_blob(conn: &Connection) -> Vec<u8> {
         conn.query_row(
             "SELECT group_data FROM openmls_group_data WHERE data_type = 'message_secrets'",
@@ -763,70 +770,67 @@ mod tests {
 
     #[test]
     fn message_secrets_are_stored_binary_and_read_back() {
-        let conn = database();
-        let storage = Storage::new(&conn);
-        let group = GroupId::from_slice(b"org/ns/svc");
-        let value = secrets();
-        storage.write_message_secrets(&group, &value).unwrap();
+        with_storage(|conn, storage, group| {
+            let value = secrets();
+            storage.write_message_secrets(group, &value).unwrap();
 
-        let blob = stored_blob(&conn);
-        assert!(blob.starts_with(BINARY_TAG));
-        let json = serde_json::to_vec(&value).unwrap();
-        assert!(
-            blob.len() * 2 < json.len(),
-            "{} vs {} bytes",
-            blob.len(),
-            json.len()
-        );
-        assert_eq!(
-            storage.message_secrets::<_, Secrets>(&group).unwrap(),
-            Some(value)
-        );
+            let blob = stored_blob(conn);
+            assert!(blob.starts_with(BINARY_TAG));
+            let json = serde_json::to_vec(&value).unwrap();
+            assert!(
+                blob.len() * 2 < json.len(),
+                "{} vs {} bytes",
+                blob.len(),
+                json.len()
+            );
+            assert_eq!(
+                storage.message_secrets::<_, Secrets>(group).unwrap(),
+                Some(value)
+            );
 
-        // The provider's own deletion finds the row where it keeps it.
-        storage.delete_message_secrets(&group).unwrap();
-        assert_eq!(storage.message_secrets::<_, Secrets>(&group).unwrap(), None);
+            // The provider's own deletion finds the row where it keeps it.
+            storage.delete_message_secrets(group).unwrap();
+            assert_eq!(storage.message_secrets::<_, Secrets>(group).unwrap(), None);
+        });
     }
 
     #[test]
     fn message_secrets_written_as_json_by_earlier_versions_are_read_then_replaced() {
-        let conn = database();
-        let storage = Storage::new(&conn);
-        let group = GroupId::from_slice(b"org/ns/svc");
-        let value = secrets();
-        // As every version before the binary encoding wrote them.
-        storage.inner.write_message_secrets(&group, &value).unwrap();
-        assert!(stored_blob(&conn).starts_with(b"{"));
-        assert_eq!(
-            storage.message_secrets::<_, Secrets>(&group).unwrap(),
-            Some(value)
-        );
+        with_storage(|conn, storage, group| {
+            let value = secrets();
+            // As every version before the binary encoding wrote them.
+            storage.inner.write_message_secrets(group, &value).unwrap();
+            assert!(stored_blob(conn).starts_with(b"{"));
+            assert_eq!(
+                storage.message_secrets::<_, Secrets>(group).unwrap(),
+                Some(value)
+            );
 
-        let next = Secrets {
-            past_epochs: VecDeque::new(),
-            ..secrets()
-        };
-        storage.write_message_secrets(&group, &next).unwrap();
-        assert!(stored_blob(&conn).starts_with(BINARY_TAG));
-        assert_eq!(
-            storage.message_secrets::<_, Secrets>(&group).unwrap(),
-            Some(next)
-        );
+            let next = Secrets {
+                past_epochs: VecDeque::new(),
+                ..secrets()
+            };
+            storage.write_message_secrets(group, &next).unwrap();
+            assert!(stored_blob(conn).starts_with(BINARY_TAG));
+            assert_eq!(
+                storage.message_secrets::<_, Secrets>(group).unwrap(),
+                Some(next)
+            );
+        });
     }
 
     #[test]
     fn a_damaged_binary_record_is_an_error_not_a_panic() {
-        let conn = database();
-        let storage = Storage::new(&conn);
-        let group = GroupId::from_slice(b"org/ns/svc");
-        storage.write_message_secrets(&group, &secrets()).unwrap();
-        let mut blob = stored_blob(&conn);
-        blob.truncate(BINARY_TAG.len() + 10);
-        conn.execute(
-            "UPDATE openmls_group_data SET group_data = ?1 WHERE data_type = 'message_secrets'",
-            [blob],
-        )
-        .unwrap();
-        assert!(storage.message_secrets::<_, Secrets>(&group).is_err());
+        with_storage(|conn, storage, group| {
+            storage.write_message_secrets(group, &secrets()).unwrap();
+            let mut blob = stored_blob(conn);
+            blob.truncate(BINARY_TAG.len() + 10);
+            conn.execute(
+                "UPDATE openmls_group_data SET group_data = ?1 WHERE data_type = 'message_secrets'",
+                [blob],
+            )
+            .unwrap();
+            assert!(storage.message_secrets::<_, Secrets>(group).is_err());
+        });
     }
 }
