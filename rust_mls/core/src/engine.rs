@@ -953,18 +953,7 @@ impl Engine {
     /// Waits until every transaction committed so far is on disk: syncs the write-ahead log,
     /// which holds every commit not yet checkpointed (checkpoints sync the database file).
     pub fn sync(&self) -> Result<()> {
-        let wal = self.data_dir.join(format!("{}-wal", store::DB_FILE));
-        match std::fs::File::open(&wal) {
-            Ok(file) => file
-                .sync_data()
-                .map_err(|e| Error::Internal(format!("cannot sync {}: {e}", wal.display()))),
-            // No log: everything is in the (synced) database file.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Error::Internal(format!(
-                "cannot open {}: {e}",
-                wal.display()
-            ))),
-        }
+        store::sync_wal(&self.data_dir.join(store::DB_FILE)).map_err(Into::into)
     }
 
     /// What a sender calls between [`Engine::encrypt_many_unsynced`] and sending the

@@ -62,6 +62,8 @@ pub enum StoreError {
     Sqlite(#[from] rusqlite::Error),
     #[error("internal panic: {0}")]
     Panic(String),
+    #[error("the store could not be synced to disk earlier ({0}); reopen the client")]
+    Unsynced(String),
     #[error("storage migration failed: {0}")]
     Migration(String),
     #[error("data_dir {path} belongs to identity {stored:?}, not {requested:?}")]
@@ -132,6 +134,9 @@ pub struct Db {
     checkpointer: Checkpointer,
     /// Commits since the checkpointer was last asked to run.
     commits: std::cell::Cell<u32>,
+    /// Why a durable commit could not be synced, if one could not: the store is unusable from
+    /// then on (see [`Db::transaction`]).
+    sync_failed: std::cell::RefCell<Option<String>>,
     _lock: File,
     pub path: PathBuf,
 }
@@ -220,6 +225,19 @@ impl Drop for Checkpointer {
     }
 }
 
+/// Syncs the write-ahead log of the database at `db_path`, where every commit since the last
+/// checkpoint is (a checkpoint syncs the database file before it lets the log go). Needs no
+/// connection: a sender syncs while others go on using the store.
+pub fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
+    let wal = PathBuf::from(format!("{}-wal", db_path.display()));
+    match File::open(&wal) {
+        Ok(file) => file.sync_data().map_err(io(&wal)),
+        // No log: everything is in the (synced) database file.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io(&wal)(e)),
+    }
+}
+
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     move |source| StoreError::Io {
         path: path.to_owned(),
@@ -252,7 +270,7 @@ impl Db {
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(
             "PRAGMA journal_mode=WAL;
-             PRAGMA synchronous=FULL;
+             PRAGMA synchronous=NORMAL;
              PRAGMA secure_delete=ON;
              PRAGMA foreign_keys=ON;",
         )?;
@@ -314,6 +332,7 @@ impl Db {
             conn,
             checkpointer,
             commits: std::cell::Cell::new(0),
+            sync_failed: std::cell::RefCell::new(None),
             _lock: lock,
             path,
         })
@@ -321,11 +340,39 @@ impl Db {
 
     /// Runs `f` inside one immediate transaction: committed if it returns `Ok`, rolled back
     /// otherwise (also when the commit itself fails, and if `f` panics: the panic becomes an
-    /// error, so a library bug never crashes the caller nor leaves a transaction open).
+    /// error, so a library bug never crashes the caller nor leaves a transaction open). Durable:
+    /// the log is on disk before this returns.
+    ///
+    /// The connection runs at `synchronous=NORMAL` and this syncs the log itself after the
+    /// commit (what `FULL` would do inside it): switching the pragma per transaction instead
+    /// re-parsed two statements on every light transaction, the hot path. If that sync fails the
+    /// commit may or may not be on disk, so the store refuses all further use (as PostgreSQL
+    /// does on a failed fsync): the caller must reopen it.
     pub fn transaction<T, E: From<StoreError>>(
         &self,
         f: impl FnOnce(&Connection) -> Result<T, E>,
     ) -> Result<T, E> {
+        let value = self.light_transaction(f)?;
+        if let Err(e) = self.sync_log() {
+            *self.sync_failed.borrow_mut() = Some(e.to_string());
+            return Err(E::from(e));
+        }
+        Ok(value)
+    }
+
+    /// Like [`Db::transaction`] but without waiting for the disk: the commit is atomic and
+    /// survives the process being killed (it is in the OS's WAL file), but not a power loss until
+    /// the next durable commit or [`Db::sync_log`]. Used for applying the relay's log (entries
+    /// lost to a power loss are applied again from it), for sends that are synced separately or
+    /// covered by the boot-id check (see `Engine::open`), and for taking messages out of the
+    /// inbox, where the worst a power loss can do is hand a message out twice.
+    pub fn light_transaction<T, E: From<StoreError>>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        if let Some(reason) = self.sync_failed.borrow().as_ref() {
+            return Err(E::from(StoreError::Unsynced(reason.clone())));
+        }
         self.conn
             .exec_cached("BEGIN IMMEDIATE")
             .map_err(|e| E::from(e.into()))?;
@@ -358,25 +405,9 @@ impl Db {
         }
     }
 
-    /// Like [`Db::transaction`] but without waiting for the disk (`synchronous=NORMAL`): the
-    /// commit is atomic and survives the process being killed (it is in the OS's WAL file), but
-    /// not a power loss until the next durable commit. Used for taking messages out of the
-    /// inbox, where the worst a power loss can do is hand a message out twice.
-    pub fn light_transaction<T, E: From<StoreError>>(
-        &self,
-        f: impl FnOnce(&Connection) -> Result<T, E>,
-    ) -> Result<T, E> {
-        self.conn
-            .exec_cached("PRAGMA synchronous=NORMAL")
-            .map_err(|e| E::from(e.into()))?;
-        let result = self.transaction(f);
-        let restored = self
-            .conn
-            .exec_cached("PRAGMA synchronous=FULL")
-            .map_err(|e| E::from(e.into()));
-        let value = result?;
-        restored?;
-        Ok(value)
+    /// Puts everything committed so far on disk (see [`sync_wal`]).
+    pub fn sync_log(&self) -> Result<(), StoreError> {
+        sync_wal(&self.path)
     }
 
     fn committed(&self) {
@@ -584,10 +615,10 @@ pub fn inbox_push(
     sender: &[u8],
     payload: &[u8],
 ) -> Result<(), StoreError> {
-    conn.execute(
+    conn.prepare_cached(
         "INSERT INTO static_inbox (name, seq, sender, payload) VALUES (?1, ?2, ?3, ?4)",
-        (name, to_i64(seq), sender, payload),
-    )?;
+    )?
+    .execute((name, to_i64(seq), sender, payload))?;
     Ok(())
 }
 
