@@ -14,7 +14,11 @@ processes (Alice sends, Bob receives), 1 KiB payloads. Measures:
   answer: median and p99;
 * where a round trip's time goes: per-stage medians over a few hundred round trips, from the
   timestamps the SDK keeps of each channel's latest message (``_native.Channel.timings``,
-  system clock, comparable across the two processes).
+  system clock, comparable across the two processes);
+* the machine's own floor, in the same run: a durable 4 KiB write and the wake-up of an idle
+  process, each at a round trip's pace (one every millisecond). A round trip holds two durable
+  writes (the relay syncs each message before it delivers it) and about ten hand-offs between
+  threads and processes, so on a machine where these are slow, no relay can be fast.
 
 For scale, AGNTCY SLIM 3.3.8 (Rust node, Python bindings, MLS group session) measured on a
 machine like ours: about 3,600 msg/s one-way and a 1.9 ms median round trip at best (88 ms
@@ -83,6 +87,57 @@ def bob(relay: str, data_dir: str, conn: Connection) -> None:
                     channel.send(next(messages))
                     traces.append(channel._native.timings())
                 conn.send(traces)
+
+
+def _echo_bytes(conn: Connection) -> None:
+    """The far end of :func:`_wake_up_latency`: answers each byte until it gets an empty one."""
+    while (data := conn.recv_bytes()) != b"":
+        conn.send_bytes(data)
+
+
+def _wake_up_latency(count: int = 300, pause: float = 0.001) -> tuple[float, float]:
+    """Median and p99 (us) of one wake-up of a process that has been idle for ``pause``: half
+    of a ping-pong between two processes, each ping sent after ``pause``."""
+    ours, theirs = mp.get_context("spawn").Pipe()
+    echo = mp.get_context("spawn").Process(target=_echo_bytes, args=(theirs,))
+    echo.start()
+    try:
+        spans = []
+        for _ in range(count):
+            time.sleep(pause)
+            started = time.perf_counter()
+            ours.send_bytes(b"x")
+            ours.recv_bytes()
+            spans.append((time.perf_counter() - started) / 2 * 1e6)
+        ours.send_bytes(b"")
+    finally:
+        echo.join(10)
+    return _median_p99(spans)
+
+
+def _durable_write_latency(
+    directory: str, count: int = 300, pause: float = 0.001
+) -> tuple[float, float]:
+    """Median and p99 (us) of writing 4 KiB over already allocated space in ``directory`` and
+    waiting for the disk (``fdatasync``), one write every ``pause``: what SQLite does for a
+    commit with ``synchronous=FULL`` when its WAL is reused."""
+    path = os.path.join(directory, "durable-write-probe")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, bytes(count * 4096))
+        os.fsync(fd)
+        block = os.urandom(4096)
+        spans = []
+        for i in range(count):
+            time.sleep(pause)
+            started = time.perf_counter()
+            os.pwrite(fd, block, i * 4096)
+            os.fdatasync(fd)
+            spans.append((time.perf_counter() - started) * 1e6)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return _median_p99(spans)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -232,6 +287,8 @@ def main() -> None:
         finally:
             receiver.join(30)
             server.stop(30)
+        durable_write = _durable_write_latency(tmp)
+        wake_up = _wake_up_latency()
 
     rtts.sort()
     p99 = rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))]
@@ -253,6 +310,12 @@ def main() -> None:
     print("  where a round trip goes (ms, median and p99; the relay's ack and delivery overlap):")
     for label, (median, p99_ms) in stages:
         print(f"    {label:<38} {median:7.3f} {p99_ms:7.3f}")
+    print("  this machine, same run (one every ms, as in a round trip; us, median and p99):")
+    for label, (median, p99_us), note in [
+        ("durable 4 KiB write (fdatasync)", durable_write, "a round trip holds 2"),
+        ("wake-up of an idle process", wake_up, "a round trip holds ~10 hand-offs"),
+    ]:
+        print(f"    {label:<38} {median:7.0f} {p99_us:7.0f}   {note}")
 
 
 if __name__ == "__main__":

@@ -1208,8 +1208,8 @@ impl Engine {
         self.with_group_durability(channel, true, f)
     }
 
-    /// [`Engine::with_group`] with a choice of durability: `durable == false` commits with
-    /// `synchronous=NORMAL` (see [`crate::store::Db::light_transaction`]): atomic and safe
+    /// [`Engine::with_group`] with a choice of durability: `durable == false` commits without
+    /// syncing the log (see [`crate::store::Db::light_transaction`]): atomic and safe
     /// against the process being killed, but a power loss may take back the last commits.
     /// For changes that can be redone from the relay's log (applying entries), and for
     /// encryption followed by [`Engine::sync_before_send`] (a lost ratchet advance would reuse
