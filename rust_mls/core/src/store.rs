@@ -137,6 +137,9 @@ pub struct Db {
     /// Why a durable commit could not be synced, if one could not: the store is unusable from
     /// then on (see [`Db::transaction`]).
     sync_failed: std::cell::RefCell<Option<String>>,
+    /// Makes the next [`Db::sync_log`] fail, for the tests of what follows.
+    #[cfg(test)]
+    fail_next_sync: std::cell::Cell<bool>,
     _lock: File,
     pub path: PathBuf,
 }
@@ -333,6 +336,8 @@ impl Db {
             checkpointer,
             commits: std::cell::Cell::new(0),
             sync_failed: std::cell::RefCell::new(None),
+            #[cfg(test)]
+            fail_next_sync: std::cell::Cell::new(false),
             _lock: lock,
             path,
         })
@@ -407,6 +412,12 @@ impl Db {
 
     /// Puts everything committed so far on disk (see [`sync_wal`]).
     pub fn sync_log(&self) -> Result<(), StoreError> {
+        #[cfg(test)]
+        if self.fail_next_sync.take() {
+            return Err(io(&self.path)(std::io::Error::other(
+                "injected sync failure",
+            )));
+        }
         sync_wal(&self.path)
     }
 
@@ -726,4 +737,53 @@ pub fn inbox_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
         .query_map([], |row| row.get(0))?
         .collect::<Result<Vec<String>, _>>()?;
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(db: &Db) -> i64 {
+        db.conn
+            .query_row("SELECT COUNT(*) FROM static_groups", [], |row| row.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn durable_and_light_transactions_commit_at_normal_synchronous() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        db.transaction(|conn| insert_group(conn, "a/b/c")).unwrap();
+        db.light_transaction(|conn| insert_group(conn, "a/b/d"))
+            .unwrap();
+        assert_eq!(count(&db), 2);
+        // No per-transaction pragma switch: the connection stays at NORMAL (1), durable
+        // transactions sync the log themselves.
+        let level: i64 = db
+            .conn
+            .query_row("PRAGMA synchronous", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(level, 1);
+        db.sync_log().unwrap();
+    }
+
+    #[test]
+    fn a_failed_sync_makes_the_store_refuse_further_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        db.fail_next_sync.set(true);
+        let failed = db.transaction(|conn| insert_group(conn, "a/b/c"));
+        assert!(matches!(failed, Err(StoreError::Io { .. })), "{failed:?}");
+        // Committed or not on disk, nobody can tell: nothing more is written.
+        for attempt in [
+            db.light_transaction(|conn| insert_group(conn, "a/b/d")),
+            db.transaction(|conn| insert_group(conn, "a/b/e")),
+        ] {
+            assert!(
+                matches!(attempt, Err(StoreError::Unsynced(_))),
+                "{attempt:?}"
+            );
+        }
+        assert_eq!(count(&db), 1);
+    }
 }
