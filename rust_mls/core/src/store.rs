@@ -740,6 +740,7 @@ pub fn inbox_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
