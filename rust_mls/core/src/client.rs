@@ -334,9 +334,65 @@ struct Shared {
     retry_deadline: Duration,
     marks: Marks,
     inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
+    /// The last message a reader applied itself (see [`Shared::may_apply_inline`]).
+    inline_applied: InlineApplied,
+}
+
+/// When a reader last applied a message itself and how long that took, on a monotonic clock.
+struct InlineApplied {
+    since: Instant,
+    /// Nanoseconds from `since` to the end of the last such apply (0: none yet).
+    ended: AtomicU64,
+    /// How long it took, in nanoseconds.
+    took: AtomicU64,
+}
+
+/// The readers apply messages themselves for at most 1 / (1 + this) of the time (see
+/// [`Shared::may_apply_inline`]).
+const INLINE_APPLY_SPACING: u64 = 4;
+
+impl InlineApplied {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            ended: AtomicU64::new(0),
+            took: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
 }
 
 impl Shared {
+    /// Whether a reader may apply a lone message itself (on the runtime's one worker) rather
+    /// than hand it to its channel's applier thread: only if, since a reader last did, at least
+    /// [`INLINE_APPLY_SPACING`] times as long has passed as that took. So sparse traffic, where
+    /// the hand-over's thread wake-up is what a message waits for, is applied at once, while
+    /// under load, or with many busy channels, decryption stays on the appliers (in parallel,
+    /// and off the worker that serves every channel's network I/O).
+    fn may_apply_inline(&self) -> bool {
+        let applied = &self.inline_applied;
+        let ended = applied.ended.load(Ordering::Relaxed);
+        let took = applied.took.load(Ordering::Relaxed);
+        ended == 0
+            || applied.now().saturating_sub(ended) >= took.saturating_mul(INLINE_APPLY_SPACING)
+    }
+
+    /// Runs `apply`, a message a reader applies itself (see [`Shared::may_apply_inline`]).
+    fn apply_inline<T>(&self, apply: impl FnOnce() -> T) -> T {
+        let applied = &self.inline_applied;
+        let started = applied.now();
+        let value = apply();
+        let ended = applied.now().max(1);
+        applied
+            .took
+            .store(ended.saturating_sub(started), Ordering::Relaxed);
+        applied.ended.store(ended, Ordering::Relaxed);
+        value
+    }
+
     fn engine(&self) -> Result<Arc<Engine>> {
         lock(&self.engine).clone().ok_or_else(closed_error)
     }
@@ -500,6 +556,7 @@ impl Client {
             retry_deadline: retry_deadline_from_env(),
             marks,
             inboxes: Mutex::new(HashMap::new()),
+            inline_applied: InlineApplied::new(),
         });
         Ok(Self {
             runtime: Mutex::new(Some(runtime)),
@@ -1566,14 +1623,18 @@ async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc::Sender<Rec
                             // applier's thread costs tens of microseconds on a quiet machine,
                             // and the message's reader waits for that too. Only a lone message
                             // (one decryption, ~0.1-0.2 ms on this runtime's worker), never a
-                            // batch or a handshake; the order holds, as the applier has nothing.
+                            // batch or a handshake, and only in sparse traffic (see
+                            // `may_apply_inline`); the order holds, as the applier has nothing.
                             if batch.len() == 1
                                 && batch[0].1 == APPLICATION
                                 && channel.queued.load(Ordering::Acquire) == 0
+                                && shared.may_apply_inline()
                             {
                                 channel.queued.fetch_add(1, Ordering::AcqRel);
                                 let _applied = Applying(&channel.queued, 1);
-                                if apply_batch(&channel, batch, now_ns()) == Applied::ChannelEnded {
+                                let applied =
+                                    shared.apply_inline(|| apply_batch(&channel, batch, now_ns()));
+                                if applied == Applied::ChannelEnded {
                                     return;
                                 }
                                 continue;
