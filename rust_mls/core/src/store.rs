@@ -10,11 +10,12 @@
 //! * **Atomic, durable calls.** One public call of the engine is one SQLite transaction
 //!   (`BEGIN IMMEDIATE` ... `COMMIT`): the dozen storage writes OpenMLS makes while merging a
 //!   commit land together or not at all. A call that fails rolls back, and the in-memory group
-//!   is reloaded from the database, so memory and disk never disagree. `journal_mode=WAL` with
-//!   `synchronous=FULL` makes the commit durable (the WAL is fsynced) before the call returns:
+//!   is reloaded from the database, so memory and disk never disagree. `journal_mode=WAL` and a
+//!   sync of the WAL right after the commit (what `synchronous=FULL` does inside it; the
+//!   connection runs at `NORMAL`) make the commit durable before the call returns:
 //!   killing the process at any moment, or losing power, leaves the last committed state, which
-//!   loads. Applying the relay's log (and taking from the inbox) commits with
-//!   `synchronous=NORMAL` instead ([`Db::light_transaction`]): still atomic and safe against a
+//!   loads. Applying the relay's log (and taking from the inbox) commits without that sync
+//!   ([`Db::light_transaction`]): still atomic and safe against a
 //!   killed process; a power loss may take back such commits, which are redone from the log.
 //!   Encrypting application messages too, where the kernel has a boot id: a power loss may
 //!   then take back ratchet advances of messages already sent, which the next opening detects
@@ -27,8 +28,9 @@
 //!   past-epoch secrets, consumed key packages) with zeros, and after every epoch change and on
 //!   close the WAL is checkpointed and truncated so no older page images linger in it.
 //! * **Checkpoints beside the calls.** Between those, a background thread copies the WAL into
-//!   the database file every few dozen commits (`Checkpointer`), so that no call pays for a
-//!   checkpoint (SQLite's own, inside a commit, remains as a backstop).
+//!   the database file after a few dozen commits, in a pause of the conversation where there is
+//!   one (`Checkpointer`), so that no call pays for a checkpoint (SQLite's own, inside a
+//!   commit, remains as a backstop).
 //! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
 //!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
 //!   or another, gets a clear `runtime error:` instead of a corrupt state.
@@ -132,8 +134,6 @@ impl<'a, C: OpenMlsCrypto + OpenMlsRand> OpenMlsProvider for Provider<'a, C> {
 pub struct Db {
     pub conn: Connection,
     checkpointer: Checkpointer,
-    /// Commits since the checkpointer was last asked to run.
-    commits: std::cell::Cell<u32>,
     /// Why a durable commit could not be synced, if one could not: the store is unusable from
     /// then on (see [`Db::transaction`]).
     sync_failed: std::cell::RefCell<Option<String>>,
@@ -144,19 +144,27 @@ pub struct Db {
     pub path: PathBuf,
 }
 
-/// Commits between two background checkpoints: a few dozen pages of WAL, far below
-/// [`BACKSTOP_AUTOCHECKPOINT`].
+/// Commits before a background checkpoint is worth it: a few dozen pages of WAL.
 const CHECKPOINT_EVERY: u32 = 32;
+
+/// The background checkpoint waits for a pause this long in the commits (its fsyncs would
+/// otherwise share the disk with those of the conversation going on, the relay's included)...
+const CHECKPOINT_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// ...unless this many commits went by without one: still well below
+/// [`BACKSTOP_AUTOCHECKPOINT`] (a commit writes a few pages).
+const CHECKPOINT_LATEST: u32 = 64;
 
 /// SQLite's own checkpoint inside a commit (pages of WAL), only reached if the background
 /// checkpoints fall behind (their connection failed, or a long burst).
 const BACKSTOP_AUTOCHECKPOINT: u32 = 4096;
 
 /// Copies the WAL into the database file on its own thread and connection (a PASSIVE
-/// checkpoint: it neither waits for nor blocks the engine's writes). Left to SQLite, the
-/// checkpoint runs inside whichever commit crosses the threshold, and that call then waits for
-/// two extra fsyncs and the page copies (milliseconds on a slow disk) in the middle of a
-/// conversation.
+/// checkpoint: it neither waits for nor blocks the engine's writes), once
+/// [`CHECKPOINT_EVERY`] commits have gone by and the commits pause ([`CHECKPOINT_PAUSE`]), or
+/// after [`CHECKPOINT_LATEST`] commits without a pause. Left to SQLite, the checkpoint runs
+/// inside whichever commit crosses the threshold, and that call then waits for two extra
+/// fsyncs and the page copies (milliseconds on a slow disk) in the middle of a conversation.
 struct Checkpointer {
     shared: std::sync::Arc<(std::sync::Mutex<CheckpointState>, std::sync::Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -164,7 +172,11 @@ struct Checkpointer {
 
 #[derive(Default)]
 struct CheckpointState {
-    due: bool,
+    /// Commits since the last checkpoint, and when the latest was.
+    commits: u32,
+    last_commit: Option<std::time::Instant>,
+    /// Checkpoints run so far.
+    runs: u32,
     stop: bool,
 }
 
@@ -194,26 +206,48 @@ impl Checkpointer {
 
     fn run(conn: &Connection, shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar)) {
         let (state, wake) = shared;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            {
-                let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
-                while !state.due && !state.stop {
-                    state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
-                }
-                if state.stop {
-                    return;
-                }
-                state.due = false;
+            if state.stop {
+                return;
             }
+            if state.commits < CHECKPOINT_EVERY {
+                state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let quiet = state
+                .last_commit
+                .map_or(CHECKPOINT_PAUSE, |at| at.elapsed());
+            if quiet < CHECKPOINT_PAUSE && state.commits < CHECKPOINT_LATEST {
+                state = wake
+                    .wait_timeout(state, CHECKPOINT_PAUSE - quiet)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            }
+            state.commits = 0;
+            drop(state);
             // Best effort: a failure leaves the WAL to the next run or SQLite's backstop.
             let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+            state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
+            state.runs += 1;
         }
     }
 
-    fn request(&self) {
+    /// Counts a commit (see [`Checkpointer`]).
+    fn committed(&self) {
         let (state, wake) = &*self.shared;
-        state.lock().unwrap_or_else(|e| e.into_inner()).due = true;
-        wake.notify_one();
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.commits = state.commits.saturating_add(1);
+        state.last_commit = Some(std::time::Instant::now());
+        if state.commits == CHECKPOINT_EVERY || state.commits == CHECKPOINT_LATEST {
+            wake.notify_one();
+        }
+    }
+
+    #[cfg(test)]
+    fn runs(&self) -> u32 {
+        self.shared.0.lock().unwrap_or_else(|e| e.into_inner()).runs
     }
 }
 
@@ -334,7 +368,6 @@ impl Db {
         Ok(Self {
             conn,
             checkpointer,
-            commits: std::cell::Cell::new(0),
             sync_failed: std::cell::RefCell::new(None),
             #[cfg(test)]
             fail_next_sync: std::cell::Cell::new(false),
@@ -422,13 +455,7 @@ impl Db {
     }
 
     fn committed(&self) {
-        let commits = self.commits.get() + 1;
-        if commits >= CHECKPOINT_EVERY {
-            self.checkpointer.request();
-            self.commits.set(0);
-        } else {
-            self.commits.set(commits);
-        }
+        self.checkpointer.committed();
     }
 
     /// Checkpoints the WAL into the database and truncates it, so no page images of deleted
@@ -766,6 +793,33 @@ mod tests {
             .unwrap();
         assert_eq!(level, 1);
         db.sync_log().unwrap();
+    }
+
+    #[test]
+    fn the_background_checkpoint_waits_for_enough_commits_and_a_pause() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let before = db.checkpointer.runs();
+        for i in 0..CHECKPOINT_EVERY - 1 {
+            db.light_transaction(|conn| insert_group(conn, &format!("a/b/{i}")))
+                .unwrap();
+        }
+        std::thread::sleep(CHECKPOINT_PAUSE * 5);
+        assert_eq!(
+            db.checkpointer.runs(),
+            before,
+            "too few commits for a checkpoint"
+        );
+        db.light_transaction(|conn| insert_group(conn, "a/b/last"))
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while db.checkpointer.runs() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint after a pause"
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
     }
 
     #[test]
