@@ -1,0 +1,259 @@
+//! Who calls the relay, and keeping live streams honest about it (revocation, expiry, shutdown).
+//!
+//! Token checks themselves belong to the server's authority (Python: `static.auth`), reached
+//! through [`Verify`] once per call, never per message. Live subscriptions register a
+//! [`StreamGuard`]; the server ends them by key ([`Authenticator::end_streams_of_key`], driven
+//! by the revocation checks) or all at once (shutdown), and a guard ends by itself when its
+//! token expires.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tonic::metadata::MetadataMap;
+
+use crate::error::{RelayError, Result};
+
+/// The scope of anonymous callers' channels (`--allow-anonymous`).
+pub const ANONYMOUS_SCOPE: &str = "";
+const MAX_HEADER: usize = 8192;
+
+/// What a verified token says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub account_id: String,
+    pub key_id: String,
+    pub expires_at: Option<SystemTime>,
+}
+
+/// Checks a bearer token: signature, audience, expiry and that the key behind it is active.
+/// Refusals are [`RelayError::Unauthenticated`] (or `Unavailable` when the store is down).
+pub trait Verify: Send + Sync + 'static {
+    fn verify(&self, token: String) -> Pin<Box<dyn Future<Output = Result<Principal>> + Send>>;
+}
+
+/// An authenticated (or, with `--allow-anonymous`, anonymous) caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The scope channels are named in: the account id, or "" for anonymous callers.
+    pub scope: String,
+    /// Whom rate limits count against: `key:<id>`, or `anonymous:<peer>`.
+    pub agent: String,
+    pub key_id: Option<String>,
+    pub expires_at: Option<SystemTime>,
+}
+
+/// The token of the `authorization` metadata, None when absent; checks the header value
+/// (the same rules and texts as `static/relay/_rules.py::bearer_token`).
+pub fn bearer_token(metadata: &MetadataMap) -> Result<Option<String>> {
+    let values: Vec<_> = metadata.get_all("authorization").iter().collect();
+    let value = match values.as_slice() {
+        [] => return Ok(None),
+        [one] => *one,
+        _ => return Err(unauthenticated("more than one authorization header")),
+    };
+    let bytes = value.as_bytes();
+    if bytes.len() > MAX_HEADER {
+        return Err(unauthenticated("malformed authorization header"));
+    }
+    if !bytes.iter().all(|b| (0x20..=0x7e).contains(b) || *b == b'\t') {
+        return Err(unauthenticated("illegal characters in the authorization header"));
+    }
+    let text = String::from_utf8_lossy(bytes);
+    let text = text.trim_matches(|c: char| c.is_ascii_whitespace());
+    let expected = || unauthenticated("expected 'authorization: Bearer <token>'");
+    if text.len() < 7 || !text[..7].eq_ignore_ascii_case("bearer ") {
+        return Err(expected());
+    }
+    let token = &text[7..];
+    let body = token.trim_end_matches('=');
+    let token_chars = |c: char| c.is_ascii_alphanumeric() || "-_.~+/".contains(c);
+    if body.is_empty() || !body.chars().all(token_chars) {
+        return Err(expected());
+    }
+    Ok(Some(token.to_owned()))
+}
+
+fn unauthenticated(message: &str) -> RelayError {
+    RelayError::Unauthenticated(message.to_owned())
+}
+
+struct Registered {
+    key_id: Option<String>,
+    end: watch::Sender<Option<RelayError>>,
+}
+
+/// Authenticates calls through the injected [`Verify`]; keeps the registry of live streams.
+pub struct Authenticator {
+    verifier: Option<Arc<dyn Verify>>,
+    allow_anonymous: bool,
+    next_id: AtomicU64,
+    streams: Mutex<HashMap<u64, Registered>>,
+}
+
+impl Authenticator {
+    pub fn new(verifier: Option<Arc<dyn Verify>>, allow_anonymous: bool) -> Arc<Self> {
+        Arc::new(Authenticator {
+            verifier,
+            allow_anonymous,
+            next_id: AtomicU64::new(0),
+            streams: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The caller behind a call's metadata.
+    pub async fn authenticate(&self, metadata: &MetadataMap, peer: &str) -> Result<Caller> {
+        let Some(token) = bearer_token(metadata)? else {
+            if self.allow_anonymous {
+                return Ok(Caller {
+                    scope: ANONYMOUS_SCOPE.to_owned(),
+                    agent: format!("anonymous:{peer}"),
+                    key_id: None,
+                    expires_at: None,
+                });
+            }
+            return Err(unauthenticated("missing authorization metadata ('Bearer <token>')"));
+        };
+        let Some(verifier) = &self.verifier else {
+            return Err(unauthenticated(
+                "this relay has no token verifier: tokens cannot be checked",
+            ));
+        };
+        let principal = verifier.verify(token).await?;
+        if let Some(expires_at) = principal.expires_at {
+            if expires_at <= SystemTime::now() {
+                return Err(unauthenticated("token expired"));
+            }
+        }
+        Ok(Caller {
+            scope: principal.account_id,
+            agent: format!("key:{}", principal.key_id),
+            key_id: Some(principal.key_id),
+            expires_at: principal.expires_at,
+        })
+    }
+
+    /// Whether calls without a token are served (anonymous scope).
+    pub fn allows_anonymous(&self) -> bool {
+        self.allow_anonymous
+    }
+
+    /// A guard for a live stream of `caller`: ended on revocation, expiry or shutdown.
+    pub fn watch(self: &Arc<Self>, caller: &Caller) -> StreamGuard {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (end, ended) = watch::channel(None);
+        self.lock().insert(id, Registered { key_id: caller.key_id.clone(), end });
+        let deadline = caller.expires_at.map(|at| {
+            let left = at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+            tokio::time::Instant::now() + left
+        });
+        StreamGuard { id, ended, deadline, registry: Arc::clone(self) }
+    }
+
+    /// The API keys behind live streams (the revocation checks look at these).
+    pub fn live_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> =
+            self.lock().values().filter_map(|r| r.key_id.clone()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys
+    }
+
+    /// End every live stream of `key_id` with `reason`; returns how many there were.
+    pub fn end_streams_of_key(&self, key_id: &str, reason: &RelayError) -> usize {
+        let streams = self.lock();
+        let mut ended = 0;
+        for r in streams.values().filter(|r| r.key_id.as_deref() == Some(key_id)) {
+            r.end.send_replace(Some(reason.clone()));
+            ended += 1;
+        }
+        ended
+    }
+
+    /// End every live stream with `reason` (shutdown).
+    pub fn end_all(&self, reason: &RelayError) {
+        for r in self.lock().values() {
+            r.end.send_replace(Some(reason.clone()));
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Registered>> {
+        // The map stays consistent even if a holder panicked: each operation is one call.
+        self.streams.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A live stream's watch; unregisters itself when dropped.
+pub struct StreamGuard {
+    id: u64,
+    ended: watch::Receiver<Option<RelayError>>,
+    deadline: Option<tokio::time::Instant>,
+    registry: Arc<Authenticator>,
+}
+
+impl StreamGuard {
+    /// Resolves with the reason once the stream must end: revoked key, shutdown, or expiry
+    /// (`token expired`). Cancel-safe: use it in `select!` beside the stream's work.
+    pub async fn ended(&mut self) -> RelayError {
+        let expiry = async {
+            match self.deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let ended = &mut self.ended;
+        let ending = async {
+            match ended.wait_for(Option::is_some).await {
+                Ok(reason) => reason.clone().unwrap_or(RelayError::Internal),
+                // The registry is gone with the relay: nothing ends this stream but expiry.
+                Err(_) => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            reason = ending => reason,
+            () = expiry => unauthenticated("token expired"),
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.registry.lock().remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn metadata(values: &[&str]) -> MetadataMap {
+        let mut map = MetadataMap::new();
+        for v in values {
+            map.append("authorization", v.parse().unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn bearer_tokens_are_read_and_checked() {
+        assert_eq!(bearer_token(&MetadataMap::new()).unwrap(), None);
+        assert_eq!(bearer_token(&metadata(&["Bearer abc.def-_"])).unwrap().as_deref(), Some("abc.def-_"));
+        assert_eq!(bearer_token(&metadata(&["bearer x=="])).unwrap().as_deref(), Some("x=="));
+        for bad in ["Basic abc", "Bearer", "Bearer a b", "Bearer =="] {
+            assert_eq!(
+                bearer_token(&metadata(&[bad])).unwrap_err().to_string(),
+                "expected 'authorization: Bearer <token>'",
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            bearer_token(&metadata(&["Bearer a", "Bearer b"])).unwrap_err().to_string(),
+            "more than one authorization header"
+        );
+    }
+}

@@ -1,0 +1,89 @@
+//! The relay's one error type, mapped to a gRPC status (and its trailers) in one place,
+//! [`RelayError::to_status`]. Messages are the same texts as the Python relay's
+//! (`static/relay/_errors.py`, `_service.py`): clients and tests read them.
+
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Status};
+
+/// Trailer carrying the channel's current epoch on FAILED_PRECONDITION.
+pub const CURRENT_EPOCH_TRAILER: &str = "static-current-epoch";
+/// Trailer carrying the wait before a retry on RESOURCE_EXHAUSTED (publish rate).
+pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RelayError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// `retry_after_ms`: when to retry (rate limits), 0 when retrying will not help.
+    #[error("{message}")]
+    ResourceExhausted { message: String, retry_after_ms: u64 },
+    /// The epoch fence refused a message.
+    #[error("stale epoch: message epoch {message_epoch}, channel epoch {current_epoch}")]
+    StaleEpoch { message_epoch: u64, current_epoch: u64 },
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Unimplemented(String),
+    /// A bug: logged where it happens; the caller sees only "internal error".
+    #[error("internal error")]
+    Internal,
+}
+
+impl RelayError {
+    pub fn resource_exhausted(message: impl Into<String>) -> Self {
+        RelayError::ResourceExhausted { message: message.into(), retry_after_ms: 0 }
+    }
+
+    /// A store failure, as the Python relay words it.
+    pub fn store(err: impl std::fmt::Display) -> Self {
+        RelayError::Unavailable(format!("store unavailable: {err}"))
+    }
+
+    pub fn code(&self) -> Code {
+        match self {
+            RelayError::InvalidArgument(_) => Code::InvalidArgument,
+            RelayError::NotFound(_) => Code::NotFound,
+            RelayError::AlreadyExists(_) => Code::AlreadyExists,
+            RelayError::ResourceExhausted { .. } => Code::ResourceExhausted,
+            RelayError::StaleEpoch { .. } => Code::FailedPrecondition,
+            RelayError::Unauthenticated(_) => Code::Unauthenticated,
+            RelayError::Unavailable(_) => Code::Unavailable,
+            RelayError::Unimplemented(_) => Code::Unimplemented,
+            RelayError::Internal => Code::Internal,
+        }
+    }
+
+    /// The gRPC status (with the trailers the SDK reads) for this refusal.
+    pub fn to_status(&self) -> Status {
+        let mut status = Status::new(self.code(), self.to_string());
+        let trailer = match self {
+            RelayError::StaleEpoch { current_epoch, .. } => {
+                Some((CURRENT_EPOCH_TRAILER, current_epoch.to_string()))
+            }
+            RelayError::ResourceExhausted { retry_after_ms, .. } if *retry_after_ms > 0 => {
+                Some((RETRY_AFTER_TRAILER, retry_after_ms.to_string()))
+            }
+            _ => None,
+        };
+        if let Some((name, value)) = trailer {
+            if let Ok(value) = MetadataValue::try_from(value.as_str()) {
+                status.metadata_mut().insert(name, value);
+            }
+        }
+        status
+    }
+}
+
+impl From<RelayError> for Status {
+    fn from(err: RelayError) -> Status {
+        err.to_status()
+    }
+}
+
+pub type Result<T, E = RelayError> = std::result::Result<T, E>;

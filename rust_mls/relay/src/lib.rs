@@ -1,0 +1,28 @@
+//! Static's relay data plane: the MLS delivery service of DESIGN §5 (gRPC, `proto/relay.proto`)
+//! in Rust, over the SQLite store. `static serve` runs it in its process (through
+//! `static._native.RelayServer`) and keeps what is not per-message in Python: token checks
+//! ([`Verify`], once per call), the revocation checks (which end streams through
+//! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
+//!
+//! Layout: `framing` and `rules` are pure; `log` is the channel logs (memory + SQLite writer);
+//! `service` is the gRPC methods over the log; `server` binds, serves and drains; `auth` is
+//! who calls and the registry of live streams; `error` maps every refusal to a status once.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+pub mod error;
+pub mod framing;
+pub mod log;
+pub mod rules;
+mod server;
+mod service;
+
+/// The generated protobuf messages, server and client of `static.relay.v1`.
+#[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]
+pub mod pb {
+    include!(concat!(env!("OUT_DIR"), "/r#static.relay.v1.rs"));
+}
+
+pub use auth::{Caller, Principal, Verify};
+pub use error::RelayError;
+pub use server::{RelayConfig, RelayServer};
