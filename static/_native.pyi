@@ -157,3 +157,40 @@ class Waker:
 
     def fileno(self) -> int: ...
     def drain(self) -> None: ...
+
+@final
+class RelayServer:
+    """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.
+
+    ``verify(token)`` is called from a thread of the relay's runtime, once per call carrying a
+    token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None), or refuses
+    with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). Construction
+    raises ``OSError`` when the relay cannot start (address in use, database unreadable).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        db_path: str,
+        verify: Callable[[str], tuple[str, str, float | None] | tuple[int, str]] | None,
+        allow_anonymous: bool,
+        max_message_bytes: int,
+        graceful_timeout: float,
+        application_window: int,
+        keepalive_interval: float,
+        max_streams_per_connection: int,
+        reset_burst: int,
+        reset_rate_per_second: float,
+        publish_rate_per_agent: float,
+    ) -> None: ...
+    @property
+    def port(self) -> int: ...
+    def live_keys(self) -> list[str]:
+        """The API keys behind live streams."""
+    def end_streams_of_key(self, key_id: str, reason: str) -> int:
+        """End the live streams of ``key_id`` with UNAUTHENTICATED ``reason``; how many."""
+    def shutdown(self) -> None:
+        """Stop accepting, end subscriptions (UNAVAILABLE), let in-flight calls finish within
+        the graceful timeout, close connections and the log. Blocks; a second call is a no-op."""

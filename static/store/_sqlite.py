@@ -312,7 +312,9 @@ class SQLiteDatabase(Database):
 
     dialect = "sqlite"
 
-    def __init__(self, writer: _WriterThread, readers: list[_Handle]) -> None:
+    def __init__(self, writer: _WriterThread, readers: list[_Handle], path: str) -> None:
+        #: The database file (``:memory:`` for a private in-memory database).
+        self.path = path
         self._writer_thread = writer
         self._writer = _Handle(writer.conn, writer.spawn)
         self._readers = readers
@@ -420,7 +422,7 @@ async def open_sqlite(path: str) -> AsyncIterator[SQLiteDatabase]:
         readers = [await trio.to_thread.run_sync(_connect, path) for _ in range(_READERS)]
     except sqlite3.Error as exc:
         raise DatabaseError(f"cannot open sqlite database {path!r}: {exc}") from exc
-    db = SQLiteDatabase(_WriterThread(writer), [_Handle(r) for r in readers])
+    db = SQLiteDatabase(_WriterThread(writer), [_Handle(r) for r in readers], path)
     try:
         yield db
     finally:

@@ -4,6 +4,8 @@
 //! `Engine` is usable from many Python threads at once. Errors map to the Python classes of
 //! `static._errors` in exactly one place, `From<NativeError> for PyErr`.
 
+mod relay;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -661,5 +663,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_synthetic_key_packages, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_ed25519_sign_verify_ns, m)?)?;
+    relay::register(m)?;
     Ok(())
 }

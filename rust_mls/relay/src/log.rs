@@ -139,7 +139,12 @@ impl ChannelLog {
 
     /// Up to `limit` consecutive entries after `cursor` (empty when `cursor` is the head):
     /// from memory when recent, else from the store. Unavailable on store failure or a gap.
-    pub async fn read_after(&self, channel: &Channel, cursor: u64, limit: usize) -> Result<Vec<Entry>> {
+    pub async fn read_after(
+        &self,
+        channel: &Channel,
+        cursor: u64,
+        limit: usize,
+    ) -> Result<Vec<Entry>> {
         let _ = (channel, cursor, limit);
         todo!()
     }
@@ -151,7 +156,11 @@ impl ChannelLog {
         todo!()
     }
 
-    pub async fn fetch_welcome(&self, channel: &Channel, key: WelcomeKey) -> Result<Option<WelcomeRecord>> {
+    pub async fn fetch_welcome(
+        &self,
+        channel: &Channel,
+        key: WelcomeKey,
+    ) -> Result<Option<WelcomeRecord>> {
         let _ = (channel, key);
         todo!()
     }

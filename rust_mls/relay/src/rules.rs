@@ -11,7 +11,11 @@ pub const MAX_IDEMPOTENCY_KEY: usize = 64;
 /// `Err(StaleEpoch)` unless `header` may be appended at `channel_epoch`: commits and proposals
 /// need the current epoch; application messages the current one or one of the
 /// `application_window` before it.
-pub fn check_fence(header: &MessageHeader, channel_epoch: u64, application_window: u64) -> Result<()> {
+pub fn check_fence(
+    header: &MessageHeader,
+    channel_epoch: u64,
+    application_window: u64,
+) -> Result<()> {
     let _ = (header, channel_epoch, application_window);
     todo!()
 }
@@ -40,7 +44,12 @@ pub struct TokenBucket {
 
 impl TokenBucket {
     pub fn full(rate: f64, burst: f64, now: std::time::Instant) -> Self {
-        TokenBucket { rate, burst, tokens: burst, updated: now }
+        TokenBucket {
+            rate,
+            burst,
+            tokens: burst,
+            updated: now,
+        }
     }
 
     /// Take `n` tokens: `Duration::ZERO` on success, else how long until they would be there.

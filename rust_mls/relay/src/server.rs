@@ -36,7 +36,10 @@ pub struct RelayServer {
 
 impl RelayServer {
     /// Open the log, bind and start serving on the current tokio runtime.
-    pub async fn start(config: RelayConfig, verifier: Option<Arc<dyn Verify>>) -> Result<RelayServer> {
+    pub async fn start(
+        config: RelayConfig,
+        verifier: Option<Arc<dyn Verify>>,
+    ) -> Result<RelayServer> {
         let _ = (config, verifier);
         todo!()
     }

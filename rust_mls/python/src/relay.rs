@@ -1,0 +1,195 @@
+//! `static._native.RelayServer`: the relay's data plane (`static-relay`) in the `static serve`
+//! process, on a tokio runtime of its own. Python keeps what is not per message: it passes a
+//! `verify(token)` callable (called once per call, from a blocking thread of that runtime, with
+//! the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and decides when
+//! to stop (`shutdown`). Errors at start are `OSError`s; nothing else raises.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, UNIX_EPOCH};
+
+use pyo3::exceptions::PyOSError;
+use pyo3::prelude::*;
+use static_relay::{Principal, RelayConfig, RelayError, Verify};
+
+/// gRPC codes a `verify` callable may refuse with.
+const UNAVAILABLE: u32 = 14;
+const UNAUTHENTICATED: u32 = 16;
+
+/// The Python `verify(token)`: returns `(account_id, key_id, expires_at | None)`, or
+/// `(code, message)` to refuse (UNAUTHENTICATED or UNAVAILABLE). Raising is a bug: printed,
+/// and the call gets INTERNAL.
+struct PyVerifier {
+    callable: Arc<Py<PyAny>>,
+}
+
+impl Verify for PyVerifier {
+    fn verify(
+        &self,
+        token: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
+        let callable = Arc::clone(&self.callable);
+        Box::pin(async move {
+            // A blocking thread: the callable waits for the trio thread (the store lookup).
+            tokio::task::spawn_blocking(move || {
+                Python::with_gil(|py| call_verify(py, &callable, token))
+            })
+            .await
+            .unwrap_or(Err(RelayError::Internal))
+        })
+    }
+}
+
+fn call_verify(
+    py: Python<'_>,
+    callable: &Py<PyAny>,
+    token: String,
+) -> Result<Principal, RelayError> {
+    let answer = callable.call1(py, (token,)).map_err(|err| {
+        err.print(py);
+        RelayError::Internal
+    })?;
+    if let Ok((account_id, key_id, expires_at)) =
+        answer.extract::<(String, String, Option<f64>)>(py)
+    {
+        let expires_at = expires_at
+            .filter(|at| at.is_finite() && *at >= 0.0)
+            .map(|at| UNIX_EPOCH + Duration::from_secs_f64(at));
+        return Ok(Principal {
+            account_id,
+            key_id,
+            expires_at,
+        });
+    }
+    match answer.extract::<(u32, String)>(py) {
+        Ok((UNAUTHENTICATED, message)) => Err(RelayError::Unauthenticated(message)),
+        Ok((UNAVAILABLE, message)) => Err(RelayError::Unavailable(message)),
+        _ => {
+            eprintln!("relay: verify() returned neither a principal nor a refusal");
+            Err(RelayError::Internal)
+        }
+    }
+}
+
+struct Running {
+    runtime: tokio::runtime::Runtime,
+    server: static_relay::RelayServer,
+}
+
+/// A running relay; `shutdown()` stops it gracefully (dropping it aborts it).
+#[pyclass(frozen, module = "static._native")]
+struct RelayServer {
+    running: Mutex<Option<Running>>,
+    port: u16,
+}
+
+impl RelayServer {
+    fn with_server<T>(&self, f: impl FnOnce(&static_relay::RelayServer) -> T) -> Option<T> {
+        let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        running.as_ref().map(|r| f(&r.server))
+    }
+}
+
+#[pymethods]
+impl RelayServer {
+    #[new]
+    #[pyo3(signature = (
+        *, host, port, db_path, verify, allow_anonymous, max_message_bytes, graceful_timeout,
+        application_window, keepalive_interval, max_streams_per_connection, reset_burst,
+        reset_rate_per_second, publish_rate_per_agent,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        host: String,
+        port: u16,
+        db_path: PathBuf,
+        verify: Option<Py<PyAny>>,
+        allow_anonymous: bool,
+        max_message_bytes: usize,
+        graceful_timeout: f64,
+        application_window: u64,
+        keepalive_interval: f64,
+        max_streams_per_connection: u32,
+        reset_burst: u32,
+        reset_rate_per_second: f64,
+        publish_rate_per_agent: f64,
+    ) -> PyResult<Self> {
+        let seconds =
+            |s: f64| Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 });
+        let config = RelayConfig {
+            host,
+            port,
+            db_path,
+            allow_anonymous,
+            max_message_bytes,
+            graceful_timeout: seconds(graceful_timeout),
+            application_window,
+            keepalive_interval: seconds(keepalive_interval),
+            max_streams_per_connection,
+            reset_burst,
+            reset_rate_per_second,
+            publish_rate_per_agent,
+        };
+        let verifier = verify.map(|callable| {
+            Arc::new(PyVerifier {
+                callable: Arc::new(callable),
+            }) as Arc<dyn Verify>
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .thread_name("static-relay")
+            .enable_all()
+            .build()
+            .map_err(|e| PyOSError::new_err(format!("cannot start the relay's runtime: {e}")))?;
+        let server = py
+            .allow_threads(|| runtime.block_on(static_relay::RelayServer::start(config, verifier)))
+            .map_err(|e| PyOSError::new_err(format!("cannot start the relay: {e}")))?;
+        let port = server.local_addr().port();
+        Ok(Self {
+            running: Mutex::new(Some(Running { runtime, server })),
+            port,
+        })
+    }
+
+    /// The port it listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The API keys behind live streams.
+    fn live_keys(&self) -> Vec<String> {
+        self.with_server(|s| s.live_keys()).unwrap_or_default()
+    }
+
+    /// End the live streams of `key_id` (UNAUTHENTICATED `reason`); how many there were.
+    fn end_streams_of_key(&self, key_id: &str, reason: &str) -> usize {
+        self.with_server(|s| s.end_streams_of_key(key_id, reason))
+            .unwrap_or(0)
+    }
+
+    /// Stop gracefully (see `RelayServer::shutdown` in static-relay); blocks without the GIL.
+    /// A second call does nothing.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let running = self
+            .running
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(Running { runtime, server }) = running else {
+            return Ok(());
+        };
+        py.allow_threads(move || {
+            runtime.block_on(server.shutdown());
+            runtime.shutdown_timeout(Duration::from_secs(1));
+        });
+        Ok(())
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<RelayServer>()?;
+    Ok(())
+}
