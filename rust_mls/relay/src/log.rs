@@ -660,19 +660,22 @@ impl Writer {
     fn run(mut self, queue: &Queue) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         let mut publishes = Vec::with_capacity(MAX_BATCH);
+        let mut creates = Vec::new();
         while queue.take(&mut batch) {
             for job in batch.drain(..) {
                 match job {
                     Job::Publish(p) => publishes.push(p),
-                    // Rare: their own small transaction. Publishes cannot depend on a create
-                    // of the same batch (a channel is handed out only once created).
-                    Job::Create { scope, name, tx } => {
-                        let _ = tx.send(self.create(&scope, &name));
-                    }
+                    Job::Create { scope, name, tx } => creates.push((scope, name, tx)),
                 }
             }
             if !publishes.is_empty() {
                 self.publish(&mut publishes);
+            }
+            // Rare, each in its own small transaction, after the publishes (which wait for
+            // nothing else). A publish never depends on a create of its batch: a channel is
+            // handed out only once created.
+            for (scope, name, tx) in creates.drain(..) {
+                let _ = tx.send(self.create(&scope, &name));
             }
         }
     }

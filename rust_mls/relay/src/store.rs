@@ -284,3 +284,50 @@ pub(crate) fn fetch_welcome(
         })
         .optional()
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const SCHEMA: &str = include_str!("../../../static/store/migrations/0002_relay.sqlite.sql");
+
+    fn pragma(conn: &Connection, name: &str) -> String {
+        conn.query_row(&format!("PRAGMA {name}"), [], |row| {
+            row.get::<_, rusqlite::types::Value>(0)
+        })
+        .map(|v| match v {
+            rusqlite::types::Value::Integer(i) => i.to_string(),
+            rusqlite::types::Value::Text(t) => t,
+            other => format!("{other:?}"),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn connections_are_durable_and_patient() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("static.sqlite3");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA)
+            .unwrap();
+        let writer = open_writer(&path).unwrap();
+        assert_eq!(pragma(&writer, "journal_mode"), "wal");
+        // FULL = 2: the WAL is synced at every commit.
+        assert_eq!(pragma(&writer, "synchronous"), "2");
+        assert_eq!(pragma(&writer, "foreign_keys"), "1");
+        assert_eq!(pragma(&writer, "busy_timeout"), "10000");
+        let reader = open_reader(&path).unwrap();
+        assert_eq!(pragma(&reader, "busy_timeout"), "10000");
+        assert!(reader
+            .execute(
+                "INSERT INTO relay_channels (scope, name) VALUES ('', 'x')",
+                []
+            )
+            .is_err());
+        let checkpointer = open_checkpointer(&path).unwrap();
+        assert_eq!(pragma(&checkpointer, "synchronous"), "2");
+        checkpoint(&checkpointer).unwrap();
+    }
+}
