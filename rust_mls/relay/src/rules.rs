@@ -1,12 +1,17 @@
 //! Pure rules of the relay: the epoch fence, idempotency keys, rate limits.
 //! A port of `static/relay/_rules.py` (bearer tokens: `auth.rs`).
-//!
-//! STUB (interface fixed; bodies to be written).
 
-use crate::error::Result;
-use crate::framing::MessageHeader;
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{RelayError, Result};
+use crate::framing::{ContentType, MessageHeader};
 
 pub const MAX_IDEMPOTENCY_KEY: usize = 64;
+
+/// The prefix of client-given keys: keeps them from ever equalling a digest-derived key.
+const GIVEN_KEY_PREFIX: &[u8] = b"k:";
 
 /// `Err(StaleEpoch)` unless `header` may be appended at `channel_epoch`: commits and proposals
 /// need the current epoch; application messages the current one or one of the
@@ -16,21 +21,47 @@ pub fn check_fence(
     channel_epoch: u64,
     application_window: u64,
 ) -> Result<()> {
-    let _ = (header, channel_epoch, application_window);
-    todo!()
+    let ok = match header.content_type {
+        ContentType::Application => {
+            header.epoch <= channel_epoch && channel_epoch - header.epoch <= application_window
+        }
+        ContentType::Proposal | ContentType::Commit => header.epoch == channel_epoch,
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(RelayError::StaleEpoch {
+            message_epoch: header.epoch,
+            current_epoch: channel_epoch,
+        })
+    }
 }
 
 /// The channel's epoch once `header` (already fenced) is appended.
 pub fn epoch_after(header: &MessageHeader, channel_epoch: u64) -> u64 {
-    let _ = (header, channel_epoch);
-    todo!()
+    match header.content_type {
+        // Saturating: a fenced commit is at the channel's epoch, which framing keeps below
+        // u64::MAX.
+        ContentType::Commit => channel_epoch.saturating_add(1),
+        ContentType::Application | ContentType::Proposal => channel_epoch,
+    }
 }
 
 /// The key that makes a publish idempotent: `b"k:" + given`, or SHA-256 of the message when
 /// none is given; InvalidArgument when `given` is longer than [`MAX_IDEMPOTENCY_KEY`].
 pub fn idempotency_key(given: &[u8], message: &[u8]) -> Result<Vec<u8>> {
-    let _ = (given, message);
-    todo!()
+    if given.is_empty() {
+        return Ok(Sha256::digest(message).to_vec());
+    }
+    if given.len() > MAX_IDEMPOTENCY_KEY {
+        return Err(RelayError::InvalidArgument(format!(
+            "idempotency_key longer than {MAX_IDEMPOTENCY_KEY} bytes"
+        )));
+    }
+    let mut key = Vec::with_capacity(GIVEN_KEY_PREFIX.len() + given.len());
+    key.extend_from_slice(GIVEN_KEY_PREFIX);
+    key.extend_from_slice(given);
+    Ok(key)
 }
 
 /// `rate` tokens a second, at most `burst` saved up.
@@ -39,11 +70,11 @@ pub struct TokenBucket {
     pub rate: f64,
     pub burst: f64,
     pub tokens: f64,
-    pub updated: std::time::Instant,
+    pub updated: Instant,
 }
 
 impl TokenBucket {
-    pub fn full(rate: f64, burst: f64, now: std::time::Instant) -> Self {
+    pub fn full(rate: f64, burst: f64, now: Instant) -> Self {
         TokenBucket {
             rate,
             burst,
@@ -52,9 +83,110 @@ impl TokenBucket {
         }
     }
 
-    /// Take `n` tokens: `Duration::ZERO` on success, else how long until they would be there.
-    pub fn take(&mut self, now: std::time::Instant, n: f64) -> std::time::Duration {
-        let _ = (now, n);
-        todo!()
+    /// Take `n` tokens: `Duration::ZERO` on success, else how long until they would be there
+    /// (`Duration::MAX` when they never will: a rate of 0).
+    pub fn take(&mut self, now: Instant, n: f64) -> Duration {
+        // Instants are monotonic; a `now` older than the last update (callers racing) adds
+        // nothing rather than taking tokens back.
+        let elapsed = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.tokens = self.burst.min(self.tokens + elapsed * self.rate);
+        self.updated = self.updated.max(now);
+        if self.tokens >= n {
+            self.tokens -= n;
+            return Duration::ZERO;
+        }
+        if self.rate > 0.0 {
+            Duration::try_from_secs_f64((n - self.tokens) / self.rate).unwrap_or(Duration::MAX)
+        } else {
+            Duration::MAX
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn header(content_type: ContentType, epoch: u64) -> MessageHeader {
+        MessageHeader {
+            wire_format: 2,
+            group_id: b"g".to_vec(),
+            epoch,
+            content_type,
+        }
+    }
+
+    fn stale(message_epoch: u64, current_epoch: u64) -> Result<()> {
+        Err(RelayError::StaleEpoch {
+            message_epoch,
+            current_epoch,
+        })
+    }
+
+    #[test]
+    fn fence() {
+        for ct in [ContentType::Commit, ContentType::Proposal] {
+            assert_eq!(check_fence(&header(ct, 5), 5, 3), Ok(()));
+            assert_eq!(check_fence(&header(ct, 4), 5, 3), stale(4, 5));
+            assert_eq!(check_fence(&header(ct, 6), 5, 3), stale(6, 5));
+        }
+        let app = ContentType::Application;
+        assert_eq!(check_fence(&header(app, 5), 5, 3), Ok(()));
+        assert_eq!(check_fence(&header(app, 2), 5, 3), Ok(()));
+        assert_eq!(check_fence(&header(app, 1), 5, 3), stale(1, 5));
+        assert_eq!(check_fence(&header(app, 6), 5, 3), stale(6, 5));
+        // A window larger than the channel's age reaches back to epoch 0.
+        assert_eq!(check_fence(&header(app, 0), 1, 10), Ok(()));
+        assert_eq!(check_fence(&header(app, 0), 0, 0), Ok(()));
+        assert_eq!(check_fence(&header(app, 0), 1, 0), stale(0, 1));
+    }
+
+    #[test]
+    fn epochs_after() {
+        assert_eq!(epoch_after(&header(ContentType::Commit, 5), 5), 6);
+        assert_eq!(epoch_after(&header(ContentType::Proposal, 5), 5), 5);
+        assert_eq!(epoch_after(&header(ContentType::Application, 3), 5), 5);
+    }
+
+    #[test]
+    fn idempotency_keys() {
+        let digest = idempotency_key(b"", b"hello").unwrap();
+        assert_eq!(digest, Sha256::digest(b"hello").to_vec());
+        assert_eq!(
+            idempotency_key(b"abc", b"hello").unwrap(),
+            b"k:abc".to_vec()
+        );
+        assert_eq!(idempotency_key(&[1; 64], b"m").unwrap().len(), 66);
+        assert_eq!(
+            idempotency_key(&[1; 65], b"m"),
+            Err(RelayError::InvalidArgument(
+                "idempotency_key longer than 64 bytes".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn token_bucket() {
+        let t0 = Instant::now();
+        let mut bucket = TokenBucket::full(2.0, 3.0, t0);
+        for _ in 0..3 {
+            assert_eq!(bucket.take(t0, 1.0), Duration::ZERO);
+        }
+        let wait = bucket.take(t0, 1.0);
+        assert!((wait.as_secs_f64() - 0.5).abs() < 1e-9, "{wait:?}");
+        // Half a second later one token is back, and no more.
+        let t1 = t0 + Duration::from_millis(500);
+        assert_eq!(bucket.take(t1, 1.0), Duration::ZERO);
+        assert!(bucket.take(t1, 1.0) > Duration::ZERO);
+        // Refills up to the burst only.
+        let t2 = t1 + Duration::from_secs(100);
+        for _ in 0..3 {
+            assert_eq!(bucket.take(t2, 1.0), Duration::ZERO);
+        }
+        assert!(bucket.take(t2, 1.0) > Duration::ZERO);
+        let mut never = TokenBucket::full(0.0, 1.0, t0);
+        assert_eq!(never.take(t0, 1.0), Duration::ZERO);
+        assert_eq!(never.take(t2, 1.0), Duration::MAX);
     }
 }
