@@ -60,8 +60,13 @@ pub fn bearer_token(metadata: &MetadataMap) -> Result<Option<String>> {
     if bytes.len() > MAX_HEADER {
         return Err(unauthenticated("malformed authorization header"));
     }
-    if !bytes.iter().all(|b| (0x20..=0x7e).contains(b) || *b == b'\t') {
-        return Err(unauthenticated("illegal characters in the authorization header"));
+    if !bytes
+        .iter()
+        .all(|b| (0x20..=0x7e).contains(b) || *b == b'\t')
+    {
+        return Err(unauthenticated(
+            "illegal characters in the authorization header",
+        ));
     }
     let text = String::from_utf8_lossy(bytes);
     let text = text.trim_matches(|c: char| c.is_ascii_whitespace());
@@ -116,7 +121,9 @@ impl Authenticator {
                     expires_at: None,
                 });
             }
-            return Err(unauthenticated("missing authorization metadata ('Bearer <token>')"));
+            return Err(unauthenticated(
+                "missing authorization metadata ('Bearer <token>')",
+            ));
         };
         let Some(verifier) = &self.verifier else {
             return Err(unauthenticated(
@@ -146,18 +153,34 @@ impl Authenticator {
     pub fn watch(self: &Arc<Self>, caller: &Caller) -> StreamGuard {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (end, ended) = watch::channel(None);
-        self.lock().insert(id, Registered { key_id: caller.key_id.clone(), end });
+        self.lock().insert(
+            id,
+            Registered {
+                key_id: caller.key_id.clone(),
+                end,
+            },
+        );
         let deadline = caller.expires_at.map(|at| {
-            let left = at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO);
+            let left = at
+                .duration_since(SystemTime::now())
+                .unwrap_or(Duration::ZERO);
             tokio::time::Instant::now() + left
         });
-        StreamGuard { id, ended, deadline, registry: Arc::clone(self) }
+        StreamGuard {
+            id,
+            ended,
+            deadline,
+            registry: Arc::clone(self),
+        }
     }
 
     /// The API keys behind live streams (the revocation checks look at these).
     pub fn live_keys(&self) -> Vec<String> {
-        let mut keys: Vec<String> =
-            self.lock().values().filter_map(|r| r.key_id.clone()).collect();
+        let mut keys: Vec<String> = self
+            .lock()
+            .values()
+            .filter_map(|r| r.key_id.clone())
+            .collect();
         keys.sort_unstable();
         keys.dedup();
         keys
@@ -167,7 +190,10 @@ impl Authenticator {
     pub fn end_streams_of_key(&self, key_id: &str, reason: &RelayError) -> usize {
         let streams = self.lock();
         let mut ended = 0;
-        for r in streams.values().filter(|r| r.key_id.as_deref() == Some(key_id)) {
+        for r in streams
+            .values()
+            .filter(|r| r.key_id.as_deref() == Some(key_id))
+        {
             r.end.send_replace(Some(reason.clone()));
             ended += 1;
         }
@@ -207,10 +233,16 @@ impl StreamGuard {
         };
         let ended = &mut self.ended;
         let ending = async {
-            match ended.wait_for(Option::is_some).await {
-                Ok(reason) => reason.clone().unwrap_or(RelayError::Internal),
+            // The watch's read guard is dropped before any further await (the future must
+            // be Send: streams run it on the runtime's workers).
+            let reason = match ended.wait_for(Option::is_some).await {
+                Ok(reason) => Some(reason.clone().unwrap_or(RelayError::Internal)),
+                Err(_) => None,
+            };
+            match reason {
+                Some(reason) => reason,
                 // The registry is gone with the relay: nothing ends this stream but expiry.
-                Err(_) => std::future::pending().await,
+                None => std::future::pending().await,
             }
         };
         tokio::select! {
@@ -242,8 +274,16 @@ mod tests {
     #[test]
     fn bearer_tokens_are_read_and_checked() {
         assert_eq!(bearer_token(&MetadataMap::new()).unwrap(), None);
-        assert_eq!(bearer_token(&metadata(&["Bearer abc.def-_"])).unwrap().as_deref(), Some("abc.def-_"));
-        assert_eq!(bearer_token(&metadata(&["bearer x=="])).unwrap().as_deref(), Some("x=="));
+        assert_eq!(
+            bearer_token(&metadata(&["Bearer abc.def-_"]))
+                .unwrap()
+                .as_deref(),
+            Some("abc.def-_")
+        );
+        assert_eq!(
+            bearer_token(&metadata(&["bearer x=="])).unwrap().as_deref(),
+            Some("x==")
+        );
         for bad in ["Basic abc", "Bearer", "Bearer a b", "Bearer =="] {
             assert_eq!(
                 bearer_token(&metadata(&[bad])).unwrap_err().to_string(),
@@ -252,7 +292,9 @@ mod tests {
             );
         }
         assert_eq!(
-            bearer_token(&metadata(&["Bearer a", "Bearer b"])).unwrap_err().to_string(),
+            bearer_token(&metadata(&["Bearer a", "Bearer b"]))
+                .unwrap_err()
+                .to_string(),
             "more than one authorization header"
         );
     }
