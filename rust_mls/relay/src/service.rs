@@ -404,12 +404,14 @@ impl Inner {
         };
         refusals
             .into_iter()
-            .map(|refusal| match (refusal, outcomes.next()) {
-                (Some(e), _) => Slot::Decided(publish_result(Err(e))),
-                (None, Some(outcome)) => Slot::Waiting(outcome),
-                (None, None) => Slot::Decided(publish_result(Err(internal(
-                    "the log gave fewer outcomes than publishes",
-                )))),
+            .map(|refusal| match refusal {
+                Some(e) => Slot::Decided(publish_result(Err(e))),
+                None => match outcomes.next() {
+                    Some(outcome) => Slot::Waiting(outcome),
+                    None => Slot::Decided(publish_result(Err(internal(
+                        "the log gave fewer outcomes than publishes",
+                    )))),
+                },
             })
             .collect()
     }
