@@ -233,10 +233,16 @@ impl StreamGuard {
         };
         let ended = &mut self.ended;
         let ending = async {
-            match ended.wait_for(Option::is_some).await {
-                Ok(reason) => reason.clone().unwrap_or(RelayError::Internal),
+            // The watch's read guard is dropped before any further await (the future must
+            // be Send: streams run it on the runtime's workers).
+            let reason = match ended.wait_for(Option::is_some).await {
+                Ok(reason) => Some(reason.clone().unwrap_or(RelayError::Internal)),
+                Err(_) => None,
+            };
+            match reason {
+                Some(reason) => reason,
                 // The registry is gone with the relay: nothing ends this stream but expiry.
-                Err(_) => std::future::pending().await,
+                None => std::future::pending().await,
             }
         };
         tokio::select! {

@@ -1,14 +1,45 @@
 //! `RelayServer`: bind (the configured host only, no SO_REUSEPORT), serve, drain.
+//! A port of `static/relay/_serve.py`.
 //!
-//! STUB (interface fixed; bodies to be written).
+//! Connections are served with hyper's HTTP/2 server directly (gRPC needs nothing else), so
+//! that the relay keeps what the Python transport did per connection: a cap on concurrent
+//! calls answered with RESOURCE_EXHAUSTED (not a SETTINGS limit clients would queue behind),
+//! a budget of stream resets (HTTP/2 rapid reset), TCP_NODELAY, and a drain it controls.
 
+use std::convert::Infallible;
+use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
-use crate::auth::Verify;
-use crate::error::Result;
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::server::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify};
+use tokio::task::{JoinHandle, JoinSet};
+use tonic::body::Body;
+use tonic::codegen::Service as _;
+use tonic::Status;
+
+use crate::auth::{Authenticator, Verify};
+use crate::error::{RelayError, Result};
+use crate::log::{ChannelLog, LogSettings};
+use crate::pb::relay_server::RelayServer as GrpcServer;
+use crate::rules::TokenBucket;
+use crate::service::{self, Drain, Peer, Relay, ServiceSettings};
+
+/// How long closing connections may take to flush after their GOAWAY (as in Python).
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// HTTP/2 streams a connection may open beyond the relay's cap: those get the cap's
+/// RESOURCE_EXHAUSTED answer, and only past this does h2 itself refuse streams.
+const STREAMS_OVER_CAP: u32 = 100;
 
 /// The relay's knobs (`static/_settings.py::RelaySettings`, same defaults).
 #[derive(Debug, Clone)]
@@ -29,9 +60,54 @@ pub struct RelayConfig {
     pub publish_rate_per_agent: f64,
 }
 
+impl RelayConfig {
+    /// The defaults of `RelaySettings` (and `ServerSettings.relay`: 127.0.0.1:50051) over
+    /// the database at `db_path`.
+    pub fn new(db_path: impl Into<PathBuf>) -> RelayConfig {
+        RelayConfig {
+            host: "127.0.0.1".to_owned(),
+            port: 50051,
+            db_path: db_path.into(),
+            allow_anonymous: false,
+            max_message_bytes: 1024 * 1024,
+            graceful_timeout: Duration::from_secs(5),
+            application_window: 5,
+            keepalive_interval: Duration::from_secs(2),
+            max_streams_per_connection: 100,
+            reset_burst: 200,
+            reset_rate_per_second: 50.0,
+            publish_rate_per_agent: 10_000.0,
+        }
+    }
+}
+
+/// Where the server is in its life; connections and the acceptor watch it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Phase {
+    Serving,
+    /// No more connections; new calls refused, live ones winding down.
+    Draining,
+    /// GOAWAY on every connection.
+    Closing,
+}
+
+/// Resolves once the server reached `phase` (or is gone).
+async fn reached(rx: &mut watch::Receiver<Phase>, phase: Phase) {
+    // The watch's read guard must not live on in the caller's future (it is not Send).
+    let _ = rx.wait_for(|p| *p >= phase).await;
+}
+
 /// A running relay. Dropping it without [`RelayServer::shutdown`] aborts it.
 pub struct RelayServer {
-    _private: (),
+    local_addr: SocketAddr,
+    log: ChannelLog,
+    auth: Arc<Authenticator>,
+    drain: Drain,
+    calls: Arc<Calls>,
+    phase: watch::Sender<Phase>,
+    /// The accept loop; it hands back the connections' tasks when it stops.
+    acceptor: Option<JoinHandle<JoinSet<()>>>,
+    graceful_timeout: Duration,
 }
 
 impl RelayServer {
@@ -40,29 +116,472 @@ impl RelayServer {
         config: RelayConfig,
         verifier: Option<Arc<dyn Verify>>,
     ) -> Result<RelayServer> {
-        let _ = (config, verifier);
-        todo!()
+        let log = ChannelLog::open(LogSettings {
+            db_path: config.db_path.clone(),
+            application_window: config.application_window,
+        })?;
+        let listeners = bind(&config.host, config.port).await?;
+        let local_addr = match listeners.first().map(TcpListener::local_addr) {
+            Some(Ok(addr)) => addr,
+            Some(Err(e)) => return Err(cannot_listen(&config, &e)),
+            None => return Err(cannot_listen(&config, &"no address to listen on")),
+        };
+        let auth = Authenticator::new(verifier, config.allow_anonymous);
+        let drain = Drain::new();
+        let settings = ServiceSettings {
+            max_message_bytes: config.max_message_bytes,
+            keepalive_interval: config.keepalive_interval,
+            publish_rate_per_agent: config.publish_rate_per_agent,
+        };
+        let transport_limit = settings.transport_limit();
+        let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());
+        let grpc = GrpcServer::new(relay).max_decoding_message_size(transport_limit);
+
+        let mut http = http2::Builder::new(TokioExecutor::new());
+        http.max_concurrent_streams(
+            config
+                .max_streams_per_connection
+                .saturating_add(STREAMS_OVER_CAP),
+        )
+        // Streams reset before they were even accepted: h2 answers a burst of these with
+        // GOAWAY(ENHANCE_YOUR_CALM) itself; later resets are counted by `Connection`.
+        .max_pending_accept_reset_streams(
+            usize::try_from(config.reset_burst).unwrap_or(usize::MAX),
+        );
+
+        let calls = Arc::new(Calls::default());
+        let shared = Arc::new(Shared {
+            grpc,
+            http,
+            calls: Arc::clone(&calls),
+            drain: drain.clone(),
+            transport_limit,
+            max_streams: config.max_streams_per_connection,
+            reset_burst: f64::from(config.reset_burst),
+            reset_rate: config.reset_rate_per_second,
+        });
+        let (phase, watching) = watch::channel(Phase::Serving);
+        let acceptor = tokio::spawn(accept(listeners, shared, watching));
+        Ok(RelayServer {
+            local_addr,
+            log,
+            auth,
+            drain,
+            calls,
+            phase,
+            acceptor: Some(acceptor),
+            graceful_timeout: config.graceful_timeout,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
-        todo!()
+        self.local_addr
     }
 
     /// The API keys behind live streams (for the revocation checks).
     pub fn live_keys(&self) -> Vec<String> {
-        todo!()
+        self.auth.live_keys()
     }
 
     /// End every live stream of `key_id` with UNAUTHENTICATED `reason`; how many there were.
     pub fn end_streams_of_key(&self, key_id: &str, reason: &str) -> usize {
-        let _ = (key_id, reason);
-        todo!()
+        self.auth
+            .end_streams_of_key(key_id, &RelayError::Unauthenticated(reason.to_owned()))
     }
 
     /// Graceful stop: stop accepting, end live subscriptions with UNAVAILABLE "relay is
     /// shutting down", let in-flight calls finish within `graceful_timeout`, close every
     /// connection, commit what was submitted, close the store.
-    pub async fn shutdown(self) {
-        todo!()
+    pub async fn shutdown(mut self) {
+        self.phase.send_replace(Phase::Draining);
+        let connections = match self.acceptor.take() {
+            Some(acceptor) => match acceptor.await {
+                Ok(connections) => Some(connections),
+                Err(e) => {
+                    eprintln!("relay: the accept loop failed: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
+        // New calls are refused from here on; streaming calls stop reading and end.
+        self.drain.start();
+        self.auth.end_all(&service::shutting_down());
+        self.calls
+            .wait_idle(tokio::time::Instant::now() + self.graceful_timeout)
+            .await;
+        // h2 sends nothing after its GOAWAY: that comes once the calls are done (or late).
+        self.phase.send_replace(Phase::Closing);
+        if let Some(mut connections) = connections {
+            let closed = async { while connections.join_next().await.is_some() {} };
+            if tokio::time::timeout(CLOSE_GRACE, closed).await.is_err() {
+                connections.abort_all();
+                while connections.join_next().await.is_some() {}
+            }
+        }
+        self.log.close().await;
+    }
+}
+
+impl Drop for RelayServer {
+    fn drop(&mut self) {
+        // Not shut down: the accept loop goes, and with it (its JoinSet) every connection.
+        if let Some(acceptor) = self.acceptor.take() {
+            acceptor.abort();
+        }
+    }
+}
+
+fn cannot_listen(config: &RelayConfig, err: &dyn std::fmt::Display) -> RelayError {
+    RelayError::Unavailable(format!(
+        "cannot listen on {}:{}: {err}",
+        config.host, config.port
+    ))
+}
+
+/// Listeners on every address of `host` (one port for all), nothing else: no SO_REUSEPORT,
+/// so a second relay cannot share the port.
+async fn bind(host: &str, port: u16) -> Result<Vec<TcpListener>> {
+    let failed = |e: &dyn std::fmt::Display| {
+        RelayError::Unavailable(format!("cannot listen on {host}:{port}: {e}"))
+    };
+    let mut addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| failed(&e))?
+        .collect();
+    addrs.dedup();
+    let mut listeners = Vec::with_capacity(addrs.len());
+    let mut port = port;
+    for addr in addrs {
+        let listener = TcpListener::bind(SocketAddr::new(addr.ip(), port))
+            .await
+            .map_err(|e| failed(&e))?;
+        if port == 0 {
+            port = listener.local_addr().map_err(|e| failed(&e))?.port();
+        }
+        listeners.push(listener);
+    }
+    Ok(listeners)
+}
+
+/// What every connection shares.
+struct Shared {
+    grpc: GrpcServer<Relay>,
+    http: http2::Builder<TokioExecutor>,
+    calls: Arc<Calls>,
+    drain: Drain,
+    transport_limit: usize,
+    max_streams: u32,
+    reset_burst: f64,
+    reset_rate: f64,
+}
+
+/// Accepts until the drain; returns the connections' tasks (dropping them aborts them).
+async fn accept(
+    listeners: Vec<TcpListener>,
+    shared: Arc<Shared>,
+    mut phase: watch::Receiver<Phase>,
+) -> JoinSet<()> {
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            () = reached(&mut phase, Phase::Draining) => return connections,
+            Some(done) = connections.join_next(), if !connections.is_empty() => {
+                if let Err(e) = done {
+                    if e.is_panic() {
+                        eprintln!("relay: a connection's task panicked: {e}");
+                    }
+                }
+            }
+            accepted = accept_any(&listeners) => match accepted {
+                Ok((stream, peer)) => {
+                    let phase = phase.clone();
+                    connections.spawn(serve(stream, peer, Arc::clone(&shared), phase));
+                }
+                Err(e) => {
+                    // E.g. out of file descriptors: wait, then go on.
+                    eprintln!("relay: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+}
+
+async fn accept_any(listeners: &[TcpListener]) -> std::io::Result<(TcpStream, SocketAddr)> {
+    poll_fn(|cx| {
+        for listener in listeners {
+            if let Poll::Ready(accepted) = listener.poll_accept(cx) {
+                return Poll::Ready(accepted);
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// One connection, until the peer leaves, it floods resets, or the relay closes it.
+async fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    mut phase: watch::Receiver<Phase>,
+) {
+    // Small answers must leave at once (the latency target), not wait for Nagle.
+    if let Err(e) = stream.set_nodelay(true) {
+        eprintln!("relay: TCP_NODELAY on {peer}: {e}");
+    }
+    let connection = Arc::new(Connection {
+        peer: Peer(Arc::from(format!("{}:{}", peer.ip(), peer.port()))),
+        active: AtomicU32::new(0),
+        resets: Mutex::new(TokenBucket::full(
+            shared.reset_rate,
+            shared.reset_burst,
+            Instant::now(),
+        )),
+        flooded: Notify::new(),
+    });
+    let gate = CallGate {
+        shared: Arc::clone(&shared),
+        connection: Arc::clone(&connection),
+    };
+    let conn = shared.http.serve_connection(TokioIo::new(stream), gate);
+    tokio::pin!(conn);
+    let mut going_away = false;
+    let flooded = loop {
+        tokio::select! {
+            served = conn.as_mut() => match served {
+                Ok(()) => return,
+                Err(e) => break is_reset_flood(&e),
+            },
+            () = connection.flooded.notified() => break true,
+            () = reached(&mut phase, Phase::Closing), if !going_away => {
+                going_away = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    };
+    if flooded {
+        // Dropping the connection closes its socket and ends its calls.
+        eprintln!(
+            "relay: closing {}: too many stream resets",
+            connection.peer.0
+        );
+    }
+}
+
+/// Whether h2 closed the connection for too many resets (its GOAWAY(ENHANCE_YOUR_CALM)).
+fn is_reset_flood(err: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        if let Some(h2) = e.downcast_ref::<h2::Error>() {
+            return h2.is_go_away()
+                && !h2.is_remote()
+                && h2.reason() == Some(h2::Reason::ENHANCE_YOUR_CALM);
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The calls in flight across every connection (what a shutdown waits for).
+#[derive(Default)]
+struct Calls {
+    active: AtomicUsize,
+    idle: Notify,
+}
+
+impl Calls {
+    /// Until no call is in flight, or `deadline`.
+    async fn wait_idle(&self, deadline: tokio::time::Instant) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            // Registered before the count is read: a last call ending now is not missed.
+            idle.as_mut().enable();
+            if self.active.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// One connection's bookkeeping.
+struct Connection {
+    peer: Peer,
+    /// Calls in flight on this connection.
+    active: AtomicU32,
+    /// Streams the peer may reset (after they were accepted) before the connection is
+    /// closed: a burst, then a rate (HTTP/2 rapid reset).
+    resets: Mutex<TokenBucket>,
+    flooded: Notify,
+}
+
+impl Connection {
+    fn reset(&self) {
+        let wait = self
+            .resets
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take(Instant::now(), 1.0);
+        if !wait.is_zero() {
+            self.flooded.notify_one();
+        }
+    }
+}
+
+/// A call in flight: counted on its connection and the server until its response is done.
+/// Dropped before that, the peer reset the stream (or went away).
+struct CallSlot {
+    shared: Arc<Shared>,
+    connection: Arc<Connection>,
+    finished: bool,
+}
+
+impl CallSlot {
+    /// A slot for a new call, or None when the connection has its cap of calls in flight.
+    fn open(shared: &Arc<Shared>, connection: &Arc<Connection>) -> Option<CallSlot> {
+        let before = connection.active.fetch_add(1, Ordering::AcqRel);
+        if before >= shared.max_streams {
+            connection.active.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        shared.calls.active.fetch_add(1, Ordering::AcqRel);
+        Some(CallSlot {
+            shared: Arc::clone(shared),
+            connection: Arc::clone(connection),
+            finished: false,
+        })
+    }
+}
+
+impl Drop for CallSlot {
+    fn drop(&mut self) {
+        self.connection.active.fetch_sub(1, Ordering::AcqRel);
+        if self.shared.calls.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.shared.calls.idle.notify_waiters();
+        }
+        if !self.finished {
+            self.connection.reset();
+        }
+    }
+}
+
+/// The per-connection HTTP service in front of the gRPC one: the cap of calls, the drain,
+/// the peer's address, and the relay's texts for what tonic refuses by itself.
+#[derive(Clone)]
+struct CallGate {
+    shared: Arc<Shared>,
+    connection: Arc<Connection>,
+}
+
+type ResponseFuture = Pin<
+    Box<dyn Future<Output = std::result::Result<http::Response<CountedBody>, Infallible>> + Send>,
+>;
+
+impl hyper::service::Service<http::Request<Incoming>> for CallGate {
+    type Response = http::Response<CountedBody>;
+    type Error = Infallible;
+    type Future = ResponseFuture;
+
+    fn call(&self, mut request: http::Request<Incoming>) -> ResponseFuture {
+        if self.shared.drain.started() {
+            return refuse(&service::shutting_down());
+        }
+        let Some(slot) = CallSlot::open(&self.shared, &self.connection) else {
+            return refuse(&RelayError::resource_exhausted(format!(
+                "too many concurrent streams on this connection (limit {})",
+                self.shared.max_streams
+            )));
+        };
+        request
+            .extensions_mut()
+            .insert(self.connection.peer.clone());
+        let mut grpc = self.shared.grpc.clone();
+        let limit = self.shared.transport_limit;
+        Box::pin(async move {
+            let response = match grpc.call(request).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            };
+            let response = reworded(response, limit);
+            Ok(response.map(|body| CountedBody {
+                inner: body,
+                slot: Some(slot),
+            }))
+        })
+    }
+}
+
+fn refuse(error: &RelayError) -> ResponseFuture {
+    let response = error.to_status().into_http::<Body>();
+    Box::pin(std::future::ready(Ok(response.map(|body| CountedBody {
+        inner: body,
+        slot: None,
+    }))))
+}
+
+/// A trailers-only answer tonic made by itself while reading the request (too large, not
+/// protobuf), with the relay's status and text instead.
+fn reworded(response: http::Response<Body>, limit: usize) -> http::Response<Body> {
+    match response
+        .extensions()
+        .get::<Status>()
+        .and_then(|status| service::transport_error(status, limit))
+    {
+        Some(error) => error.to_status().into_http(),
+        None => response,
+    }
+}
+
+/// A response body that keeps its call counted until it is done.
+struct CountedBody {
+    inner: Body,
+    slot: Option<CallSlot>,
+}
+
+impl CountedBody {
+    fn finish(&mut self) {
+        if let Some(slot) = &mut self.slot {
+            slot.finished = true;
+        }
+    }
+}
+
+impl HttpBody for CountedBody {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, Status>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.finish(),
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => self.finish(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        // A trailers-only answer is done without ever being polled.
+        if self.inner.is_end_stream() {
+            self.finish();
+        }
     }
 }

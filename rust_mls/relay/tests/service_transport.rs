@@ -1,0 +1,278 @@
+//! The relay's connections: the cap of calls per connection, resets, vanished and slow
+//! peers, binding, graceful shutdown (`tests/relay/test_transport.py`).
+#![allow(clippy::unwrap_used)]
+
+mod service_support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use static_relay::pb;
+use tokio::net::TcpStream;
+use tonic::Code;
+
+use service_support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binds_only_the_configured_host() {
+    let relay = Relay::anonymous().await;
+    assert!(relay.addr.ip().is_loopback());
+    assert!(TcpStream::connect(("127.0.0.2", relay.addr.port())).await.is_err());
+    // The port is taken: another listener cannot share it.
+    assert!(std::net::TcpListener::bind(relay.addr).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalives_flow_on_an_idle_subscription() {
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.keepalive_interval = Duration::from_millis(100);
+    })
+    .await;
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let started = Instant::now();
+    let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    sub.wait_keepalives(6).await;
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(sub.entries.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_per_connection_are_capped() {
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.max_streams_per_connection = 3;
+        c.keepalive_interval = Duration::from_secs(60);
+    })
+    .await;
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let mut subs = Vec::new();
+    for _ in 0..3 {
+        let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+        sub.wait_keepalives(1).await;
+        subs.push(sub);
+    }
+    let refused = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"x")).await.unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert_eq!(
+        refused.message(),
+        "too many concurrent streams on this connection (limit 3)"
+    );
+    // Another connection is not affected.
+    let mut other = relay.client().await;
+    assert_eq!(publish(&mut other, CHANNEL, application(CHANNEL, 0, b"x")).await.unwrap().seq, 1);
+    for sub in &mut subs {
+        sub.wait_for(1).await;
+    }
+    // A cancelled call frees its place at once, without traffic on it (keep-alives are
+    // minutes apart here): its RST_STREAM is enough.
+    for _ in 0..20 {
+        subs.pop();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+        sub.wait_keepalives(1).await;
+        subs.push(sub);
+    }
+}
+
+/// A bare HTTP/2 connection (the h2 crate), for what a gRPC client never does.
+async fn raw_connection(
+    relay: &Relay,
+) -> (h2::client::SendRequest<Bytes>, tokio::task::JoinHandle<Result<(), h2::Error>>) {
+    let tcp = TcpStream::connect(relay.addr).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    (send, tokio::spawn(connection))
+}
+
+fn grpc_request(method: &str) -> http::Request<()> {
+    http::Request::builder()
+        .method("POST")
+        .uri(format!("http://relay/static.relay.v1.Relay/{method}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap()
+}
+
+fn grpc_frame(message: &impl prost::Message) -> Bytes {
+    let body = message.encode_to_vec();
+    let mut frame = vec![0u8];
+    frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+    frame.extend_from_slice(&body);
+    Bytes::from(frame)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_subscriber_is_noticed_without_traffic() {
+    let relay = Relay::start_with(
+        |c| c.keepalive_interval = Duration::from_secs(60),
+        Some(Arc::new(FakeVerify)),
+    )
+    .await;
+    let mut client = relay.client().await;
+    client
+        .create_channel(authed(pb::CreateChannelRequest { channel: CHANNEL.into() }, "acme.k1"))
+        .await
+        .unwrap();
+    let (mut send, connection) = raw_connection(&relay).await;
+    let mut request = grpc_request("Subscribe");
+    request
+        .headers_mut()
+        .insert("authorization", "Bearer acme.gone".parse().unwrap());
+    let (response, mut body) = send.send_request(request, false).unwrap();
+    body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true).unwrap();
+    let mut response = response.await.unwrap().into_body();
+    assert!(response.data().await.unwrap().is_ok(), "no keep-alive");
+    assert_eq!(relay.server().live_keys(), ["gone"]);
+    // Gone: no RST_STREAM, no GOAWAY, the socket just closes.
+    connection.abort();
+    drop((send, response));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !relay.server().live_keys().is_empty() {
+        assert!(Instant::now() < deadline, "the subscription outlived its connection");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rapid_reset_flood_is_cut_off() {
+    let relay = Relay::anonymous().await;
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    sub.wait_keepalives(1).await;
+    for round in 0..3u64 {
+        let (mut send, connection) = raw_connection(&relay).await;
+        let mut cut_off = false;
+        for _ in 0..3000 {
+            let ready = tokio::time::timeout(Duration::from_secs(5), send.ready()).await;
+            send = match ready {
+                Ok(Ok(send)) => send,
+                _ => {
+                    cut_off = true;
+                    break;
+                }
+            };
+            let Ok((_, mut body)) = send.send_request(grpc_request("Subscribe"), false) else {
+                cut_off = true;
+                break;
+            };
+            let _ = body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true);
+            body.send_reset(h2::Reason::CANCEL);
+        }
+        if !cut_off {
+            let ended = tokio::time::timeout(Duration::from_secs(3), connection).await;
+            cut_off = ended.is_ok();
+        }
+        assert!(cut_off, "the flooding connection was not closed");
+        // Everyone else is unaffected.
+        let message = application(CHANNEL, 0, round.to_string().as_bytes());
+        assert_eq!(publish(&mut client, CHANNEL, message).await.unwrap().seq, round + 1);
+    }
+    // Resets of calls already being served count too (the relay's own budget: a burst of
+    // 200, then 50 a second).
+    let (mut send, connection) = raw_connection(&relay).await;
+    let mut cut_off = false;
+    for _ in 0..400 {
+        let Ok(Ok(ready)) = tokio::time::timeout(Duration::from_secs(5), send.ready()).await else {
+            cut_off = true;
+            break;
+        };
+        send = ready;
+        let Ok((response, mut body)) = send.send_request(grpc_request("Subscribe"), false) else {
+            cut_off = true;
+            break;
+        };
+        let _ = body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true);
+        // Served: its response headers came.
+        if tokio::time::timeout(Duration::from_secs(5), response).await.map_or(true, |r| r.is_err()) {
+            cut_off = true;
+            break;
+        }
+        body.send_reset(h2::Reason::CANCEL);
+    }
+    if !cut_off {
+        cut_off = tokio::time::timeout(Duration::from_secs(3), connection).await.is_ok();
+    }
+    assert!(cut_off, "the connection resetting served calls was not closed");
+    let message = application(CHANNEL, 0, b"after");
+    assert_eq!(publish(&mut client, CHANNEL, message).await.unwrap().seq, 4);
+    sub.wait_for(4).await;
+    assert_eq!(sub.seqs(), [1, 2, 3, 4]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_subscriber_stalls_nobody_and_catches_up() {
+    let relay = Relay::anonymous().await;
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let (count, payload) = (1500u64, vec![b'x'; 1024]);
+    // Opened, then not read until the end (on a connection of its own).
+    let mut slow_client = relay.client().await;
+    let mut slow = Subscription::open(&mut slow_client, subscribe_request(CHANNEL, 0)).await;
+    let mut fast = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    fast.wait_keepalives(1).await;
+    let started = Instant::now();
+    for start in (0..count).step_by(100) {
+        let requests: Vec<_> = (start..start + 100)
+            .map(|i| {
+                let mut body = payload.clone();
+                body.extend_from_slice(i.to_string().as_bytes());
+                request(CHANNEL, application(CHANNEL, 0, &body))
+            })
+            .collect();
+        let mut answers = client
+            .publish_stream(tokio_stream::iter(requests))
+            .await
+            .unwrap()
+            .into_inner();
+        while answers.message().await.unwrap().is_some() {}
+    }
+    fast.wait_for(count as usize).await;
+    assert_eq!(fast.seqs(), (1..=count).collect::<Vec<_>>());
+    assert!(started.elapsed() < Duration::from_secs(20));
+    slow.wait_for(count as usize).await;
+    assert_eq!(slow.seqs(), (1..=count).collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_ends_streams_cleanly() {
+    let mut relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.graceful_timeout = Duration::from_secs(5);
+    })
+    .await;
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let mut subs = Vec::new();
+    for _ in 0..3 {
+        let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+        sub.wait_keepalives(1).await;
+        subs.push(sub);
+    }
+    // A PublishBatches call left open (as the SDK keeps one) does not hold the drain up.
+    let (batches_tx, batches_rx) = tokio::sync::mpsc::channel::<pb::PublishBatchRequest>(1);
+    let mut batches = client
+        .publish_batches(tokio_stream::wrappers::ReceiverStream::new(batches_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let started = Instant::now();
+    let server = relay.server.take().unwrap();
+    let stopping = tokio::spawn(server.shutdown());
+    for sub in &mut subs {
+        let status = sub.wait_end().await;
+        assert_eq!((status.code(), status.message()), (Code::Unavailable, "relay is shutting down"));
+    }
+    let status = batches.message().await.unwrap_err();
+    assert_eq!((status.code(), status.message()), (Code::Unavailable, "relay is shutting down"));
+    drop(batches_tx);
+    tokio::time::timeout(Duration::from_secs(10), stopping).await.unwrap().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    // Nobody listens any more.
+    assert!(TcpStream::connect(relay.addr).await.is_err());
+}
