@@ -465,7 +465,8 @@ impl Inner {
         guard: &mut StreamGuard,
         tx: &mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
     ) -> Option<RelayError> {
-        let interval = self.settings.keepalive_interval;
+        // A zero interval would make this loop spin on keep-alives.
+        let interval = self.settings.keepalive_interval.max(Duration::from_millis(1));
         let mut head = channel.watch_head();
         let mut drain = self.drain.watch();
         // A first keep-alive right away tells the client the subscription is live.
