@@ -16,6 +16,7 @@ pub mod log;
 pub mod rules;
 mod server;
 mod service;
+mod store;
 
 /// The generated protobuf messages, server and client of `static.relay.v1`.
 #[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]

@@ -1,0 +1,771 @@
+//! The channel log over a real SQLite database (the relay schema of the Python store's
+//! migrations) in a temporary directory.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use static_relay::framing::parse_message;
+use static_relay::log::{
+    Accepted, Channel, ChannelLog, Checked, Entry, LogSettings, WelcomeKey, WelcomeRecord,
+};
+use static_relay::rules::idempotency_key;
+use static_relay::RelayError;
+
+const SCHEMA: &str = include_str!("../../../static/store/migrations/0002_relay.sqlite.sql");
+const SCOPE: &str = "acct-1";
+const NAME: &str = "org/ns/service";
+
+const APPLICATION: u8 = 1;
+const PROPOSAL: u8 = 2;
+const COMMIT: u8 = 3;
+
+struct Db {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn new_db() -> Db {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("static.sqlite3");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(SCHEMA).unwrap();
+    Db { _dir: dir, path }
+}
+
+fn open(path: &Path, application_window: u64) -> ChannelLog {
+    ChannelLog::open(LogSettings {
+        db_path: path.to_owned(),
+        application_window,
+    })
+    .unwrap()
+}
+
+fn vector(body: &[u8]) -> Vec<u8> {
+    let n = body.len();
+    let mut out = if n < 0x40 {
+        vec![n as u8]
+    } else {
+        assert!(n < 0x4000);
+        vec![0x40 | (n >> 8) as u8, n as u8]
+    };
+    out.extend_from_slice(body);
+    out
+}
+
+/// A private MLS message (the relay reads only its header).
+fn private(epoch: u64, content_type: u8, body: &[u8]) -> Bytes {
+    let mut m = vec![0, 1, 0, 2];
+    m.extend(vector(b"group"));
+    m.extend(epoch.to_be_bytes());
+    m.push(content_type);
+    m.extend(vector(b""));
+    m.extend(vector(b"sender"));
+    m.extend(vector(body));
+    Bytes::from(m)
+}
+
+fn checked(epoch: u64, content_type: u8, body: &[u8]) -> Checked {
+    let message = private(epoch, content_type, body);
+    Checked {
+        header: parse_message(&message).unwrap(),
+        key: idempotency_key(b"", &message).unwrap(),
+        message,
+        welcome: Bytes::new(),
+        welcome_refs: Vec::new(),
+    }
+}
+
+async fn publish_all(
+    log: &ChannelLog,
+    channel: &Arc<Channel>,
+    items: Vec<Checked>,
+) -> Vec<Result<Accepted, RelayError>> {
+    let outcomes = log.submit(items.into_iter().map(|c| (channel.clone(), c)).collect());
+    let mut answers = Vec::new();
+    for outcome in outcomes {
+        answers.push(outcome.await.unwrap());
+    }
+    answers
+}
+
+async fn publish(
+    log: &ChannelLog,
+    channel: &Arc<Channel>,
+    item: Checked,
+) -> Result<Accepted, RelayError> {
+    publish_all(log, channel, vec![item]).await.pop().unwrap()
+}
+
+fn accepted(seq: u64, epoch: u64, duplicate: bool) -> Result<Accepted, RelayError> {
+    Ok(Accepted {
+        seq,
+        epoch,
+        duplicate,
+    })
+}
+
+fn stale(message_epoch: u64, current_epoch: u64) -> Result<Accepted, RelayError> {
+    Err(RelayError::StaleEpoch {
+        message_epoch,
+        current_epoch,
+    })
+}
+
+/// Commits the channel from its epoch up to `epoch`.
+async fn commit_to(log: &ChannelLog, channel: &Arc<Channel>, epoch: u64) {
+    while channel.epoch() < epoch {
+        let at = channel.epoch();
+        let body = format!("commit {at}");
+        let answer = publish(log, channel, checked(at, COMMIT, body.as_bytes())).await;
+        assert_eq!(answer.unwrap().epoch, at + 1);
+    }
+}
+
+fn assert_consecutive(entries: &[Entry], first: u64) {
+    for (i, e) in entries.iter().enumerate() {
+        assert_eq!(e.seq, first + i as u64);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_load_not_found_already_exists() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    assert!(log.loaded(SCOPE, NAME).is_none());
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    assert_eq!(
+        (
+            channel.name(),
+            channel.scope(),
+            channel.head_seq(),
+            channel.epoch()
+        ),
+        (NAME, SCOPE, 0, 0)
+    );
+    assert!(Arc::ptr_eq(&log.loaded(SCOPE, NAME).unwrap(), &channel));
+    assert!(Arc::ptr_eq(
+        &log.channel(SCOPE, NAME).await.unwrap(),
+        &channel
+    ));
+    assert_eq!(
+        log.create(SCOPE, NAME).await.unwrap_err(),
+        RelayError::AlreadyExists(format!("channel '{NAME}' already exists"))
+    );
+    assert_eq!(
+        log.channel(SCOPE, "org/ns/missing").await.unwrap_err(),
+        RelayError::NotFound("no channel 'org/ns/missing'".into())
+    );
+    // Names are per scope.
+    assert_eq!(
+        log.channel("acct-2", NAME).await.unwrap_err(),
+        RelayError::NotFound(format!("no channel '{NAME}'"))
+    );
+    let other = log.create("acct-2", NAME).await.unwrap();
+    assert!(!Arc::ptr_eq(&other, &channel));
+    publish(&log, &channel, checked(0, APPLICATION, b"one"))
+        .await
+        .unwrap();
+    log.close().await;
+
+    // Loaded from the store by another log; its epoch 0 row exists.
+    let log = open(&db.path, 4);
+    assert!(log.loaded(SCOPE, NAME).is_none());
+    let loaded = log.channel(SCOPE, NAME).await.unwrap();
+    assert_eq!((loaded.head_seq(), loaded.epoch()), (1, 0));
+    assert_eq!(log.start_of_epoch(&loaded, 0).await.unwrap(), 0);
+    assert_eq!(
+        log.create(SCOPE, NAME).await.unwrap_err(),
+        RelayError::AlreadyExists(format!("channel '{NAME}' already exists"))
+    );
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_first_loads_share_one_channel() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    log.create(SCOPE, NAME).await.unwrap();
+    log.close().await;
+    let log = open(&db.path, 4);
+    let tasks: Vec<_> = (0..16)
+        .map(|_| {
+            let log = log.clone();
+            tokio::spawn(async move { log.channel(SCOPE, NAME).await.unwrap() })
+        })
+        .collect();
+    let mut channels = Vec::new();
+    for task in tasks {
+        channels.push(task.await.unwrap());
+    }
+    for channel in &channels {
+        assert!(Arc::ptr_eq(channel, &channels[0]));
+    }
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_submitters_get_gap_free_seqs() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let tasks: Vec<_> = (0..8)
+        .map(|task| {
+            let (log, channel) = (log.clone(), channel.clone());
+            tokio::spawn(async move {
+                let mut seqs = Vec::new();
+                for i in 0..50 {
+                    let body = format!("task {task} message {i}");
+                    let item = checked(0, APPLICATION, body.as_bytes());
+                    // Some one by one, some several at once.
+                    if i % 5 == 0 {
+                        let more = checked(0, APPLICATION, format!("{body} bis").as_bytes());
+                        for answer in publish_all(&log, &channel, vec![item, more]).await {
+                            seqs.push((answer.unwrap().seq, body.clone()));
+                        }
+                    } else {
+                        seqs.push((publish(&log, &channel, item).await.unwrap().seq, body));
+                    }
+                }
+                seqs
+            })
+        })
+        .collect();
+    let mut seqs = Vec::new();
+    for task in tasks {
+        seqs.extend(task.await.unwrap().into_iter().map(|(seq, _)| seq));
+    }
+    seqs.sort_unstable();
+    let total = 8 * 60;
+    assert_eq!(seqs, (1..=total).collect::<Vec<u64>>());
+    assert_eq!(channel.head_seq(), total);
+    let entries = log.read_after(&channel, 0, 1000).await.unwrap();
+    assert_eq!(entries.len() as u64, total);
+    assert_consecutive(&entries, 1);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_lets_one_commit_per_epoch_win() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    // In one batch.
+    let answers = publish_all(
+        &log,
+        &channel,
+        vec![checked(0, COMMIT, b"a"), checked(0, COMMIT, b"b")],
+    )
+    .await;
+    assert_eq!(answers, vec![accepted(1, 1, false), stale(0, 1)]);
+    assert_eq!((channel.head_seq(), channel.epoch()), (1, 1));
+    // From concurrent tasks, many times over.
+    for epoch in 1..20u64 {
+        let tasks: Vec<_> = (0..3)
+            .map(|i| {
+                let (log, channel) = (log.clone(), channel.clone());
+                tokio::spawn(async move {
+                    let body = format!("commit {epoch} by {i}");
+                    publish(&log, &channel, checked(epoch, COMMIT, body.as_bytes())).await
+                })
+            })
+            .collect();
+        let mut won = 0;
+        for task in tasks {
+            match task.await.unwrap() {
+                Ok(a) => {
+                    assert_eq!(a.epoch, epoch + 1);
+                    assert!(!a.duplicate);
+                    won += 1;
+                }
+                Err(err) => assert_eq!(err, stale(epoch, epoch + 1).unwrap_err()),
+            }
+        }
+        assert_eq!(won, 1, "epoch {epoch}");
+        assert_eq!(channel.epoch(), epoch + 1);
+    }
+    // Proposals need the current epoch too.
+    let now = channel.epoch();
+    assert_eq!(
+        publish(&log, &channel, checked(now - 1, PROPOSAL, b"p")).await,
+        stale(now - 1, now)
+    );
+    let head = channel.head_seq();
+    assert_eq!(
+        publish(&log, &channel, checked(now, PROPOSAL, b"p")).await,
+        accepted(head + 1, now, false)
+    );
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn application_messages_within_the_window() {
+    let db = new_db();
+    let log = open(&db.path, 2);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    commit_to(&log, &channel, 3).await;
+    assert_eq!(
+        publish(&log, &channel, checked(3, APPLICATION, b"now")).await,
+        accepted(4, 3, false)
+    );
+    assert_eq!(
+        publish(&log, &channel, checked(1, APPLICATION, b"two back")).await,
+        accepted(5, 3, false)
+    );
+    assert_eq!(
+        publish(&log, &channel, checked(0, APPLICATION, b"three back")).await,
+        stale(0, 3)
+    );
+    assert_eq!(
+        publish(&log, &channel, checked(4, APPLICATION, b"ahead")).await,
+        stale(4, 3)
+    );
+    let entries = log.read_after(&channel, 3, 10).await.unwrap();
+    let epochs: Vec<_> = entries.iter().map(|e| (e.seq, e.epoch)).collect();
+    assert_eq!(epochs, vec![(4, 3), (5, 1)]);
+    assert_eq!(entries[0].content_type, 1);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_get_their_original_answer() {
+    let db = new_db();
+    let log = open(&db.path, 1);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let first = checked(0, APPLICATION, b"hello");
+    assert_eq!(
+        publish(&log, &channel, first.clone()).await,
+        accepted(1, 0, false)
+    );
+    assert_eq!(
+        publish(&log, &channel, first.clone()).await,
+        accepted(1, 0, true)
+    );
+    let commit = checked(0, COMMIT, b"commit 0");
+    assert_eq!(
+        publish(&log, &channel, commit.clone()).await,
+        accepted(2, 1, false)
+    );
+    commit_to(&log, &channel, 5).await;
+    let head = channel.head_seq();
+    // Now stale by epoch: still the original answer, never a refusal.
+    assert_eq!(
+        publish(&log, &channel, first.clone()).await,
+        accepted(1, 0, true)
+    );
+    assert_eq!(publish(&log, &channel, commit).await, accepted(2, 1, true));
+    // A client-given key: the same key is the same publish, whatever the bytes.
+    let mut keyed = checked(5, APPLICATION, b"keyed");
+    keyed.key = idempotency_key(b"my-key", &keyed.message).unwrap();
+    let mut keyed_again = checked(5, APPLICATION, b"other bytes");
+    keyed_again.key = keyed.key.clone();
+    assert_eq!(
+        publish(&log, &channel, keyed).await,
+        accepted(head + 1, 5, false)
+    );
+    assert_eq!(
+        publish(&log, &channel, keyed_again).await,
+        accepted(head + 1, 5, true)
+    );
+    // A retry at the current epoch among new messages (the unique index refuses the batch's
+    // first attempt) and a duplicate within the batch.
+    let retry = checked(5, APPLICATION, b"retried");
+    let base = publish(&log, &channel, retry.clone()).await.unwrap().seq;
+    let new_1 = checked(5, APPLICATION, b"new 1");
+    let new_2 = checked(5, APPLICATION, b"new 2");
+    let answers = publish_all(
+        &log,
+        &channel,
+        vec![
+            new_1.clone(),
+            retry,
+            new_1,
+            first,
+            checked(3, APPLICATION, b"stale"),
+            new_2,
+        ],
+    )
+    .await;
+    assert_eq!(
+        answers,
+        vec![
+            accepted(base + 1, 5, false),
+            accepted(base, 5, true),
+            accepted(base + 1, 5, true),
+            accepted(1, 0, true),
+            stale(3, 5),
+            accepted(base + 2, 5, false),
+        ]
+    );
+    assert_eq!(channel.head_seq(), base + 2);
+    let entries = log.read_after(&channel, 0, 100).await.unwrap();
+    assert_consecutive(&entries, 1);
+    assert_eq!(entries.len() as u64, base + 2);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn welcomes_are_kept_with_their_commit() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    publish(&log, &channel, checked(0, APPLICATION, b"before"))
+        .await
+        .unwrap();
+    let welcome = Bytes::from_static(b"\x00\x01\x00\x03 a welcome");
+    let mut commit = checked(0, COMMIT, b"add two");
+    commit.welcome = welcome.clone();
+    commit.welcome_refs = vec![b"ref-a".to_vec(), b"ref-b".to_vec()];
+    assert_eq!(publish(&log, &channel, commit).await, accepted(2, 1, false));
+    let record = Some(WelcomeRecord {
+        welcome: welcome.clone(),
+        commit_seq: 2,
+        epoch: 1,
+    });
+    let digest = Sha256::digest(&welcome).to_vec();
+    assert_eq!(
+        log.fetch_welcome(&channel, WelcomeKey::Digest(digest))
+            .await
+            .unwrap(),
+        record
+    );
+    for r in [b"ref-a", b"ref-b"] {
+        let key = WelcomeKey::KeyPackageRef(r.to_vec());
+        assert_eq!(log.fetch_welcome(&channel, key).await.unwrap(), record);
+    }
+    let unknown = WelcomeKey::KeyPackageRef(b"ref-c".to_vec());
+    assert_eq!(log.fetch_welcome(&channel, unknown).await.unwrap(), None);
+    let unknown = WelcomeKey::Digest(vec![0; 32]);
+    assert_eq!(log.fetch_welcome(&channel, unknown).await.unwrap(), None);
+    // Another channel does not see it.
+    let other = log.create(SCOPE, "org/ns/other").await.unwrap();
+    let key = WelcomeKey::KeyPackageRef(b"ref-a".to_vec());
+    assert_eq!(log.fetch_welcome(&other, key).await.unwrap(), None);
+    // A later Welcome for ref-b: the ref now points at it.
+    let later = Bytes::from_static(b"\x00\x01\x00\x03 another welcome");
+    let mut commit = checked(1, COMMIT, b"re-add b");
+    commit.welcome = later.clone();
+    commit.welcome_refs = vec![b"ref-b".to_vec()];
+    assert_eq!(publish(&log, &channel, commit).await, accepted(3, 2, false));
+    let key = WelcomeKey::KeyPackageRef(b"ref-b".to_vec());
+    assert_eq!(
+        log.fetch_welcome(&channel, key).await.unwrap(),
+        Some(WelcomeRecord {
+            welcome: later,
+            commit_seq: 3,
+            epoch: 2
+        })
+    );
+    let key = WelcomeKey::KeyPackageRef(b"ref-a".to_vec());
+    assert_eq!(log.fetch_welcome(&channel, key).await.unwrap(), record);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epochs_start_at_their_commit() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    assert_eq!(log.start_of_epoch(&channel, 0).await.unwrap(), 0);
+    for body in [b"a", b"b"] {
+        publish(&log, &channel, checked(0, APPLICATION, body))
+            .await
+            .unwrap();
+    }
+    publish(&log, &channel, checked(0, COMMIT, b"c"))
+        .await
+        .unwrap();
+    publish(&log, &channel, checked(1, APPLICATION, b"d"))
+        .await
+        .unwrap();
+    publish(&log, &channel, checked(1, COMMIT, b"e"))
+        .await
+        .unwrap();
+    assert_eq!(log.start_of_epoch(&channel, 0).await.unwrap(), 0);
+    assert_eq!(log.start_of_epoch(&channel, 1).await.unwrap(), 3);
+    assert_eq!(log.start_of_epoch(&channel, 2).await.unwrap(), 5);
+    for epoch in [3, u64::MAX] {
+        assert_eq!(
+            log.start_of_epoch(&channel, epoch).await.unwrap_err(),
+            RelayError::NotFound(format!(
+                "channel '{NAME}' has no epoch {epoch} (it is at 2)"
+            ))
+        );
+    }
+    log.close().await;
+    // From the store alone.
+    let log = open(&db.path, 4);
+    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    assert_eq!(log.start_of_epoch(&channel, 2).await.unwrap(), 5);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_after_from_memory_and_from_the_store() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let items: Vec<_> = (0..5)
+        .map(|i| checked(0, APPLICATION, format!("m{i}").as_bytes()))
+        .collect();
+    let messages: Vec<Bytes> = items.iter().map(|c| c.message.clone()).collect();
+    publish_all(&log, &channel, items).await;
+    let from_memory = log.read_after(&channel, 0, 10).await.unwrap();
+    assert_eq!(from_memory.len(), 5);
+    assert_consecutive(&from_memory, 1);
+    let got: Vec<_> = from_memory.iter().map(|e| e.message.clone()).collect();
+    assert_eq!(got, messages);
+    let page = log.read_after(&channel, 2, 2).await.unwrap();
+    assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3, 4]);
+    assert!(log.read_after(&channel, 5, 10).await.unwrap().is_empty());
+    assert!(log.read_after(&channel, 50, 10).await.unwrap().is_empty());
+    assert!(log.read_after(&channel, 0, 0).await.unwrap().is_empty());
+    log.close().await;
+
+    // Reopened: nothing in memory, the same entries from the store.
+    let log = open(&db.path, 4);
+    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    assert_eq!((channel.head_seq(), channel.epoch()), (5, 0));
+    assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), from_memory);
+    assert_eq!(
+        log.read_after(&channel, 3, 10).await.unwrap(),
+        from_memory[3..]
+    );
+    // New entries continue the log; the ring has them, the store the rest.
+    let answer = publish(&log, &channel, checked(0, APPLICATION, b"m5")).await;
+    assert_eq!(answer, accepted(6, 0, false));
+    let all = log.read_after(&channel, 0, 10).await.unwrap();
+    assert_eq!(all.len(), 6);
+    assert_consecutive(&all, 1);
+    assert_eq!(log.read_after(&channel, 5, 10).await.unwrap(), all[5..]);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_after_past_the_ring() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let total = 2300u64;
+    for chunk in 0..(total / 100) {
+        let items = (0..100)
+            .map(|i| checked(0, APPLICATION, format!("{chunk}/{i}").as_bytes()))
+            .collect();
+        for answer in publish_all(&log, &channel, items).await {
+            answer.unwrap();
+        }
+    }
+    assert_eq!(channel.head_seq(), total);
+    // The ring keeps the last 2048: older cursors read the store, in pages.
+    let mut cursor = 0;
+    let mut count = 0;
+    loop {
+        let page = log.read_after(&channel, cursor, 256).await.unwrap();
+        if page.is_empty() {
+            break;
+        }
+        assert!(page.len() <= 256);
+        assert_consecutive(&page, cursor + 1);
+        count += page.len() as u64;
+        cursor = page.last().unwrap().seq;
+    }
+    assert_eq!((cursor, count), (total, total));
+    let first = log.read_after(&channel, 0, 1).await.unwrap();
+    assert_eq!(first[0].message, private(0, APPLICATION, b"0/0"));
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committed_entries_survive_close_and_reopen() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    publish(&log, &channel, checked(0, APPLICATION, b"a"))
+        .await
+        .unwrap();
+    publish(&log, &channel, checked(0, COMMIT, b"b"))
+        .await
+        .unwrap();
+    let c = checked(1, APPLICATION, b"c");
+    publish(&log, &channel, c.clone()).await.unwrap();
+    let before = log.read_after(&channel, 0, 10).await.unwrap();
+    log.close().await;
+    drop(log);
+
+    let log = open(&db.path, 4);
+    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    assert_eq!((channel.head_seq(), channel.epoch()), (3, 1));
+    assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), before);
+    // Idempotency holds across restarts, and the log goes on from its head.
+    assert_eq!(publish(&log, &channel, c).await, accepted(3, 1, true));
+    assert_eq!(
+        publish(&log, &channel, checked(1, COMMIT, b"d")).await,
+        accepted(4, 2, false)
+    );
+    log.close().await;
+    let conn = rusqlite::Connection::open(&db.path).unwrap();
+    let row: (i64, i64) = conn
+        .query_row(
+            "SELECT head_seq, epoch FROM relay_channels WHERE name = ?1",
+            [NAME],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(row, (4, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_head_wakes_a_waiting_reader() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let reader = {
+        let (log, channel) = (log.clone(), channel.clone());
+        tokio::spawn(async move {
+            // Subscribe, then read; wait only when caught up.
+            let mut head = channel.watch_head();
+            let mut cursor = 0;
+            let mut got = Vec::new();
+            while got.len() < 3 {
+                let page = log.read_after(&channel, cursor, 256).await.unwrap();
+                if page.is_empty() {
+                    head.changed().await.unwrap();
+                    continue;
+                }
+                cursor = page.last().unwrap().seq;
+                got.extend(page);
+            }
+            got
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    publish(&log, &channel, checked(0, APPLICATION, b"1"))
+        .await
+        .unwrap();
+    publish_all(
+        &log,
+        &channel,
+        vec![checked(0, APPLICATION, b"2"), checked(0, APPLICATION, b"3")],
+    )
+    .await;
+    let got = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_consecutive(&got, 1);
+    assert_eq!(got.len(), 3);
+    let mut head = channel.watch_head();
+    assert_eq!(*head.borrow_and_update(), 3);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_answers_everything_submitted_before_it() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let mut outcomes = Vec::new();
+    for round in 0..10 {
+        let items = (0..50)
+            .map(|i| {
+                (
+                    channel.clone(),
+                    checked(0, APPLICATION, format!("{round}/{i}").as_bytes()),
+                )
+            })
+            .collect();
+        outcomes.extend(log.submit(items));
+    }
+    log.close().await;
+    let mut seqs = Vec::new();
+    for outcome in outcomes {
+        seqs.push(outcome.await.unwrap().unwrap().seq);
+    }
+    assert_eq!(seqs, (1..=500).collect::<Vec<u64>>());
+    let shutting_down = RelayError::Unavailable("relay is shutting down".into());
+    let late = log.submit(vec![(channel.clone(), checked(0, APPLICATION, b"late"))]);
+    for outcome in late {
+        assert_eq!(outcome.await.unwrap(), Err(shutting_down.clone()));
+    }
+    assert_eq!(
+        log.create(SCOPE, "org/ns/late").await.unwrap_err(),
+        shutting_down
+    );
+    assert_eq!(channel.head_seq(), 500);
+    // Closing twice is fine.
+    log.close().await;
+
+    let log = open(&db.path, 4);
+    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    assert_eq!(channel.head_seq(), 500);
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_commit_changes_nothing() {
+    let db = new_db();
+    // A publish the database refuses (by its key): its whole group commit fails.
+    rusqlite::Connection::open(&db.path)
+        .unwrap()
+        .execute_batch(
+            "CREATE TRIGGER refuse BEFORE INSERT ON relay_entries
+             WHEN NEW.idempotency_key = CAST('k:refuse-me' AS BLOB)
+             BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END;",
+        )
+        .unwrap();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let mut bad = checked(0, COMMIT, b"bad");
+    bad.key = idempotency_key(b"refuse-me", &bad.message).unwrap();
+    let good = checked(0, APPLICATION, b"good");
+    let answers = publish_all(&log, &channel, vec![good.clone(), bad]).await;
+    for answer in answers {
+        match answer {
+            Err(RelayError::Unavailable(text)) => {
+                assert!(text.starts_with("store unavailable: "), "{text}");
+                assert!(text.contains("refused by a trigger"), "{text}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    // Nothing in memory moved (the commit would have bumped the epoch).
+    assert_eq!((channel.head_seq(), channel.epoch()), (0, 0));
+    assert!(log.read_after(&channel, 0, 10).await.unwrap().is_empty());
+    assert_eq!(publish(&log, &channel, good).await, accepted(1, 0, false));
+    assert_eq!(
+        publish(&log, &channel, checked(0, COMMIT, b"fine")).await,
+        accepted(2, 1, false)
+    );
+    log.close().await;
+}
+
+#[test]
+fn open_needs_the_relay_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.sqlite3");
+    let err = ChannelLog::open(LogSettings {
+        db_path: missing,
+        application_window: 4,
+    })
+    .err()
+    .unwrap();
+    assert!(matches!(&err, RelayError::Unavailable(t) if t.starts_with("store unavailable: ")));
+    let empty = dir.path().join("empty.sqlite3");
+    rusqlite::Connection::open(&empty)
+        .unwrap()
+        .execute_batch("CREATE TABLE other (id INTEGER);")
+        .unwrap();
+    let err = ChannelLog::open(LogSettings {
+        db_path: empty,
+        application_window: 4,
+    })
+    .err()
+    .unwrap();
+    assert!(
+        matches!(&err, RelayError::Unavailable(t) if t.contains("no such table")),
+        "{err:?}"
+    );
+}
