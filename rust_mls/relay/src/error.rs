@@ -20,10 +20,16 @@ pub enum RelayError {
     AlreadyExists(String),
     /// `retry_after_ms`: when to retry (rate limits), 0 when retrying will not help.
     #[error("{message}")]
-    ResourceExhausted { message: String, retry_after_ms: u64 },
+    ResourceExhausted {
+        message: String,
+        retry_after_ms: u64,
+    },
     /// The epoch fence refused a message.
     #[error("stale epoch: message epoch {message_epoch}, channel epoch {current_epoch}")]
-    StaleEpoch { message_epoch: u64, current_epoch: u64 },
+    StaleEpoch {
+        message_epoch: u64,
+        current_epoch: u64,
+    },
     #[error("{0}")]
     Unauthenticated(String),
     #[error("{0}")]
@@ -37,7 +43,10 @@ pub enum RelayError {
 
 impl RelayError {
     pub fn resource_exhausted(message: impl Into<String>) -> Self {
-        RelayError::ResourceExhausted { message: message.into(), retry_after_ms: 0 }
+        RelayError::ResourceExhausted {
+            message: message.into(),
+            retry_after_ms: 0,
+        }
     }
 
     /// A store failure, as the Python relay words it.

@@ -466,7 +466,10 @@ impl Inner {
         tx: &mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
     ) -> Option<RelayError> {
         // A zero interval would make this loop spin on keep-alives.
-        let interval = self.settings.keepalive_interval.max(Duration::from_millis(1));
+        let interval = self
+            .settings
+            .keepalive_interval
+            .max(Duration::from_millis(1));
         let mut head = channel.watch_head();
         let mut drain = self.drain.watch();
         // A first keep-alive right away tells the client the subscription is live.
