@@ -398,3 +398,18 @@ async fn illegal_header_values_never_reach_the_service() {
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_is_an_error() {
+    let relay = Relay::anonymous().await;
+    let mut config = static_relay::RelayConfig::new(relay.dir.path().join("static.db"));
+    config.port = relay.addr.port();
+    let Err(error) = static_relay::RelayServer::start(config, None).await else {
+        panic!("a second relay on the same port");
+    };
+    assert_eq!(error.code(), Code::Unavailable);
+    assert!(
+        error.to_string().starts_with("cannot listen on 127.0.0.1:"),
+        "{error}"
+    );
+}
