@@ -586,3 +586,20 @@ impl Drop for CountedBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    fn send<T: Send>(_: &T) {}
+
+    /// The Python binding keeps the server in a pyclass and drives its futures on its
+    /// runtime: all of it must be Send (and the server Sync).
+    #[allow(dead_code)]
+    fn the_binding_can_hold_and_drive_it(config: RelayConfig, server: RelayServer) {
+        send_sync(&server);
+        send(&RelayServer::start(config, None));
+        send(&server.shutdown());
+    }
+}
