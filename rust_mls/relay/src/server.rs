@@ -116,16 +116,17 @@ impl RelayServer {
         config: RelayConfig,
         verifier: Option<Arc<dyn Verify>>,
     ) -> Result<RelayServer> {
-        let log = ChannelLog::open(LogSettings {
-            db_path: config.db_path.clone(),
-            application_window: config.application_window,
-        })?;
+        // Bound first: a port that is taken leaves no writer behind to stop.
         let listeners = bind(&config.host, config.port).await?;
         let local_addr = match listeners.first().map(TcpListener::local_addr) {
             Some(Ok(addr)) => addr,
             Some(Err(e)) => return Err(cannot_listen(&config, &e)),
             None => return Err(cannot_listen(&config, &"no address to listen on")),
         };
+        let log = ChannelLog::open(LogSettings {
+            db_path: config.db_path.clone(),
+            application_window: config.application_window,
+        })?;
         let auth = Authenticator::new(verifier, config.allow_anonymous);
         let drain = Drain::new();
         let settings = ServiceSettings {
@@ -583,5 +584,22 @@ impl Drop for CountedBody {
         if self.inner.is_end_stream() {
             self.finish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    fn send<T: Send>(_: &T) {}
+
+    /// The Python binding keeps the server in a pyclass and drives its futures on its
+    /// runtime: all of it must be Send (and the server Sync).
+    #[allow(dead_code)]
+    fn the_binding_can_hold_and_drive_it(config: RelayConfig, server: RelayServer) {
+        send_sync(&server);
+        send(&RelayServer::start(config, None));
+        send(&server.shutdown());
     }
 }

@@ -465,23 +465,31 @@ impl Inner {
         guard: &mut StreamGuard,
         tx: &mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
     ) -> Option<RelayError> {
-        let interval = self.settings.keepalive_interval;
+        // A zero interval would make this loop spin on keep-alives.
+        let interval = self
+            .settings
+            .keepalive_interval
+            .max(Duration::from_millis(1));
         let mut head = channel.watch_head();
         let mut drain = self.drain.watch();
         // A first keep-alive right away tells the client the subscription is live.
         if tx.send(Ok(keep_alive(channel.head_seq()))).await.is_err() {
             return None;
         }
+        // Made once and polled in every wait below (both are cancel-safe): one expiry timer
+        // per subscription, not one per page.
+        let ended = guard.ended();
+        let drained = drained(&mut drain);
         let idle = tokio::time::sleep(interval);
-        tokio::pin!(idle);
+        tokio::pin!(ended, drained, idle);
         let page_size = READ_PAGE.max(max_batch);
         loop {
             let last = *head.borrow_and_update();
             if cursor < last {
                 let page = tokio::select! {
                     biased;
-                    reason = guard.ended() => return Some(reason),
-                    () = drained(&mut drain) => return Some(shutting_down()),
+                    reason = &mut ended => return Some(reason),
+                    () = &mut drained => return Some(shutting_down()),
                     page = self.log.read_after(channel, cursor, page_size) => page,
                 };
                 let page = match page.and_then(|page| consecutive(page, cursor, last)) {
@@ -502,8 +510,8 @@ impl Inner {
             }
             tokio::select! {
                 biased;
-                reason = guard.ended() => return Some(reason),
-                () = drained(&mut drain) => return Some(shutting_down()),
+                reason = &mut ended => return Some(reason),
+                () = &mut drained => return Some(shutting_down()),
                 changed = head.changed() => {
                     if changed.is_err() {
                         // The channel's writer side is gone: only a closing log does that.

@@ -25,26 +25,50 @@ async fn calls_need_a_token_without_allow_anonymous() {
     };
     let missing = client.create_channel(create.clone()).await.unwrap_err();
     assert_eq!(missing.code(), Code::Unauthenticated);
-    assert_eq!(missing.message(), "missing authorization metadata ('Bearer <token>')");
-    let stream = client.subscribe(subscribe_request(CHANNEL, 0)).await.unwrap_err();
+    assert_eq!(
+        missing.message(),
+        "missing authorization metadata ('Bearer <token>')"
+    );
+    let stream = client
+        .subscribe(subscribe_request(CHANNEL, 0))
+        .await
+        .unwrap_err();
     assert_eq!(stream.code(), Code::Unauthenticated);
     let batches = client
         .publish_batches(tokio_stream::iter(Vec::<pb::PublishBatchRequest>::new()))
         .await
         .unwrap_err();
     assert_eq!(batches.code(), Code::Unauthenticated);
-    let invalid = client.create_channel(authed(create.clone(), "not-a-jwt")).await.unwrap_err();
-    assert_eq!((invalid.code(), invalid.message()), (Code::Unauthenticated, "invalid token"));
-    let malformed = client.create_channel(authed(create.clone(), "a b")).await.unwrap_err();
-    assert_eq!(malformed.message(), "expected 'authorization: Bearer <token>'");
+    let invalid = client
+        .create_channel(authed(create.clone(), "not-a-jwt"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (invalid.code(), invalid.message()),
+        (Code::Unauthenticated, "invalid token")
+    );
+    let malformed = client
+        .create_channel(authed(create.clone(), "a b"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        malformed.message(),
+        "expected 'authorization: Bearer <token>'"
+    );
 
     // Without a verifier, a token cannot be checked at all.
     let unverified = Relay::start(|_| {}).await;
     let mut other = unverified.client().await;
-    let refused = other.create_channel(authed(create, "acme.k1")).await.unwrap_err();
+    let refused = other
+        .create_channel(authed(create, "acme.k1"))
+        .await
+        .unwrap_err();
     assert_eq!(
         (refused.code(), refused.message()),
-        (Code::Unauthenticated, "this relay has no token verifier: tokens cannot be checked")
+        (
+            Code::Unauthenticated,
+            "this relay has no token verifier: tokens cannot be checked"
+        )
     );
 }
 
@@ -61,14 +85,39 @@ async fn channels_are_scoped_to_accounts() {
         )
     };
     client.create_channel(create("alice.k1")).await.unwrap();
-    let publish = |token, payload: &[u8]| authed(request(CHANNEL, application(CHANNEL, 0, payload)), token);
-    assert_eq!(client.publish(publish("alice.k1", b"a")).await.unwrap().into_inner().seq, 1);
+    let publish =
+        |token, payload: &[u8]| authed(request(CHANNEL, application(CHANNEL, 0, payload)), token);
+    assert_eq!(
+        client
+            .publish(publish("alice.k1", b"a"))
+            .await
+            .unwrap()
+            .into_inner()
+            .seq,
+        1
+    );
     // Another key of the same account shares its channels; another account does not see them.
-    assert_eq!(client.publish(publish("alice.k2", b"b")).await.unwrap().into_inner().seq, 2);
+    assert_eq!(
+        client
+            .publish(publish("alice.k2", b"b"))
+            .await
+            .unwrap()
+            .into_inner()
+            .seq,
+        2
+    );
     let hidden = client.publish(publish("bob.k3", b"c")).await.unwrap_err();
     assert_eq!(hidden.code(), Code::NotFound);
     client.create_channel(create("bob.k3")).await.unwrap();
-    assert_eq!(client.publish(publish("bob.k3", b"c")).await.unwrap().into_inner().seq, 1);
+    assert_eq!(
+        client
+            .publish(publish("bob.k3", b"c"))
+            .await
+            .unwrap()
+            .into_inner()
+            .seq,
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -76,7 +125,12 @@ async fn ending_the_streams_of_a_key_ends_its_subscriptions() {
     let relay = relay().await;
     let mut client = relay.client().await;
     client
-        .create_channel(authed(pb::CreateChannelRequest { channel: CHANNEL.into() }, "acme.doomed"))
+        .create_channel(authed(
+            pb::CreateChannelRequest {
+                channel: CHANNEL.into(),
+            },
+            "acme.doomed",
+        ))
         .await
         .unwrap();
     let mut doomed = Subscription::of(
@@ -97,13 +151,24 @@ async fn ending_the_streams_of_a_key_ends_its_subscriptions() {
     bystander.wait_keepalives(1).await;
     assert_eq!(relay.server().live_keys(), ["doomed", "other"]);
     let revoked_at = Instant::now();
-    assert_eq!(relay.server().end_streams_of_key("doomed", "api key revoked"), 1);
+    assert_eq!(
+        relay
+            .server()
+            .end_streams_of_key("doomed", "api key revoked"),
+        1
+    );
     let status = doomed.wait_end().await;
-    assert_eq!((status.code(), status.message()), (Code::Unauthenticated, "api key revoked"));
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::Unauthenticated, "api key revoked")
+    );
     assert!(revoked_at.elapsed() < Duration::from_secs(1));
     // The account's other key is untouched.
     let published = client
-        .publish(authed(request(CHANNEL, application(CHANNEL, 0, b"x")), "acme.other"))
+        .publish(authed(
+            request(CHANNEL, application(CHANNEL, 0, b"x")),
+            "acme.other",
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -117,7 +182,12 @@ async fn an_expired_token_ends_the_stream() {
     let relay = relay().await;
     let mut client = relay.client().await;
     client
-        .create_channel(authed(pb::CreateChannelRequest { channel: CHANNEL.into() }, "acme.k1"))
+        .create_channel(authed(
+            pb::CreateChannelRequest {
+                channel: CHANNEL.into(),
+            },
+            "acme.k1",
+        ))
         .await
         .unwrap();
     let started = Instant::now();
@@ -130,7 +200,13 @@ async fn an_expired_token_ends_the_stream() {
     );
     sub.wait_keepalives(1).await;
     let status = sub.wait_end().await;
-    assert_eq!((status.code(), status.message()), (Code::Unauthenticated, "token expired"));
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::Unauthenticated, "token expired")
+    );
     let elapsed = started.elapsed();
-    assert!(elapsed >= Duration::from_millis(600) && elapsed < Duration::from_secs(3), "{elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_millis(600) && elapsed < Duration::from_secs(3),
+        "{elapsed:?}"
+    );
 }

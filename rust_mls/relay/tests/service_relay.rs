@@ -24,13 +24,20 @@ async fn create_publish_subscribe_round_trip() {
         .await
         .unwrap_err();
     assert_eq!(exists.code(), Code::AlreadyExists);
-    assert_eq!(exists.message(), "channel 'acme/agents/chat' already exists");
+    assert_eq!(
+        exists.message(),
+        "channel 'acme/agents/chat' already exists"
+    );
 
-    let first = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"one")).await.unwrap();
+    let first = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"one"))
+        .await
+        .unwrap();
     assert_eq!((first.seq, first.epoch, first.duplicate), (1, 0, false));
     let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
     sub.wait_keepalives(1).await;
-    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"two")).await.unwrap();
+    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"two"))
+        .await
+        .unwrap();
     let entries = sub.wait_for(2).await;
     assert_eq!(entries.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2]);
     assert_eq!(entries[1].message, application(CHANNEL, 0, b"two"));
@@ -118,7 +125,11 @@ async fn concurrent_publishers_see_one_order() {
         let expected: Vec<_> = (0..per_publisher)
             .map(|i| application(CHANNEL, 0, format!("{n}:{i}").as_bytes()))
             .collect();
-        let seen: Vec<_> = payloads.iter().filter(|p| expected.contains(p)).cloned().collect();
+        let seen: Vec<_> = payloads
+            .iter()
+            .filter(|p| expected.contains(p))
+            .cloned()
+            .collect();
         assert_eq!(seen, expected, "publisher {n}'s messages in its order");
     }
     let mut replay = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
@@ -139,7 +150,12 @@ async fn two_commits_on_one_epoch_exactly_one_wins() {
         let barrier = barrier.clone();
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            publish(&mut own, CHANNEL, commit(CHANNEL, 0, n.to_string().as_bytes())).await
+            publish(
+                &mut own,
+                CHANNEL,
+                commit(CHANNEL, 0, n.to_string().as_bytes()),
+            )
+            .await
         }));
     }
     let mut won = Vec::new();
@@ -154,10 +170,18 @@ async fn two_commits_on_one_epoch_exactly_one_wins() {
     assert_eq!((won[0].seq, won[0].epoch), (1, 1));
     for status in lost {
         assert_eq!(status.code(), Code::FailedPrecondition);
-        assert_eq!(trailer(&status, "static-current-epoch").as_deref(), Some("1"));
-        assert_eq!(status.message(), "stale epoch: message epoch 0, channel epoch 1");
+        assert_eq!(
+            trailer(&status, "static-current-epoch").as_deref(),
+            Some("1")
+        );
+        assert_eq!(
+            status.message(),
+            "stale epoch: message epoch 0, channel epoch 1"
+        );
     }
-    let retry = publish(&mut client, CHANNEL, commit(CHANNEL, 1, b"retry")).await.unwrap();
+    let retry = publish(&mut client, CHANNEL, commit(CHANNEL, 1, b"retry"))
+        .await
+        .unwrap();
     assert_eq!(retry.epoch, 2);
 }
 
@@ -167,22 +191,32 @@ async fn epoch_rules_for_applications_and_proposals() {
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
     for epoch in 0..7 {
-        publish(&mut client, CHANNEL, commit(CHANNEL, epoch, b"")).await.unwrap();
+        publish(&mut client, CHANNEL, commit(CHANNEL, epoch, b""))
+            .await
+            .unwrap();
     }
-    let old = publish(&mut client, CHANNEL, application(CHANNEL, 2, b"x")).await.unwrap();
+    let old = publish(&mut client, CHANNEL, application(CHANNEL, 2, b"x"))
+        .await
+        .unwrap();
     assert_eq!(old.epoch, 7);
     for stale in [1, 8] {
         let refused = publish(&mut client, CHANNEL, application(CHANNEL, stale, b"x"))
             .await
             .unwrap_err();
         assert_eq!(refused.code(), Code::FailedPrecondition);
-        assert_eq!(trailer(&refused, "static-current-epoch").as_deref(), Some("7"));
+        assert_eq!(
+            trailer(&refused, "static-current-epoch").as_deref(),
+            Some("7")
+        );
     }
     let proposal = public_message(CHANNEL, 6, PROPOSAL, b"p");
     let refused = publish(&mut client, CHANNEL, proposal).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
     let proposal = public_message(CHANNEL, 7, PROPOSAL, b"p");
-    assert_eq!(publish(&mut client, CHANNEL, proposal).await.unwrap().epoch, 7);
+    assert_eq!(
+        publish(&mut client, CHANNEL, proposal).await.unwrap().epoch,
+        7
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,10 +225,19 @@ async fn idempotent_retries_return_the_original_seq() {
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
     let message = application(CHANNEL, 0, b"once");
-    let first = publish(&mut client, CHANNEL, message.clone()).await.unwrap();
-    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"other")).await.unwrap();
-    let again = publish(&mut client, CHANNEL, message.clone()).await.unwrap();
-    assert_eq!((again.seq, again.duplicate, first.duplicate), (first.seq, true, false));
+    let first = publish(&mut client, CHANNEL, message.clone())
+        .await
+        .unwrap();
+    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"other"))
+        .await
+        .unwrap();
+    let again = publish(&mut client, CHANNEL, message.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.seq, again.duplicate, first.duplicate),
+        (first.seq, true, false)
+    );
     let keyed = |payload: &[u8]| pb::PublishRequest {
         idempotency_key: bytes::Bytes::from_static(b"id-1"),
         ..request(CHANNEL, application(CHANNEL, 0, payload))
@@ -219,7 +262,10 @@ async fn idempotent_retries_return_the_original_seq() {
         .map(|i| application(CHANNEL, 1, format!("new{i}").as_bytes()))
         .collect();
     let batch = [&fresh[0], &message, &fresh[1], &fresh[1], &fresh[2]];
-    let requests: Vec<_> = batch.iter().map(|m| request(CHANNEL, (*m).clone())).collect();
+    let requests: Vec<_> = batch
+        .iter()
+        .map(|m| request(CHANNEL, (*m).clone()))
+        .collect();
     let mut answers = client
         .publish_stream(tokio_stream::iter(requests))
         .await
@@ -229,7 +275,16 @@ async fn idempotent_retries_return_the_original_seq() {
     while let Some(a) = answers.message().await.unwrap() {
         got.push((a.seq, a.duplicate));
     }
-    assert_eq!(got, [(5, false), (first.seq, true), (6, false), (6, true), (7, false)]);
+    assert_eq!(
+        got,
+        [
+            (5, false),
+            (first.seq, true),
+            (6, false),
+            (6, true),
+            (7, false)
+        ]
+    );
     let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
     sub.wait_for(7).await;
     sub.wait_keepalives(2).await;
@@ -241,7 +296,9 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
-    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"before")).await.unwrap();
+    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"before"))
+        .await
+        .unwrap();
     let w = welcome(&[b"kp-ref-1", b"kp-ref-2"]);
     let with_welcome = pb::PublishRequest {
         welcome: w.clone(),
@@ -249,7 +306,9 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
     };
     let committed = client.publish(with_welcome).await.unwrap().into_inner();
     assert_eq!((committed.seq, committed.epoch), (2, 1));
-    publish(&mut client, CHANNEL, application(CHANNEL, 1, b"after")).await.unwrap();
+    publish(&mut client, CHANNEL, application(CHANNEL, 1, b"after"))
+        .await
+        .unwrap();
 
     let from_epoch = |epoch| pb::SubscribeRequest {
         channel: CHANNEL.into(),
@@ -276,7 +335,10 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!((fetched.welcome, fetched.commit_seq, fetched.epoch), (w.clone(), 2, 1));
+    assert_eq!(
+        (fetched.welcome, fetched.commit_seq, fetched.epoch),
+        (w.clone(), 2, 1)
+    );
     let digest = Sha256::digest(&w).to_vec();
     let by_digest = client
         .fetch_welcome(fetch(Key::WelcomeSha256(digest.into())))
@@ -288,7 +350,10 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
         .fetch_welcome(fetch(Key::KeyPackageRef(b"nope".to_vec().into())))
         .await
         .unwrap_err();
-    assert_eq!((unknown.code(), unknown.message()), (Code::NotFound, "no such welcome"));
+    assert_eq!(
+        (unknown.code(), unknown.message()),
+        (Code::NotFound, "no such welcome")
+    );
     let keyless = client
         .fetch_welcome(pb::FetchWelcomeRequest {
             channel: CHANNEL.into(),
@@ -302,7 +367,10 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
         welcome: welcome(&[b"kp-x"]),
         ..request(CHANNEL, commit(CHANNEL, 0, b"late"))
     };
-    assert_eq!(client.publish(late).await.unwrap_err().code(), Code::FailedPrecondition);
+    assert_eq!(
+        client.publish(late).await.unwrap_err().code(),
+        Code::FailedPrecondition
+    );
     let kept = client
         .fetch_welcome(fetch(Key::KeyPackageRef(b"kp-x".to_vec().into())))
         .await
@@ -317,9 +385,20 @@ async fn malformed_oversized_and_misaddressed_messages() {
     create(&mut client, CHANNEL).await;
     let refused = |r: Result<pb::PublishResponse, tonic::Status>| r.unwrap_err();
 
-    let garbage = refused(publish(&mut client, CHANNEL, bytes::Bytes::from_static(b"\x00\x01garbage")).await);
+    let garbage = refused(
+        publish(
+            &mut client,
+            CHANNEL,
+            bytes::Bytes::from_static(b"\x00\x01garbage"),
+        )
+        .await,
+    );
     assert_eq!(garbage.code(), Code::InvalidArgument);
-    assert!(garbage.message().starts_with("malformed MLS message"), "{}", garbage.message());
+    assert!(
+        garbage.message().starts_with("malformed MLS message"),
+        "{}",
+        garbage.message()
+    );
     let other = "acme/agents/other";
     let misaddressed = refused(publish(&mut client, CHANNEL, application(other, 0, b"x")).await);
     assert_eq!(misaddressed.code(), Code::InvalidArgument);
@@ -333,11 +412,17 @@ async fn malformed_oversized_and_misaddressed_messages() {
     };
     let not_commit = client.publish(not_commit).await.unwrap_err();
     assert_eq!(not_commit.code(), Code::InvalidArgument);
-    assert_eq!(not_commit.message(), "a welcome can only be published with a commit");
+    assert_eq!(
+        not_commit.message(),
+        "a welcome can only be published with a commit"
+    );
     let a_welcome = refused(publish(&mut client, CHANNEL, welcome(&[b"r"])).await);
     assert_eq!(a_welcome.code(), Code::InvalidArgument);
     let empty = refused(publish(&mut client, CHANNEL, bytes::Bytes::new()).await);
-    assert_eq!((empty.code(), empty.message()), (Code::InvalidArgument, "empty message"));
+    assert_eq!(
+        (empty.code(), empty.message()),
+        (Code::InvalidArgument, "empty message")
+    );
     let bad_name = client
         .create_channel(pb::CreateChannelRequest {
             channel: "not-a-channel".into(),
@@ -354,7 +439,10 @@ async fn malformed_oversized_and_misaddressed_messages() {
     assert_eq!(too_long.code(), Code::InvalidArgument);
     let none = "acme/agents/none";
     let missing = refused(publish(&mut client, none, application(none, 0, b"x")).await);
-    assert_eq!((missing.code(), missing.message()), (Code::NotFound, "no channel 'acme/agents/none'"));
+    assert_eq!(
+        (missing.code(), missing.message()),
+        (Code::NotFound, "no channel 'acme/agents/none'")
+    );
 
     let mut big_client = pb::relay_client::RelayClient::new(relay.connect().await)
         .max_encoding_message_size(16 * 1024 * 1024);
@@ -367,7 +455,10 @@ async fn malformed_oversized_and_misaddressed_messages() {
     assert_eq!(too_huge.code(), Code::ResourceExhausted);
     assert_eq!(
         too_huge.message(),
-        format!("request larger than the transport limit of {} bytes", 2 * 1024 * 1024 + 64 * 1024)
+        format!(
+            "request larger than the transport limit of {} bytes",
+            2 * 1024 * 1024 + 64 * 1024
+        )
     );
     // Not a protobuf message at all (a raw body through a bytes codec).
     let mut grpc = tonic::client::Grpc::new(relay.connect().await);
@@ -382,11 +473,20 @@ async fn malformed_oversized_and_misaddressed_messages() {
         .unwrap_err();
     assert_eq!(
         (undecodable.code(), undecodable.message()),
-        (Code::InvalidArgument, "request is not a valid protobuf message")
+        (
+            Code::InvalidArgument,
+            "request is not a valid protobuf message"
+        )
     );
     // The connections survived all of it.
     let at_limit = application(CHANNEL, 0, &vec![b'x'; 1024 * 1024 - 100]);
-    assert_eq!(publish(&mut big_client, CHANNEL, at_limit).await.unwrap().seq, 1);
+    assert_eq!(
+        publish(&mut big_client, CHANNEL, at_limit)
+            .await
+            .unwrap()
+            .seq,
+        1
+    );
     let small = application(CHANNEL, 0, b"small");
     assert_eq!(publish(&mut client, CHANNEL, small).await.unwrap().seq, 2);
 }
@@ -407,7 +507,10 @@ impl tonic::codec::Codec for RawCodec {
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        tonic::codec::Codec::decoder(&mut tonic_prost::ProstCodec::<pb::KeepAlive, pb::PublishResponse>::default())
+        tonic::codec::Codec::decoder(&mut tonic_prost::ProstCodec::<
+            pb::KeepAlive,
+            pb::PublishResponse,
+        >::default())
     }
 }
 
@@ -417,7 +520,11 @@ impl tonic::codec::Encoder for RawEncoder {
     type Item = pb::KeepAlive;
     type Error = tonic::Status;
 
-    fn encode(&mut self, _: pb::KeepAlive, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+    fn encode(
+        &mut self,
+        _: pb::KeepAlive,
+        dst: &mut tonic::codec::EncodeBuf<'_>,
+    ) -> Result<(), tonic::Status> {
         use bytes::BufMut;
         dst.put_slice(&[0xff, 0xff, 0xff]);
         Ok(())
@@ -450,18 +557,31 @@ async fn publish_stream_stops_at_the_first_refusal() {
     };
     assert_eq!(got, [(1, 0), (2, 1)]);
     assert_eq!(status.code(), Code::FailedPrecondition);
-    assert_eq!(trailer(&status, "static-current-epoch").as_deref(), Some("1"));
+    assert_eq!(
+        trailer(&status, "static-current-epoch").as_deref(),
+        Some("1")
+    );
     let mut log = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
     log.wait_for(2).await;
     log.wait_keepalives(2).await;
     let messages: Vec<_> = log.entries.iter().map(|e| e.message.clone()).collect();
-    assert_eq!(messages[..2], [requests[0].message.clone(), requests[1].message.clone()]);
+    assert_eq!(
+        messages[..2],
+        [requests[0].message.clone(), requests[1].message.clone()]
+    );
     assert!(!messages.contains(&requests[2].message));
 
     // 500 on one call: one answer each, in order, sharing commits.
-    let messages: Vec<_> = (0..500).map(|i| application(CHANNEL, 1, format!("{i}").as_bytes())).collect();
+    let messages: Vec<_> = (0..500)
+        .map(|i| application(CHANNEL, 1, format!("{i}").as_bytes()))
+        .collect();
     let mut answers = client
-        .publish_stream(tokio_stream::iter(messages.iter().map(|m| request(CHANNEL, m.clone())).collect::<Vec<_>>()))
+        .publish_stream(tokio_stream::iter(
+            messages
+                .iter()
+                .map(|m| request(CHANNEL, m.clone()))
+                .collect::<Vec<_>>(),
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -471,7 +591,10 @@ async fn publish_stream_stops_at_the_first_refusal() {
     }
     let start = got.len() as u64 + log.entries.len() as u64 - 2 + 1;
     assert_eq!(seqs.len(), 500);
-    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "consecutive seqs");
+    assert!(
+        seqs.windows(2).all(|w| w[1] == w[0] + 1),
+        "consecutive seqs"
+    );
     assert!(seqs[0] >= start);
 }
 
@@ -489,7 +612,7 @@ async fn publish_batches_answers_every_item_and_goes_on() {
         request(CHANNEL, commit(CHANNEL, 0, b"stale")), // loses the epoch: refused, call goes on
         request(CHANNEL, bytes::Bytes::from_static(b"not mls")),
         request(CHANNEL, application(CHANNEL, 0, b"0")), // a retry of the first item
-        request(other, application(other, 1, b"x")),      // no such channel
+        request(other, application(other, 1, b"x")),     // no such channel
         request(CHANNEL, application(CHANNEL, 1, b"after")),
     ];
     let third = vec![request(CHANNEL, application(CHANNEL, 1, b"last"))];
@@ -506,7 +629,13 @@ async fn publish_batches_answers_every_item_and_goes_on() {
     while let Some(a) = answers.message().await.unwrap() {
         responses.push(a);
     }
-    assert_eq!(responses.iter().map(|a| a.results.len()).collect::<Vec<_>>(), [3, 6, 1]);
+    assert_eq!(
+        responses
+            .iter()
+            .map(|a| a.results.len())
+            .collect::<Vec<_>>(),
+        [3, 6, 1]
+    );
     use pb::publish_result::Outcome;
     let results: Vec<_> = responses
         .into_iter()
@@ -523,12 +652,20 @@ async fn publish_batches_answers_every_item_and_goes_on() {
     };
     assert_eq!(
         results[..4].iter().map(accepted).collect::<Vec<_>>(),
-        [Some((1, 0, false)), Some((2, 0, false)), Some((3, 0, false)), Some((4, 1, false))]
+        [
+            Some((1, 0, false)),
+            Some((2, 0, false)),
+            Some((3, 0, false)),
+            Some((4, 1, false))
+        ]
     );
     let stale = refused(&results[4]);
     assert_eq!(stale.code, Code::FailedPrecondition as u32);
     assert_eq!(stale.current_epoch, 1);
-    assert_eq!(stale.message, "stale epoch: message epoch 0, channel epoch 1");
+    assert_eq!(
+        stale.message,
+        "stale epoch: message epoch 0, channel epoch 1"
+    );
     assert_eq!(refused(&results[5]).code, Code::InvalidArgument as u32);
     assert_eq!(accepted(&results[6]), Some((1, 0, true)));
     assert_eq!(refused(&results[7]).code, Code::NotFound as u32);
@@ -571,16 +708,31 @@ async fn publish_rate_limit_per_agent() {
     create(&mut client, CHANNEL).await;
     let mut outcomes = Vec::new();
     for i in 0..12 {
-        outcomes.push(publish(&mut client, CHANNEL, application(CHANNEL, 0, format!("{i}").as_bytes())).await);
+        outcomes.push(
+            publish(
+                &mut client,
+                CHANNEL,
+                application(CHANNEL, 0, format!("{i}").as_bytes()),
+            )
+            .await,
+        );
     }
     assert!(outcomes[..5].iter().all(Result::is_ok));
     let refused = outcomes.into_iter().find_map(Result::err).unwrap();
     assert_eq!(refused.code(), Code::ResourceExhausted);
-    assert_eq!(refused.message(), "publish rate limit of 5 messages/s per agent exceeded");
-    let retry_after: u64 = trailer(&refused, "static-retry-after-ms").unwrap().parse().unwrap();
+    assert_eq!(
+        refused.message(),
+        "publish rate limit of 5 messages/s per agent exceeded"
+    );
+    let retry_after: u64 = trailer(&refused, "static-retry-after-ms")
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(retry_after > 0 && retry_after <= 1000, "{retry_after}");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"later")).await.unwrap();
+    publish(&mut client, CHANNEL, application(CHANNEL, 0, b"later"))
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -592,7 +744,11 @@ async fn subscribe_in_batches_replays_then_follows_without_gaps() {
         .map(|i| request(CHANNEL, application(CHANNEL, 0, format!("{i}").as_bytes())))
         .collect();
     let batch = |requests| tokio_stream::iter([pb::PublishBatchRequest { requests }]);
-    let mut answers = client.publish_batches(batch(messages)).await.unwrap().into_inner();
+    let mut answers = client
+        .publish_batches(batch(messages))
+        .await
+        .unwrap()
+        .into_inner();
     while answers.message().await.unwrap().is_some() {}
     let mut sub = Subscription::open(
         &mut client,
@@ -608,11 +764,18 @@ async fn subscribe_in_batches_replays_then_follows_without_gaps() {
         .map(|i| application(CHANNEL, 0, format!("live {i}").as_bytes()))
         .collect();
     let requests = more.iter().map(|m| request(CHANNEL, m.clone())).collect();
-    let mut answers = client.publish_batches(batch(requests)).await.unwrap().into_inner();
+    let mut answers = client
+        .publish_batches(batch(requests))
+        .await
+        .unwrap()
+        .into_inner();
     while answers.message().await.unwrap().is_some() {}
     sub.wait_for(340).await;
     assert_eq!(sub.seqs(), (11..=350).collect::<Vec<_>>());
-    let live: Vec<_> = sub.entries[290..].iter().map(|e| e.message.clone()).collect();
+    let live: Vec<_> = sub.entries[290..]
+        .iter()
+        .map(|e| e.message.clone())
+        .collect();
     assert_eq!(live, more);
     assert_eq!(sub.batch_sizes.iter().max(), Some(&100));
     assert!(sub.batch_sizes.len() < 340);
@@ -627,14 +790,20 @@ async fn streaming_calls_send_headers_before_any_request() {
     let (tx, rx) = tokio::sync::mpsc::channel::<pb::PublishRequest>(1);
     let call = client.publish_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     let response = tokio::time::timeout(Duration::from_secs(5), call).await;
-    let mut answers = response.expect("no response headers before the first request").unwrap().into_inner();
+    let mut answers = response
+        .expect("no response headers before the first request")
+        .unwrap()
+        .into_inner();
     drop(tx);
     assert!(answers.message().await.unwrap().is_none());
 
     let (tx, rx) = tokio::sync::mpsc::channel::<pb::PublishBatchRequest>(1);
     let call = client.publish_batches(tokio_stream::wrappers::ReceiverStream::new(rx));
     let response = tokio::time::timeout(Duration::from_secs(5), call).await;
-    let mut answers = response.expect("no response headers before the first request").unwrap().into_inner();
+    let mut answers = response
+        .expect("no response headers before the first request")
+        .unwrap()
+        .into_inner();
     tx.send(pb::PublishBatchRequest {
         requests: vec![request(CHANNEL, application(CHANNEL, 0, b"x"))],
     })

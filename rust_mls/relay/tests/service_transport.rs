@@ -18,7 +18,9 @@ use service_support::*;
 async fn binds_only_the_configured_host() {
     let relay = Relay::anonymous().await;
     assert!(relay.addr.ip().is_loopback());
-    assert!(TcpStream::connect(("127.0.0.2", relay.addr.port())).await.is_err());
+    assert!(TcpStream::connect(("127.0.0.2", relay.addr.port()))
+        .await
+        .is_err());
     // The port is taken: another listener cannot share it.
     assert!(std::net::TcpListener::bind(relay.addr).is_err());
 }
@@ -55,7 +57,9 @@ async fn streams_per_connection_are_capped() {
         sub.wait_keepalives(1).await;
         subs.push(sub);
     }
-    let refused = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"x")).await.unwrap_err();
+    let refused = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"x"))
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Code::ResourceExhausted);
     assert_eq!(
         refused.message(),
@@ -63,7 +67,13 @@ async fn streams_per_connection_are_capped() {
     );
     // Another connection is not affected.
     let mut other = relay.client().await;
-    assert_eq!(publish(&mut other, CHANNEL, application(CHANNEL, 0, b"x")).await.unwrap().seq, 1);
+    assert_eq!(
+        publish(&mut other, CHANNEL, application(CHANNEL, 0, b"x"))
+            .await
+            .unwrap()
+            .seq,
+        1
+    );
     for sub in &mut subs {
         sub.wait_for(1).await;
     }
@@ -81,7 +91,10 @@ async fn streams_per_connection_are_capped() {
 /// A bare HTTP/2 connection (the h2 crate), for what a gRPC client never does.
 async fn raw_connection(
     relay: &Relay,
-) -> (h2::client::SendRequest<Bytes>, tokio::task::JoinHandle<Result<(), h2::Error>>) {
+) -> (
+    h2::client::SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
     let tcp = TcpStream::connect(relay.addr).await.unwrap();
     tcp.set_nodelay(true).unwrap();
     let (send, connection) = h2::client::handshake(tcp).await.unwrap();
@@ -115,7 +128,12 @@ async fn a_vanished_subscriber_is_noticed_without_traffic() {
     .await;
     let mut client = relay.client().await;
     client
-        .create_channel(authed(pb::CreateChannelRequest { channel: CHANNEL.into() }, "acme.k1"))
+        .create_channel(authed(
+            pb::CreateChannelRequest {
+                channel: CHANNEL.into(),
+            },
+            "acme.k1",
+        ))
         .await
         .unwrap();
     let (mut send, connection) = raw_connection(&relay).await;
@@ -124,7 +142,8 @@ async fn a_vanished_subscriber_is_noticed_without_traffic() {
         .headers_mut()
         .insert("authorization", "Bearer acme.gone".parse().unwrap());
     let (response, mut body) = send.send_request(request, false).unwrap();
-    body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true).unwrap();
+    body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true)
+        .unwrap();
     let mut response = response.await.unwrap().into_body();
     assert!(response.data().await.unwrap().is_ok(), "no keep-alive");
     assert_eq!(relay.server().live_keys(), ["gone"]);
@@ -133,7 +152,10 @@ async fn a_vanished_subscriber_is_noticed_without_traffic() {
     drop((send, response));
     let deadline = Instant::now() + Duration::from_secs(3);
     while !relay.server().live_keys().is_empty() {
-        assert!(Instant::now() < deadline, "the subscription outlived its connection");
+        assert!(
+            Instant::now() < deadline,
+            "the subscription outlived its connection"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -171,7 +193,10 @@ async fn a_rapid_reset_flood_is_cut_off() {
         assert!(cut_off, "the flooding connection was not closed");
         // Everyone else is unaffected.
         let message = application(CHANNEL, 0, round.to_string().as_bytes());
-        assert_eq!(publish(&mut client, CHANNEL, message).await.unwrap().seq, round + 1);
+        assert_eq!(
+            publish(&mut client, CHANNEL, message).await.unwrap().seq,
+            round + 1
+        );
     }
     // Resets of calls already being served count too (the relay's own budget: a burst of
     // 200, then 50 a second).
@@ -189,16 +214,24 @@ async fn a_rapid_reset_flood_is_cut_off() {
         };
         let _ = body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true);
         // Served: its response headers came.
-        if tokio::time::timeout(Duration::from_secs(5), response).await.map_or(true, |r| r.is_err()) {
+        if tokio::time::timeout(Duration::from_secs(5), response)
+            .await
+            .map_or(true, |r| r.is_err())
+        {
             cut_off = true;
             break;
         }
         body.send_reset(h2::Reason::CANCEL);
     }
     if !cut_off {
-        cut_off = tokio::time::timeout(Duration::from_secs(3), connection).await.is_ok();
+        cut_off = tokio::time::timeout(Duration::from_secs(3), connection)
+            .await
+            .is_ok();
     }
-    assert!(cut_off, "the connection resetting served calls was not closed");
+    assert!(
+        cut_off,
+        "the connection resetting served calls was not closed"
+    );
     let message = application(CHANNEL, 0, b"after");
     assert_eq!(publish(&mut client, CHANNEL, message).await.unwrap().seq, 4);
     sub.wait_for(4).await;
@@ -266,13 +299,117 @@ async fn graceful_shutdown_ends_streams_cleanly() {
     let stopping = tokio::spawn(server.shutdown());
     for sub in &mut subs {
         let status = sub.wait_end().await;
-        assert_eq!((status.code(), status.message()), (Code::Unavailable, "relay is shutting down"));
+        assert_eq!(
+            (status.code(), status.message()),
+            (Code::Unavailable, "relay is shutting down")
+        );
     }
     let status = batches.message().await.unwrap_err();
-    assert_eq!((status.code(), status.message()), (Code::Unavailable, "relay is shutting down"));
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::Unavailable, "relay is shutting down")
+    );
     drop(batches_tx);
-    tokio::time::timeout(Duration::from_secs(10), stopping).await.unwrap().unwrap();
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    tokio::time::timeout(Duration::from_secs(10), stopping)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
     // Nobody listens any more.
     assert!(TcpStream::connect(relay.addr).await.is_err());
+}
+
+/// An HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = u32::try_from(payload.len()).unwrap().to_be_bytes()[1..].to_vec();
+    out.extend_from_slice(&[kind, flags]);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// An HPACK literal header field, not indexed, new name, no Huffman coding.
+fn hpack_literal(block: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    block.push(0);
+    for part in [name, value] {
+        block.push(u8::try_from(part.len()).unwrap());
+        block.extend_from_slice(part);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn illegal_header_values_never_reach_the_service() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let relay = Relay::anonymous().await;
+    // Written by hand: HTTP libraries refuse to send a control character in a header.
+    let mut tcp = TcpStream::connect(relay.addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(4, 0, 0, &[])); // SETTINGS
+    let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
+    let path = b"/static.relay.v1.Relay/CreateChannel";
+    block.extend_from_slice(&[0x04, u8::try_from(path.len()).unwrap()]);
+    block.extend_from_slice(path);
+    hpack_literal(&mut block, b"content-type", b"application/grpc");
+    hpack_literal(&mut block, b"te", b"trailers");
+    hpack_literal(&mut block, b"authorization", b"Bearer ab\x01cd");
+    out.extend(h2_frame(1, 0x4, 1, &block)); // HEADERS, END_HEADERS
+    let body = grpc_frame(&pb::CreateChannelRequest {
+        channel: CHANNEL.into(),
+    });
+    out.extend(h2_frame(0, 0x1, 1, &body)); // DATA, END_STREAM
+    tcp.write_all(&out).await.unwrap();
+    let mut received = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while let Ok(Ok(n @ 1..)) =
+        tokio::time::timeout(Duration::from_secs(2), tcp.read(&mut buf)).await
+    {
+        received.extend_from_slice(&buf[..n]);
+    }
+    // h2 refuses the header block: GOAWAY(PROTOCOL_ERROR), the call never started.
+    let mut kinds = Vec::new();
+    let mut pos = 0;
+    while pos + 9 <= received.len() {
+        let len = usize::from(received[pos]) << 16
+            | usize::from(received[pos + 1]) << 8
+            | usize::from(received[pos + 2]);
+        kinds.push((
+            received[pos + 3],
+            received.get(pos + 9..pos + 9 + len).map(<[u8]>::to_vec),
+        ));
+        pos += 9 + len;
+    }
+    let goaway = kinds
+        .iter()
+        .find(|(kind, _)| *kind == 7)
+        .expect("no GOAWAY");
+    assert_eq!(
+        goaway.1.as_deref().map(|p| &p[4..8]),
+        Some(&[0u8, 0, 0, 1][..])
+    );
+    assert!(
+        kinds.iter().all(|(kind, _)| *kind != 1),
+        "a response to the call"
+    );
+    // Nothing was created; the server is fine.
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_is_an_error() {
+    let relay = Relay::anonymous().await;
+    let mut config = static_relay::RelayConfig::new(relay.dir.path().join("static.db"));
+    config.port = relay.addr.port();
+    let Err(error) = static_relay::RelayServer::start(config, None).await else {
+        panic!("a second relay on the same port");
+    };
+    assert_eq!(error.code(), Code::Unavailable);
+    assert!(
+        error.to_string().starts_with("cannot listen on 127.0.0.1:"),
+        "{error}"
+    );
 }

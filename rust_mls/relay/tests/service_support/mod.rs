@@ -248,7 +248,10 @@ impl Subscription {
     pub async fn wait_for(&mut self, count: usize) -> &[pb::Entry] {
         while self.entries.len() < count {
             if let Err(status) = self.next().await {
-                panic!("ended after {} of {count} entries: {status:?}", self.entries.len());
+                panic!(
+                    "ended after {} of {count} entries: {status:?}",
+                    self.entries.len()
+                );
             }
         }
         &self.entries
