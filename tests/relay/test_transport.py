@@ -1,5 +1,8 @@
-"""The relay's transport under stress and its purerpc workarounds (DESIGN §7): one backend is
-enough here, the store is not what is under test."""
+"""The relay's transport under stress, and the purerpc workarounds (DESIGN §7).
+
+Both relays: ``static serve`` runs the Rust relay on SQLite and the Python (purerpc) relay on
+PostgreSQL, so the backend parameter picks the relay here; the store is not what is under test.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ from tests.support.server import ServerProcess
 
 CHANNEL = "acme/agents/chat"
 Start = Callable[..., ServerProcess]
-pytestmark = pytest.mark.parametrize("backend", ["sqlite"])
+pytestmark = pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+#: The backend ``static serve`` runs the Python relay on.
+PYTHON = "postgresql"
 
 
 def _port(server: ServerProcess) -> int:
@@ -255,16 +260,27 @@ def test_graceful_shutdown_ends_streams_cleanly(start_server: Start) -> None:
     relay.close()
 
 
-def test_illegal_header_values_are_refused(start_server: Start) -> None:
-    # h2 3.2.0 lets control characters through (CVE-2025-57804): the relay checks what it reads.
+def test_illegal_header_values_are_refused(start_server: Start, backend: str) -> None:
     server = start_server("--allow-anonymous")
     raw = RawH2(server.relay_url, validate_headers=False)
     request = pb.CreateChannelRequest(channel=CHANNEL)
     bad = raw.start("CreateChannel", request, metadata=(("authorization", "Bearer ab\x01cd"),))
-    assert raw.pump(1.0)
-    trailers = dict(raw.ended[bad].headers)
-    assert trailers[b"grpc-status"] == b"16"  # UNAUTHENTICATED
-    assert b"illegal%20characters" in trailers[b"grpc-message"]
+    if backend == PYTHON:
+        # h2 3.2.0 lets control characters through (CVE-2025-57804): the relay checks what it
+        # reads.
+        assert raw.pump(1.0)
+        trailers = dict(raw.ended[bad].headers)
+        assert trailers[b"grpc-status"] == b"16"  # UNAUTHENTICATED
+        assert b"illegal%20characters" in trailers[b"grpc-message"]
+    else:
+        # The Rust h2 refuses the header block itself: the connection ends in a protocol error
+        # and the call never runs.
+        deadline = time.monotonic() + 5
+        while raw.goaway is None and time.monotonic() < deadline and raw.pump(0.1):
+            pass
+        assert bad not in raw.ended
+        if raw.goaway is not None:
+            assert raw.goaway.error_code == h2.errors.ErrorCodes.PROTOCOL_ERROR
     with Relay(server.relay_url) as relay:  # nothing was created, the server is fine
         assert relay.create(CHANNEL).epoch == 0
     raw.close()
@@ -298,8 +314,10 @@ def test_a_peer_that_grants_windows_but_stops_reading_costs_bounded_memory(
             )
         assert len(fair.wait_for(count, timeout=30)) == count
         grown = _rss_kib(server) - before
-        # 32 MiB went out; the ring keeps at most 8 MiB, the greedy peer's queue about 1 MiB.
-        assert grown < 20 * 1024, f"RSS grew by {grown} KiB"
+        # 32 MiB went out; the ring keeps at most 8 MiB, the greedy peer's queue about 1 MiB,
+        # the store's page caches and the allocator's per-thread arenas some more (the Rust
+        # relay grew by ~20.5 MiB here whether 32 or 96 MiB went out).
+        assert grown < 24 * 1024, f"RSS grew by {grown} KiB"
         fair.cancel()
         greedy.close()
 
@@ -365,12 +383,17 @@ def test_a_batch_answer_held_back_by_flow_control_leaves_once_the_window_opens(
 
 
 def test_a_lone_batch_is_answered_from_its_commit_ahead_of_the_publishers_echo(
-    start_server: Start,
+    start_server: Start, backend: str
 ) -> None:
     """A PublishBatches request arriving while its call has nothing else to answer is left to
     its commit callback by the connection's reader (the call's task is not woken for it): the
     answer leaves with the commit, ahead of the publisher's own echo on the same connection.
     (Queued for the task, it would leave only after the commit's write, behind the echo.)"""
+    if backend != PYTHON:
+        pytest.skip(
+            "the Python relay's write order (the Rust relay sends both from tasks woken by one"
+            " commit, in no fixed order)"
+        )
     server = start_server("--allow-anonymous")
     with Relay(server.relay_url) as relay:
         relay.create(CHANNEL)
