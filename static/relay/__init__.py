@@ -1,6 +1,7 @@
-"""The relay: Static's MLS delivery service (DESIGN §5), a purerpc gRPC server.
+"""The relay: Static's MLS delivery service (DESIGN §5).
 
-The protocol is ``proto/relay.proto``; :func:`serve_relay` runs it in the ``static serve`` nursery.
+The protocol is ``proto/relay.proto``; :func:`serve_relay` runs it in the ``static serve`` nursery:
+the Rust relay (``static._native.RelayServer``) on SQLite, the Python one (purerpc) on PostgreSQL.
 """
 
 from static.relay._serve import serve_relay
