@@ -5,12 +5,15 @@
 //!
 //! # Design
 //!
-//! * **One writer.** A dedicated thread owns the write connection. Publishes (and channel
-//!   creations) queue up in a `Mutex<VecDeque>` + `Condvar`; each time the writer wakes it
-//!   takes everything queued (up to [`MAX_BATCH`]), fences and numbers it in submission order,
-//!   and stores it in ONE transaction: the fsync (WAL, `synchronous=FULL`) is paid once per
-//!   batch. The queue is the only hand-off between a publisher's task and the commit.
-//! * **Memory only after COMMIT.** Right after the commit, still on the writer thread, each
+//! * **One writer.** One [`Writer`] owns the write connection. Publishes (and channel
+//!   creations) queue up in a `Mutex<VecDeque>`; whoever holds the writer takes everything
+//!   queued (up to [`MAX_BATCH`]), fences and numbers it in submission order, and stores it in
+//!   ONE transaction: the fsync (WAL, `synchronous=FULL`) is paid once per batch. When the
+//!   writer is free, the submitting task commits its own publishes right away, on its thread
+//!   (sparse traffic: no hand-off at all between a publish and its delivery, and the woken
+//!   tasks run on the same worker); when it is busy, the writer thread (woken through a
+//!   `Condvar`) takes what queued up meanwhile, so a tokio worker commits at most one batch.
+//! * **Memory only after COMMIT.** Right after the commit, still on the committing thread, each
 //!   channel's recent-entries ring gets the new entries, its head and epoch advance, its
 //!   `watch` wakes the subscribers, and then the publishers' oneshots are answered: the commit
 //!   to wake-up path has no further hand-off. A failed transaction changes nothing in memory
@@ -231,6 +234,8 @@ struct Inner {
     /// scope -> name -> channel (nested: looked up by `&str`, no key built per lookup).
     channels: Mutex<HashMap<String, HashMap<String, Arc<Channel>>>>,
     queue: Arc<Queue>,
+    /// None once the writer thread stopped (closed).
+    writer: Arc<Mutex<Option<Writer>>>,
     readers: Arc<Readers>,
     /// The checkpointer's state (owned by the writer), read by the tests.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -262,27 +267,30 @@ impl ChannelLog {
             wake: Condvar::new(),
             stopped: watch::Sender::new(false),
         });
-        let writer = Writer {
+        let writer = Arc::new(Mutex::new(Some(Writer {
             conn,
             window: settings.application_window,
             checkpointer,
             commits_since_checkpoint: 0,
             bytes_since_checkpoint: 0,
-        };
-        let theirs = Arc::clone(&queue);
+            publishes: Vec::with_capacity(MAX_BATCH),
+            creates: Vec::new(),
+        })));
+        let (their_queue, their_writer) = (Arc::clone(&queue), Arc::clone(&writer));
         std::thread::Builder::new()
             .name("static-relay-writer".into())
             .spawn(move || {
                 // Declared first, dropped last: signals the stop once the writer (and its
                 // connection and checkpointer) are gone, even if it panicked.
-                let _stopped = StopGuard(Arc::clone(&theirs));
-                writer.run(&theirs);
+                let _stopped = StopGuard(Arc::clone(&their_queue));
+                run_writer(&their_queue, &their_writer);
             })
             .map_err(RelayError::store)?;
         Ok(ChannelLog {
             inner: Arc::new(Inner {
                 channels: Mutex::new(HashMap::new()),
                 queue,
+                writer,
                 readers,
                 checkpoints,
             }),
@@ -297,7 +305,7 @@ impl ChannelLog {
             name: name.to_owned(),
             tx,
         };
-        if let Err(refused) = self.inner.queue.push(vec![job]) {
+        if let Err(refused) = self.push(vec![job]) {
             refused.into_iter().for_each(Job::refuse);
         }
         let id = rx.await.map_err(|_| shutting_down())??;
@@ -369,10 +377,31 @@ impl ChannelLog {
                 })
             })
             .collect();
-        if let Err(refused) = self.inner.queue.push(jobs) {
+        if let Err(refused) = self.push(jobs) {
             refused.into_iter().for_each(Job::refuse);
         }
         outcomes
+    }
+
+    /// Queue `jobs`, then commit them right here if the writer is free (see the module's
+    /// design notes), else leave them to the writer thread.
+    fn push(&self, jobs: Vec<Job>) -> std::result::Result<(), Vec<Job>> {
+        let queue = &self.inner.queue;
+        queue.push(jobs)?;
+        match self.inner.writer.try_lock() {
+            Ok(mut writer) => match writer.as_mut() {
+                Some(writer) => {
+                    let mut batch = Vec::new();
+                    queue.take_now(&mut batch);
+                    writer.commit(batch);
+                }
+                // Stopped: the writer thread refused (or will refuse) what is queued.
+                None => queue.notify_writer(),
+            },
+            // Busy (committing, here or on its thread): the writer thread takes them next.
+            Err(_) => queue.notify_writer(),
+        }
+        Ok(())
     }
 
     /// Up to `limit` consecutive entries after `cursor` (empty when `cursor` is the head):
@@ -572,12 +601,22 @@ impl Queue {
             return Err(jobs);
         }
         state.jobs.extend(jobs);
-        let wake = std::mem::replace(&mut state.writer_waiting, false);
-        drop(state);
+        Ok(())
+    }
+
+    /// Wake the writer thread if it sleeps (a futex wake only then).
+    fn notify_writer(&self) {
+        let wake = std::mem::replace(&mut self.lock().writer_waiting, false);
         if wake {
             self.wake.notify_one();
         }
-        Ok(())
+    }
+
+    /// Moves up to [`MAX_BATCH`] queued jobs into `batch`, without waiting.
+    fn take_now(&self, batch: &mut Vec<Job>) {
+        let mut state = self.lock();
+        let n = state.jobs.len().min(MAX_BATCH);
+        batch.extend(state.jobs.drain(..n));
     }
 
     fn close(&self) {
@@ -585,14 +624,11 @@ impl Queue {
         self.wake.notify_one();
     }
 
-    /// Waits for jobs and moves up to [`MAX_BATCH`] of them into `batch`; false once closing
-    /// and nothing is left.
-    fn take(&self, batch: &mut Vec<Job>) -> bool {
+    /// Waits until jobs are queued; false once closing and nothing is left.
+    fn wait_for_jobs(&self) -> bool {
         let mut state = self.lock();
         loop {
             if !state.jobs.is_empty() {
-                let n = state.jobs.len().min(MAX_BATCH);
-                batch.extend(state.jobs.drain(..n));
                 return true;
             }
             if state.closing {
@@ -648,36 +684,58 @@ struct Tentative {
     epoch: u64,
 }
 
+type Create = (String, String, oneshot::Sender<Result<i64>>);
+
+/// The writer thread: commits what the submitters could not (the writer was busy), until
+/// closed; then closes the writer (its connection and checkpointer).
+fn run_writer(queue: &Queue, writer: &Mutex<Option<Writer>>) {
+    let lock = || writer.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut batch = Vec::with_capacity(MAX_BATCH);
+    while queue.wait_for_jobs() {
+        let mut held = lock();
+        let Some(writer) = held.as_mut() else { break };
+        // Possibly nothing: a submitter committed it meanwhile.
+        queue.take_now(&mut batch);
+        if !batch.is_empty() {
+            writer.commit(batch.drain(..));
+        }
+    }
+    lock().take();
+}
+
 struct Writer {
     conn: Connection,
     window: u64,
     checkpointer: Checkpointer,
     commits_since_checkpoint: u32,
     bytes_since_checkpoint: usize,
+    /// Scratch space of [`Writer::commit`], kept to reuse its allocations.
+    publishes: Vec<Publish>,
+    creates: Vec<Create>,
 }
 
 impl Writer {
-    fn run(mut self, queue: &Queue) {
-        let mut batch = Vec::with_capacity(MAX_BATCH);
-        let mut publishes = Vec::with_capacity(MAX_BATCH);
-        let mut creates = Vec::new();
-        while queue.take(&mut batch) {
-            for job in batch.drain(..) {
-                match job {
-                    Job::Publish(p) => publishes.push(p),
-                    Job::Create { scope, name, tx } => creates.push((scope, name, tx)),
-                }
-            }
-            if !publishes.is_empty() {
-                self.publish(&mut publishes);
-            }
-            // Rare, each in its own small transaction, after the publishes (which wait for
-            // nothing else). A publish never depends on a create of its batch: a channel is
-            // handed out only once created.
-            for (scope, name, tx) in creates.drain(..) {
-                let _ = tx.send(self.create(&scope, &name));
+    /// Commit `jobs` (taken from the queue, in order): the publishes in one group commit.
+    fn commit(&mut self, jobs: impl IntoIterator<Item = Job>) {
+        let mut publishes = std::mem::take(&mut self.publishes);
+        let mut creates = std::mem::take(&mut self.creates);
+        for job in jobs {
+            match job {
+                Job::Publish(p) => publishes.push(p),
+                Job::Create { scope, name, tx } => creates.push((scope, name, tx)),
             }
         }
+        if !publishes.is_empty() {
+            self.publish(&mut publishes);
+        }
+        // Rare, each in its own small transaction, after the publishes (which wait for
+        // nothing else). A publish never depends on a create of its batch: a channel is
+        // handed out only once created.
+        for (scope, name, tx) in creates.drain(..) {
+            let _ = tx.send(self.create(&scope, &name));
+        }
+        self.publishes = publishes;
+        self.creates = creates;
     }
 
     fn create(&mut self, scope: &str, name: &str) -> Result<i64> {

@@ -769,3 +769,43 @@ fn open_needs_the_relay_tables() {
         "{err:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_writer_commits_in_the_submitter_a_busy_one_on_its_thread() {
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+
+    // Free: committed (and answered) before submit returns.
+    let mut outcomes = log.submit(vec![(channel.clone(), checked(0, APPLICATION, b"one"))]);
+    assert_eq!(outcomes[0].try_recv().unwrap(), accepted(1, 0, false));
+
+    // Busy: another connection holds the database's write lock, so the first submitter waits
+    // inside its commit; a second submit meanwhile returns at once, and the writer thread
+    // commits it after the first, in order.
+    let other = rusqlite::Connection::open(&db.path).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let first = {
+        let (log, channel) = (log.clone(), channel.clone());
+        tokio::task::spawn_blocking(move || {
+            log.submit(vec![(channel, checked(0, APPLICATION, b"two"))])
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !first.is_finished(),
+        "the first commit waits for the write lock"
+    );
+    let started = std::time::Instant::now();
+    let second = log.submit(vec![(channel.clone(), checked(0, APPLICATION, b"three"))]);
+    assert!(started.elapsed() < Duration::from_millis(100));
+    other.execute_batch("COMMIT").unwrap();
+    let mut first = first.await.unwrap();
+    assert_eq!(first.pop().unwrap().await.unwrap(), accepted(2, 0, false));
+    let answers: Vec<_> = futures_util::future::join_all(second).await;
+    assert_eq!(
+        answers.into_iter().next().unwrap().unwrap(),
+        accepted(3, 0, false)
+    );
+    log.close().await;
+}
