@@ -3,8 +3,9 @@
     .venv/bin/python bench/relay.py [--messages N]
 
 Starts a real ``static serve`` (SQLite, so the Rust relay; durable: synchronous=FULL) and, as a
-yardstick of the Python stack, a bare purerpc echo server (same process model, same 1 KiB messages); this process and
-its subscriber processes are the load generator (grpcio). Measures, on loopback:
+yardstick of the Python stack, a bare purerpc echo server (same process model, same 1 KiB
+messages); this process and its subscriber processes are the load generator (grpcio). Measures,
+on loopback:
 
 * 1 publisher -> 1 subscriber throughput (PublishStream, durable);
 * 1 -> 10 fan-out deliveries per second;
