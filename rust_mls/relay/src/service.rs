@@ -15,6 +15,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_util::stream::Stream;
+use futures_util::FutureExt as _;
 use tokio::sync::{mpsc, watch};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Extensions, Request, Response, Status, Streaming};
@@ -258,9 +259,16 @@ impl Inner {
         Ok((channel, checked))
     }
 
-    fn submit_one(&self, item: (Arc<Channel>, Checked)) -> Result<Outcome> {
-        self.log
-            .submit(vec![item])
+    /// Submits one publish; `more`: the caller has more at hand right away (see
+    /// [`ChannelLog::submit_more`]).
+    fn submit_one(&self, item: (Arc<Channel>, Checked), more: bool) -> Result<Outcome> {
+        let items = vec![item];
+        let mut outcomes = if more {
+            self.log.submit_more(items)
+        } else {
+            self.log.submit(items)
+        };
+        outcomes
             .pop()
             .ok_or_else(|| internal("the log gave no outcome for a publish"))
     }
@@ -281,9 +289,10 @@ impl Inner {
     async fn publish_stream(
         self: Arc<Self>,
         caller: Caller,
-        mut requests: Streaming<pb::PublishRequest>,
+        requests: Streaming<pb::PublishRequest>,
         tx: mpsc::Sender<Result<pb::PublishResponse, Status>>,
     ) {
+        let mut requests = Lookahead::new(requests);
         let mut drain = self.drain.watch();
         let mut queue: VecDeque<Result<Outcome, Status>> = VecDeque::new();
         let mut reading = true;
@@ -301,7 +310,7 @@ impl Inner {
                     match message {
                         Ok(Some(request)) => {
                             let item = match self.prepare(request, &caller).await {
-                                Ok(item) => self.submit_one(item),
+                                Ok(item) => self.submit_one(item, requests.more_ready()),
                                 Err(e) => Err(e),
                             };
                             // A refusal ends the reading: nothing after it is submitted.
@@ -340,9 +349,10 @@ impl Inner {
     async fn publish_batches(
         self: Arc<Self>,
         caller: Caller,
-        mut requests: Streaming<pb::PublishBatchRequest>,
+        requests: Streaming<pb::PublishBatchRequest>,
         tx: mpsc::Sender<Result<pb::PublishBatchResponse, Status>>,
     ) {
+        let mut requests = Lookahead::new(requests);
         let mut drain = self.drain.watch();
         let mut queue: VecDeque<Result<Vec<Slot>, Status>> = VecDeque::new();
         let mut reading = true;
@@ -367,7 +377,9 @@ impl Inner {
                             reading = false;
                         }
                         Ok(Some(batch)) => {
-                            queue.push_back(Ok(self.submit_batch(batch.requests, &caller).await));
+                            let more = requests.more_ready();
+                            let slots = self.submit_batch(batch.requests, &caller, more).await;
+                            queue.push_back(Ok(slots));
                         }
                         Ok(None) => reading = false,
                         Err(status) => {
@@ -385,7 +397,12 @@ impl Inner {
     }
 
     /// Checks every item of a batch in order and submits the accepted ones together.
-    async fn submit_batch(&self, requests: Vec<pb::PublishRequest>, caller: &Caller) -> Vec<Slot> {
+    async fn submit_batch(
+        &self,
+        requests: Vec<pb::PublishRequest>,
+        caller: &Caller,
+        more: bool,
+    ) -> Vec<Slot> {
         let mut items = Vec::with_capacity(requests.len());
         let mut refusals = Vec::with_capacity(requests.len());
         for request in requests {
@@ -399,6 +416,8 @@ impl Inner {
         }
         let mut outcomes = if items.is_empty() {
             Vec::new().into_iter()
+        } else if more {
+            self.log.submit_more(items).into_iter()
         } else {
             self.log.submit(items).into_iter()
         };
@@ -679,7 +698,7 @@ impl pb::relay_server::Relay for Relay {
         let (metadata, extensions, request) = request.into_parts();
         let caller = self.0.caller(&metadata, &extensions).await?;
         let item = self.0.prepare(request, &caller).await?;
-        let mut outcome = self.0.submit_one(item)?;
+        let mut outcome = self.0.submit_one(item, false)?;
         // Answered as soon as the commit decides it.
         let accepted = self.0.decided(&mut outcome).await?;
         Ok(Response::new(publish_response(accepted)))
@@ -811,6 +830,39 @@ impl<T> Stream for Driven<T> {
             }
         }
         this.rx.poll_recv(cx)
+    }
+}
+
+/// A request stream that can tell whether its next message is already here: a pipelined
+/// call's publishes are then left to the writer thread, to be committed with what follows,
+/// and only the last one at hand is committed right away (see [`ChannelLog::submit`]).
+struct Lookahead<T> {
+    requests: Streaming<T>,
+    next: Option<std::result::Result<Option<T>, Status>>,
+}
+
+impl<T> Lookahead<T> {
+    fn new(requests: Streaming<T>) -> Self {
+        Lookahead {
+            requests,
+            next: None,
+        }
+    }
+
+    /// The next message (cancel-safe, as `Streaming::message`).
+    async fn message(&mut self) -> std::result::Result<Option<T>, Status> {
+        match self.next.take() {
+            Some(next) => next,
+            None => self.requests.message().await,
+        }
+    }
+
+    /// Whether another request has arrived already (it is kept for [`Lookahead::message`]).
+    fn more_ready(&mut self) -> bool {
+        if self.next.is_none() {
+            self.next = self.requests.message().now_or_never();
+        }
+        matches!(self.next, Some(Ok(Some(_))))
     }
 }
 
