@@ -124,15 +124,7 @@ async fn channels_are_scoped_to_accounts() {
 async fn ending_the_streams_of_a_key_ends_its_subscriptions() {
     let relay = relay().await;
     let mut client = relay.client().await;
-    client
-        .create_channel(authed(
-            pb::CreateChannelRequest {
-                channel: CHANNEL.into(),
-            },
-            "acme.doomed",
-        ))
-        .await
-        .unwrap();
+    create_as(&mut client, CHANNEL, "acme.doomed").await;
     let mut doomed = Subscription::of(
         client
             .subscribe(authed(subscribe_request(CHANNEL, 0), "acme.doomed"))
@@ -181,15 +173,7 @@ async fn ending_the_streams_of_a_key_ends_its_subscriptions() {
 async fn an_expired_token_ends_the_stream() {
     let relay = relay().await;
     let mut client = relay.client().await;
-    client
-        .create_channel(authed(
-            pb::CreateChannelRequest {
-                channel: CHANNEL.into(),
-            },
-            "acme.k1",
-        ))
-        .await
-        .unwrap();
+    create_as(&mut client, CHANNEL, "acme.k1").await;
     let started = Instant::now();
     let mut sub = Subscription::of(
         client

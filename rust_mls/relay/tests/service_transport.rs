@@ -51,12 +51,7 @@ async fn streams_per_connection_are_capped() {
     .await;
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
-    let mut subs = Vec::new();
-    for _ in 0..3 {
-        let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
-        sub.wait_keepalives(1).await;
-        subs.push(sub);
-    }
+    let mut subs = Subscription::open_live(&mut client, CHANNEL, 3).await;
     let refused = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"x"))
         .await
         .unwrap_err();
@@ -127,15 +122,7 @@ async fn a_vanished_subscriber_is_noticed_without_traffic() {
     )
     .await;
     let mut client = relay.client().await;
-    client
-        .create_channel(authed(
-            pb::CreateChannelRequest {
-                channel: CHANNEL.into(),
-            },
-            "acme.k1",
-        ))
-        .await
-        .unwrap();
+    create_as(&mut client, CHANNEL, "acme.k1").await;
     let (mut send, connection) = raw_connection(&relay).await;
     let mut request = grpc_request("Subscribe");
     request
@@ -281,12 +268,7 @@ async fn graceful_shutdown_ends_streams_cleanly() {
     .await;
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
-    let mut subs = Vec::new();
-    for _ in 0..3 {
-        let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
-        sub.wait_keepalives(1).await;
-        subs.push(sub);
-    }
+    let mut subs = Subscription::open_live(&mut client, CHANNEL, 3).await;
     // A PublishBatches call left open (as the SDK keeps one) does not hold the drain up.
     let (batches_tx, batches_rx) = tokio::sync::mpsc::channel::<pb::PublishBatchRequest>(1);
     let mut batches = client

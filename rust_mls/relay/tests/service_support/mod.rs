@@ -186,6 +186,14 @@ pub async fn create(client: &mut RelayClient<Channel>, channel: &str) {
     assert_eq!((created.channel.as_str(), created.epoch), (channel, 0));
 }
 
+/// `create`, as the holder of `token`.
+pub async fn create_as(client: &mut RelayClient<Channel>, channel: &str, token: &str) {
+    let request = pb::CreateChannelRequest {
+        channel: channel.to_owned(),
+    };
+    client.create_channel(authed(request, token)).await.unwrap();
+}
+
 pub async fn publish(
     client: &mut RelayClient<Channel>,
     channel: &str,
@@ -216,6 +224,21 @@ pub struct Subscription {
 impl Subscription {
     pub async fn open(client: &mut RelayClient<Channel>, request: pb::SubscribeRequest) -> Self {
         Subscription::of(client.subscribe(request).await.unwrap().into_inner())
+    }
+
+    /// `n` subscriptions to `channel` from its start, each live (its first keep-alive read).
+    pub async fn open_live(
+        client: &mut RelayClient<Channel>,
+        channel: &str,
+        n: usize,
+    ) -> Vec<Subscription> {
+        let mut subs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut sub = Subscription::open(client, subscribe_request(channel, 0)).await;
+            sub.wait_keepalives(1).await;
+            subs.push(sub);
+        }
+        subs
     }
 
     pub fn of(stream: Streaming<pb::SubscribeResponse>) -> Self {
