@@ -394,6 +394,11 @@ impl ChannelLog {
                     let mut batch = Vec::new();
                     queue.take_now(&mut batch);
                     writer.commit(batch);
+                    // More than one batch was queued (a large request): the rest is the
+                    // writer thread's, which nobody else may wake.
+                    if queue.has_jobs() {
+                        queue.notify_writer();
+                    }
                 }
                 // Stopped: the writer thread refused (or will refuse) what is queued.
                 None => queue.notify_writer(),
@@ -628,6 +633,10 @@ impl Queue {
         if wake {
             self.wake.notify_one();
         }
+    }
+
+    fn has_jobs(&self) -> bool {
+        !self.lock().jobs.is_empty()
     }
 
     /// Moves up to [`MAX_BATCH`] queued jobs into `batch`, without waiting.

@@ -249,6 +249,24 @@ async fn concurrent_submitters_get_gap_free_seqs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_than_one_commit_batch_submitted_at_once_is_all_decided() {
+    // A free writer commits one batch on the submitter's thread; the rest must reach the
+    // writer thread (it once stayed queued until the next submit woke it).
+    let db = new_db();
+    let log = open(&db.path, 4);
+    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let items = (0..1300)
+        .map(|i| checked(0, APPLICATION, format!("message {i}").as_bytes()))
+        .collect();
+    let answers = tokio::time::timeout(Duration::from_secs(10), publish_all(&log, &channel, items))
+        .await
+        .expect("every publish is decided without another submit");
+    let seqs: Vec<u64> = answers.into_iter().map(|a| a.unwrap().seq).collect();
+    assert_eq!(seqs, (1..=1300).collect::<Vec<u64>>());
+    log.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_lets_one_commit_per_epoch_win() {
     let db = new_db();
     let log = open(&db.path, 4);
