@@ -342,6 +342,9 @@ class RelayService:
             batch: list[Submitted | RelayError] = []
             for request, state in zip(requests, states, strict=True):
                 assert state is not None
+                if _rate_limited(batch):
+                    batch.append(batch[-1])
+                    continue
                 try:
                     batch.append(
                         self._submit_checked(state, self._check(request, caller), stream.connection)
@@ -373,10 +376,13 @@ class RelayService:
                                 raise InvalidArgument(
                                     f"{len(requests)} requests in one batch; at most {_BATCH_ITEMS}"
                                 )
-                            batch = [
-                                await self._try_submit(r, caller, stream.connection)
-                                for r in requests
-                            ]
+                            batch: list[Submitted | RelayError] = []
+                            for r in requests:
+                                batch.append(
+                                    batch[-1]
+                                    if _rate_limited(batch)
+                                    else await self._try_submit(r, caller, stream.connection)
+                                )
                             answers.behind += 1
                             try:
                                 queue_in.send_nowait(batch)
@@ -753,6 +759,13 @@ def _last_submitted(batch: list[Submitted | RelayError]) -> Submitted | None:
         if isinstance(item, Submitted):
             return item
     return None
+
+
+def _rate_limited(batch: list[Submitted | RelayError]) -> bool:
+    """Whether the rate limit refused the last item so far: it then refuses the rest of the
+    request too (the bucket refills while items are checked, and a later item let through after
+    an earlier one was refused would reorder a sender's pipelined messages)."""
+    return bool(batch) and isinstance(batch[-1], ResourceExhausted) and batch[-1].retry_after_ms > 0
 
 
 def _batch_response(batch: list[Submitted | RelayError]) -> bytes:

@@ -223,6 +223,44 @@ def test_publish_rate_limit_per_agent(start_server: Start) -> None:
         relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"later"))
 
 
+def test_a_full_batch_on_an_idle_relay_is_answered_whole(start_server: Start) -> None:
+    # The Rust relay once committed one group-commit batch (512) of such a request on the
+    # caller's task and left the rest queued for a writer thread nobody woke.
+    server = start_server("--allow-anonymous", "--relay-publish-rate", "0")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        batch = [
+            pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"%d" % i))
+            for i in range(1024)
+        ]
+        [response] = relay.publish_batches([batch])
+        assert [r.accepted.seq for r in response.results] == list(range(1, 1025))
+
+
+def test_a_rate_limited_batch_item_refuses_the_rest_of_its_request(start_server: Start) -> None:
+    # The bucket refills while a request's items are checked: without the rule, later items
+    # could be let through after a refused one, reordering a sender's pipelined messages.
+    server = start_server("--allow-anonymous", "--relay-publish-rate", "200")
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        batch = [
+            pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"%d" % i))
+            for i in range(1000)
+        ]
+        [response] = relay.publish_batches([batch])
+        kinds = [result.WhichOneof("outcome") for result in response.results]
+        accepted = kinds.count("accepted")
+        assert 0 < accepted < len(kinds)
+        assert kinds == ["accepted"] * accepted + ["refused"] * (len(kinds) - accepted)
+        refusals = [r.refused for r in response.results[accepted:]]
+        assert {r.code for r in refusals} == {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]}
+        assert all(r.retry_after_ms > 0 and "rate limit" in r.message for r in refusals)
+        # A later request is decided afresh.
+        time.sleep(0.1)
+        [later] = relay.publish_batches([batch[:5]])
+        assert [r.WhichOneof("outcome") for r in later.results] == ["accepted"] * 5
+
+
 def test_calls_need_a_token_without_allow_anonymous(start_server: Start) -> None:
     server = start_server()
     for token in (None, "not-a-jwt"):

@@ -405,13 +405,27 @@ impl Inner {
     ) -> Vec<Slot> {
         let mut items = Vec::with_capacity(requests.len());
         let mut refusals = Vec::with_capacity(requests.len());
+        // Once the rate limit refuses an item, it refuses the rest of the request too: the
+        // bucket refills while the items are checked, and letting a later item through after
+        // an earlier one was refused would reorder a sender's pipelined messages.
+        let mut rate_limited: Option<RelayError> = None;
         for request in requests {
+            if let Some(refusal) = &rate_limited {
+                refusals.push(Some(refusal.clone()));
+                continue;
+            }
             match self.prepare(request, caller).await {
                 Ok(item) => {
                     items.push(item);
                     refusals.push(None);
                 }
-                Err(e) => refusals.push(Some(e)),
+                Err(e) => {
+                    if matches!(e, RelayError::ResourceExhausted { retry_after_ms, .. } if retry_after_ms > 0)
+                    {
+                        rate_limited = Some(e.clone());
+                    }
+                    refusals.push(Some(e));
+                }
             }
         }
         let mut outcomes = if items.is_empty() {
