@@ -17,6 +17,10 @@ IncomingKind = Literal["application", "commit", "own_commit", "removed", "propos
 
 def validate_channel_name(name: str) -> None: ...
 
+# Registered with atexit on import: from then on, threads coming back from a blocking call park
+# instead of taking the GIL during finalization (which would abort the process on 3.11-3.13).
+def _at_exit() -> None: ...
+
 # Benchmark support (bench/mls_core.py); not part of the SDK surface.
 def _synthetic_key_packages(n: int) -> list[bytes]: ...
 def _bench_rust_encrypt_decrypt(
@@ -108,7 +112,13 @@ class Client:
         identity: bytes,
         token_provider: Callable[[], tuple[str, float]] | None = None,
         initial_token: tuple[str, float] | None = None,
-    ) -> None: ...
+        connect_timeout: float | None = None,
+        retry_timeout: float | None = None,
+    ) -> None:
+        """``connect_timeout``: how long calls retry before the relay first answered;
+        ``retry_timeout``: how long they retry a relay that answered before (None: the
+        environment's ``STATIC_SDK_CONNECT_TIMEOUT`` / ``STATIC_SDK_RETRY_TIMEOUT``, else 1 s and
+        30 s)."""
     @property
     def identity(self) -> bytes: ...
     @property
@@ -136,6 +146,12 @@ class Channel:
         across processes): send started, encrypted, acknowledged by the relay; entries
         received, applied, a message handed out. For benchmarks."""
     def send(self, payload: bytes) -> None: ...
+    def send_pipelined(self, payload: bytes, block: bool = True) -> SendHandle | None:
+        """Queues ``payload`` for the channel's sender thread; None only when ``block`` is
+        false and the pipeline is full."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every pipelined send so far is settled: True, or False on timeout.
+        Raises the first failure among them not reported by an earlier flush."""
     def add_member(self, key_package: bytes) -> bytes: ...
     def remove_member(self, identity: bytes) -> None: ...
     def rotate_keys(self) -> None: ...
@@ -150,6 +166,15 @@ class Channel:
         """The next message (waiting as long as it takes, answering Ctrl-C), None at the end."""
     def waker(self) -> Waker: ...
     def close(self) -> None: ...
+
+@final
+class SendHandle:
+    """One pipelined send."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the message is in the channel's log (raises its failure instead); False
+        on timeout."""
 
 @final
 class Waker:

@@ -31,6 +31,7 @@ from static.sdk._client import (
     AsyncMessageIterator,
     Channel,
     MessageIterator,
+    SendHandle,
     StaticClient,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidChannelNameError",
     "MLSEngineError",
     "MessageIterator",
+    "SendHandle",
     "StaticClient",
     "StaticError",
     "TransportError",

@@ -10,6 +10,7 @@ in a worker thread for its duration.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from types import TracebackType
@@ -23,7 +24,14 @@ from static._channel_name import validate_channel_name
 from static._errors import AuthError
 from static.sdk._tokens import TokenSource
 
-__all__ = ["MAX_PAYLOAD", "AsyncMessageIterator", "Channel", "MessageIterator", "StaticClient"]
+__all__ = [
+    "MAX_PAYLOAD",
+    "AsyncMessageIterator",
+    "Channel",
+    "MessageIterator",
+    "SendHandle",
+    "StaticClient",
+]
 
 #: Largest payload ``Channel.send`` accepts, in bytes (the relay's 1 MiB message limit less room
 #: for the MLS framing). Larger payloads raise ``TransportError`` before anything is sent.
@@ -40,6 +48,16 @@ async def _in_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) 
     finish (it is bounded by the SDK's own timeouts), so the channel's state is never left
     half-way and the outcome of a send or commit is never silently lost."""
     return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+
+def _check_timeout(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, not {value!r}")
+    return float(value)
 
 
 def _check_bytes(name: str, value: object) -> bytes:
@@ -95,12 +113,19 @@ class StaticClient(_Closeable):
         ``POST {api_url}/v1/tokens`` for a short-lived token now, and refreshes the token
         before it expires. Omit it for a relay started with ``--allow-anonymous``.
     :param api_url: the HTTP API's base URL; required with ``api_key``.
+    :param connect_timeout: seconds a call keeps retrying while the relay has never answered
+        this client (nothing listening, wrong port): it then fails with ``TransportError``.
+        Default ``STATIC_SDK_CONNECT_TIMEOUT`` from the environment, else 1.
+    :param retry_timeout: seconds a call keeps retrying a relay that answered before (it is
+        restarting, or the network dropped). Default ``STATIC_SDK_RETRY_TIMEOUT``, else 30.
     :raises AuthError: the key is refused, or ``api_key`` is given without ``api_url``.
     :raises TransportError: the API cannot be reached, or the endpoint is malformed.
     :raises InternalError: ``data_dir`` is in use or belongs to another identity.
 
     The relay itself is connected lazily: creating a client never fails because the relay is
-    down; calls then retry for up to 30 s before raising ``TransportError``.
+    down. The first call that needs it (``create_channel``, ``join_channel``, a send) fails
+    within ``connect_timeout`` if it cannot be reached; once it has answered, calls ride out
+    restarts and network failures for up to ``retry_timeout``.
     """
 
     def __init__(
@@ -110,8 +135,13 @@ class StaticClient(_Closeable):
         identity: bytes,
         api_key: str | None = None,
         api_url: str | None = None,
+        *,
+        connect_timeout: float | None = None,
+        retry_timeout: float | None = None,
     ) -> None:
         identity = _check_bytes("identity", identity)
+        connect_timeout = _check_timeout("connect_timeout", connect_timeout)
+        retry_timeout = _check_timeout("retry_timeout", retry_timeout)
         if not isinstance(endpoint, str):
             raise TypeError(f"endpoint must be a str, not {type(endpoint).__name__}")
         provider: TokenSource | None = None
@@ -126,7 +156,15 @@ class StaticClient(_Closeable):
                 )
             provider = TokenSource(api_url, api_key)
             first = provider()
-        self._native = _native.Client(endpoint, os.fspath(data_dir), identity, provider, first)
+        self._native = _native.Client(
+            endpoint,
+            os.fspath(data_dir),
+            identity,
+            provider,
+            first,
+            connect_timeout,
+            retry_timeout,
+        )
         self._endpoint = endpoint
 
     @classmethod
@@ -137,10 +175,22 @@ class StaticClient(_Closeable):
         identity: bytes,
         api_key: str | None = None,
         api_url: str | None = None,
+        *,
+        connect_timeout: float | None = None,
+        retry_timeout: float | None = None,
     ) -> StaticClient:
         """Like the constructor, without blocking the event loop (the token exchange and the
         opening of the state run in a worker thread)."""
-        return await _in_thread(cls, endpoint, data_dir, identity, api_key, api_url)
+        return await _in_thread(
+            cls,
+            endpoint,
+            data_dir,
+            identity,
+            api_key,
+            api_url,
+            connect_timeout=connect_timeout,
+            retry_timeout=retry_timeout,
+        )
 
     @property
     def identity(self) -> bytes:
@@ -271,6 +321,35 @@ class Channel(_Closeable):
         """
         self._native.send(_check_bytes("payload", payload))
 
+    def send_pipelined(self, payload: bytes) -> SendHandle:
+        """Queue ``payload`` to be encrypted and sent, and return at once with a
+        :class:`SendHandle` (wait on it, or call :meth:`flush`, to learn the outcome).
+
+        For high rates from one thread: the channel's sender thread encrypts what is queued
+        in batches and publishes them in order, so pipelined messages reach the log (and the
+        other members) in the order they were queued, none twice. A lost connection or a relay
+        restart is ridden out like :meth:`send` does; a message that cannot be sent fails its
+        handle (and the next :meth:`flush`) and never overtakes an earlier one. Blocks only
+        when 8,192 messages (or 64 MiB) are queued. A :meth:`send` from the same thread waits
+        for what it queued before.
+
+        :raises TransportError: the payload exceeds :data:`MAX_PAYLOAD` bytes.
+        :raises RuntimeError: (a subclass) the channel has ended.
+        """
+        handle = self._native.send_pipelined(_check_bytes("payload", payload))
+        assert handle is not None  # blocking: never None
+        return SendHandle(handle)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every message queued with :meth:`send_pipelined` so far is in the log
+        (or has failed), waiting up to ``timeout`` seconds (forever if None).
+
+        :raises TimeoutError: some are still on their way after ``timeout``.
+        :raises RuntimeError: (a subclass) the first of them that failed since the last flush.
+        """
+        if not self._native.flush(_check_timeout("timeout", timeout)):
+            raise TimeoutError(f"pipelined sends on {self.name!r} still pending after {timeout} s")
+
     def messages(self) -> MessageIterator:
         """A blocking iterator over the decrypted payloads (bytes) other members send, in the
         channel's order. It ends when the channel is closed or we are removed."""
@@ -334,6 +413,20 @@ class Channel(_Closeable):
         """Async :meth:`send`."""
         await _in_thread(self.send, payload)
 
+    async def send_pipelined_async(self, payload: bytes) -> SendHandle:
+        """Async :meth:`send_pipelined`: returns at once unless the pipeline is full, then
+        waits for room in a worker thread."""
+        payload = _check_bytes("payload", payload)
+        handle = self._native.send_pipelined(payload, False)
+        if handle is None:
+            handle = await _in_thread(self._native.send_pipelined, payload)
+        assert handle is not None
+        return SendHandle(handle)
+
+    async def flush_async(self) -> None:
+        """Async :meth:`flush` (bound the wait with ``anyio.fail_after`` or the like)."""
+        await _in_thread(self.flush)
+
     def messages_async(self) -> AsyncMessageIterator:
         """An async iterator over received messages (``async for msg in ch.messages_async()``),
         for trio or asyncio. Waiting uses no thread."""
@@ -375,6 +468,36 @@ class Channel(_Closeable):
 
     def __repr__(self) -> str:
         return f"<Channel {self.name!r}>"
+
+
+class SendHandle:
+    """The outcome of one :meth:`Channel.send_pipelined`."""
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: _native.SendHandle) -> None:
+        self._native = native
+
+    def done(self) -> bool:
+        """Whether the message is in the log or has failed."""
+        return self._native.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the message is in the channel's log, up to ``timeout`` seconds (forever if
+        None; Ctrl-C still answers).
+
+        :raises TimeoutError: it is still on its way.
+        :raises RuntimeError: (a subclass) it could not be sent.
+        """
+        if not self._native.wait(_check_timeout("timeout", timeout)):
+            raise TimeoutError(f"the message is still on its way after {timeout} s")
+
+    async def wait_async(self) -> None:
+        """Async :meth:`wait`."""
+        await _in_thread(self.wait)
+
+    def __repr__(self) -> str:
+        return f"<SendHandle {'done' if self.done() else 'pending'}>"
 
 
 class MessageIterator:

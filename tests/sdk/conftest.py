@@ -45,10 +45,11 @@ class Clients:
         server: ServerProcess,
         identity: bytes,
         data_dir: Path | None = None,
-        **kwargs: str,
+        api_key: str | None = None,
+        api_url: str | None = None,
     ) -> StaticClient:
         directory = data_dir or self.tmp_path / f"agent-{identity.decode()}"
-        client = StaticClient(server.relay_url, directory, identity, **kwargs)
+        client = StaticClient(server.relay_url, directory, identity, api_key, api_url)
         self.opened.append(client)
         return client
 

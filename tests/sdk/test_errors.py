@@ -79,15 +79,50 @@ def _closed_port() -> int:
     return port
 
 
-def test_transport_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STATIC_SDK_RETRY_TIMEOUT", "1")
+def test_transport_errors(tmp_path: Path) -> None:
+    # Nothing listens: the first contact fails within the connect timeout (1 s by default),
+    # not after the 30 s a relay that answered before is retried for.
     with StaticClient(f"grpc://127.0.0.1:{_closed_port()}", tmp_path / "a", b"alice") as client:
-        started = time.monotonic()
-        with pytest.raises(TransportError, match=r"^transport error: "):
-            client.create_channel(channel_name())
-        assert time.monotonic() - started < WAIT
+        for attempt in (client.create_channel, lambda name: client.join_channel(name, b"w")):
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"^transport error: cannot reach the relay"):
+                attempt(channel_name())
+            assert time.monotonic() - started < 2.0
     with pytest.raises(TransportError, match=r"^transport error: .*endpoint"):
         StaticClient("ftp://127.0.0.1:1", tmp_path / "b", b"bob")
+
+
+def test_connect_timeout_is_configurable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"grpc://127.0.0.1:{_closed_port()}"
+    for i, (timeout, env) in enumerate([(2.5, None), (None, "2.5")]):
+        if env is not None:
+            monkeypatch.setenv("STATIC_SDK_CONNECT_TIMEOUT", env)
+        with StaticClient(url, tmp_path / str(i), b"alice", connect_timeout=timeout) as client:
+            started = time.monotonic()
+            with pytest.raises(TransportError, match=r"gave up after 2.5s"):
+                client.create_channel(channel_name())
+            assert 2.0 < time.monotonic() - started < 5.0
+    with pytest.raises(ValueError, match="connect_timeout"):
+        StaticClient(url, tmp_path / "bad", b"a", connect_timeout=-1)
+    with pytest.raises(TypeError, match="retry_timeout"):
+        StaticClient(url, tmp_path / "bad", b"a", retry_timeout="30")  # type: ignore[arg-type]
+
+
+def test_a_join_that_cannot_reach_the_relay_keeps_the_welcome_usable(
+    relay: ServerProcess, tmp_path: Path
+) -> None:
+    with StaticClient(relay.relay_url, tmp_path / "alice", b"alice") as alice:
+        name = channel_name()
+        alices = alice.create_channel(name)
+        with StaticClient(f"grpc://127.0.0.1:{_closed_port()}", tmp_path / "bob", b"bob") as bob:
+            welcome = alices.add_member(bob.generate_key_package())
+            with pytest.raises(TransportError, match=r"cannot reach the relay"):
+                bob.join_channel(name, welcome)
+            assert bob.channels() == []
+        with StaticClient(relay.relay_url, tmp_path / "bob", b"bob") as bob:
+            bobs = bob.join_channel(name, welcome)
+            alices.send(b"hello")
+            assert bobs.receive(WAIT) == b"hello"
 
 
 def test_endpoint_forms(relay: ServerProcess, tmp_path: Path) -> None:

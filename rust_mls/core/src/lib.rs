@@ -21,7 +21,9 @@ pub mod store;
 pub mod transport;
 
 pub use channel_name::{validate_channel_name, MAX_CHANNEL_NAME_LENGTH};
-pub use client::{Channel, Client, Next, Token, TokenProvider, Waker, MAX_PAYLOAD};
+pub use client::{
+    Channel, Client, ClientOptions, Next, SendHandle, Token, TokenProvider, Waker, MAX_PAYLOAD,
+};
 pub use engine::{AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
 pub use error::{Error, ErrorKind, Result};
 pub use store::Cursor;

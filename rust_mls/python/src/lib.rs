@@ -4,6 +4,7 @@
 //! `Engine` is usable from many Python threads at once. Errors map to the Python classes of
 //! `static._errors` in exactly one place, `From<NativeError> for PyErr`.
 
+mod exit;
 mod relay;
 
 use std::path::PathBuf;
@@ -14,8 +15,9 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use static_core::{
-    Channel as CoreChannel, Client as CoreClient, Engine as CoreEngine, Error, ErrorKind,
-    Incoming as CoreIncoming, Next, Token, TokenProvider, Waker as CoreWaker,
+    Channel as CoreChannel, Client as CoreClient, ClientOptions, Engine as CoreEngine, Error,
+    ErrorKind, Incoming as CoreIncoming, Next, SendHandle as CoreSendHandle, Token, TokenProvider,
+    Waker as CoreWaker,
 };
 
 /// A core error on its way to Python.
@@ -137,7 +139,7 @@ impl Engine {
         f: impl FnOnce(&CoreEngine) -> static_core::Result<T> + Send,
     ) -> NativeResult<T> {
         let engine = self.engine()?;
-        Ok(py.allow_threads(move || f(&engine))?)
+        Ok(exit::without_gil(py, move || f(&engine))?)
     }
 }
 
@@ -145,7 +147,7 @@ impl Engine {
 impl Engine {
     #[new]
     fn new(py: Python<'_>, data_dir: PathBuf, identity: &[u8]) -> NativeResult<Self> {
-        let engine = py.allow_threads(|| CoreEngine::open(&data_dir, identity))?;
+        let engine = exit::without_gil(py, || CoreEngine::open(&data_dir, identity))?;
         Ok(Self {
             inner: Mutex::new(Some(Arc::new(engine))),
         })
@@ -173,7 +175,7 @@ impl Engine {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        py.allow_threads(move || drop(engine));
+        exit::without_gil(py, move || drop(engine));
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -319,7 +321,7 @@ struct PyTokenProvider {
 
 impl TokenProvider for PyTokenProvider {
     fn fetch(&self) -> static_core::Result<Token> {
-        Python::with_gil(|py| {
+        let fetched = exit::with_gil_unless_exiting(|py| {
             let result = self
                 .callable
                 .call0(py)
@@ -344,7 +346,8 @@ impl TokenProvider for PyTokenProvider {
                     })
                 }
             }
-        })
+        });
+        fetched.unwrap_or_else(|| Err(Error::Internal("the interpreter is exiting".into())))
     }
 }
 
@@ -357,7 +360,11 @@ struct Client {
 #[pymethods]
 impl Client {
     #[new]
-    #[pyo3(signature = (endpoint, data_dir, identity, token_provider=None, initial_token=None))]
+    #[pyo3(signature = (
+        endpoint, data_dir, identity, token_provider=None, initial_token=None,
+        connect_timeout=None, retry_timeout=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         endpoint: &str,
@@ -365,15 +372,25 @@ impl Client {
         identity: &[u8],
         token_provider: Option<Py<PyAny>>,
         initial_token: Option<(String, f64)>,
+        connect_timeout: Option<f64>,
+        retry_timeout: Option<f64>,
     ) -> PyResult<Self> {
+        let mut options = ClientOptions::from_env();
+        if let Some(seconds) = connect_timeout {
+            options.connect_timeout = seconds_arg("connect_timeout", seconds)?;
+        }
+        if let Some(seconds) = retry_timeout {
+            options.retry_timeout = seconds_arg("retry_timeout", seconds)?;
+        }
         let provider = token_provider
             .map(|callable| Arc::new(PyTokenProvider { callable }) as Arc<dyn TokenProvider>);
         let initial = initial_token.map(|(value, expires_in)| Token {
             value,
             expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
         });
-        let client =
-            py.allow_threads(|| CoreClient::open(endpoint, &data_dir, identity, provider, initial));
+        let client = exit::without_gil(py, || {
+            CoreClient::open_with(endpoint, &data_dir, identity, provider, initial, options)
+        });
         Ok(Self {
             inner: Arc::new(native(client)?),
         })
@@ -391,37 +408,75 @@ impl Client {
 
     fn generate_key_package(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
         let inner = Arc::clone(&self.inner);
-        let kp = native(py.allow_threads(move || inner.generate_key_package()))?;
+        let kp = native(exit::without_gil(py, move || inner.generate_key_package()))?;
         Ok(bytes(py, &kp))
     }
 
     fn channels(&self, py: Python<'_>) -> PyResult<Vec<String>> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.channels()))
+        native(exit::without_gil(py, move || inner.channels()))
     }
 
     fn create_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
         let inner = Arc::clone(&self.inner);
-        let channel = native(py.allow_threads(move || inner.create_channel(name)))?;
+        let channel = native(exit::without_gil(py, move || inner.create_channel(name)))?;
         Ok(Channel { inner: channel })
     }
 
     fn join_channel(&self, py: Python<'_>, name: &str, welcome: &[u8]) -> PyResult<Channel> {
         let inner = Arc::clone(&self.inner);
-        let channel = native(py.allow_threads(move || inner.join_channel(name, welcome)))?;
+        let channel = native(exit::without_gil(py, move || {
+            inner.join_channel(name, welcome)
+        }))?;
         Ok(Channel { inner: channel })
     }
 
     fn open_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
         let inner = Arc::clone(&self.inner);
-        let channel = native(py.allow_threads(move || inner.open_channel(name)))?;
+        let channel = native(exit::without_gil(py, move || inner.open_channel(name)))?;
         Ok(Channel { inner: channel })
     }
 
     /// Stops all background work and releases the data directory.
     fn close(&self, py: Python<'_>) {
         let inner = Arc::clone(&self.inner);
-        py.allow_threads(move || inner.close());
+        exit::without_gil(py, move || inner.close());
+    }
+}
+
+/// A timeout argument in seconds (finite, >= 0).
+fn seconds_arg(name: &str, seconds: f64) -> PyResult<Duration> {
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(Duration::from_secs_f64(seconds.min(1e9)))
+    } else {
+        Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{name} must be a finite number of seconds >= 0"
+        )))
+    }
+}
+
+/// Waits with `wait(slice)` in slices of at most 50 ms with the GIL released, checking for
+/// signals (Ctrl-C) between slices, until it answers `Some` or `timeout` (forever if None)
+/// passes.
+fn wait_in_slices<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    wait: impl Fn(Duration) -> static_core::Result<Option<T>> + Sync,
+) -> PyResult<Option<T>> {
+    let timeout = timeout.map(|t| seconds_arg("timeout", t)).transpose()?;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let mut slice = Duration::from_millis(50);
+        if let Some(deadline) = deadline {
+            slice = slice.min(deadline.saturating_duration_since(Instant::now()));
+        }
+        if let Some(done) = native(exit::without_gil(py, || wait(slice)))? {
+            return Ok(Some(done));
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
     }
 }
 
@@ -479,56 +534,92 @@ impl Channel {
 
     fn send(&self, py: Python<'_>, payload: &[u8]) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.send(payload.to_vec())))
+        native(exit::without_gil(py, move || inner.send(payload.to_vec())))
+    }
+
+    /// Queues `payload` on the channel's pipeline (see `Channel::send_pipelined` in the core);
+    /// None when `block` is false and the pipeline is full.
+    #[pyo3(signature = (payload, block=true))]
+    fn send_pipelined(
+        &self,
+        py: Python<'_>,
+        payload: &[u8],
+        block: bool,
+    ) -> PyResult<Option<SendHandle>> {
+        let inner = Arc::clone(&self.inner);
+        let payload = payload.to_vec();
+        let handle = if block {
+            native(exit::without_gil(py, move || {
+                inner.send_pipelined(payload, true)
+            }))?
+        } else {
+            // Never waits: no need to release the GIL.
+            native(inner.send_pipelined(payload, false))?
+        };
+        Ok(handle.map(|inner| SendHandle { inner }))
+    }
+
+    /// Waits until every pipelined send so far is settled; false on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let target = self.inner.pipelined();
+        let flushed = wait_in_slices(py, timeout, |slice| {
+            Ok(self.inner.flush_until(target, slice)?.then_some(()))
+        })?;
+        Ok(flushed.is_some())
     }
 
     fn add_member(&self, py: Python<'_>, key_package: &[u8]) -> PyResult<Py<PyBytes>> {
         let inner = Arc::clone(&self.inner);
-        let welcome = native(py.allow_threads(move || inner.add_member(key_package.to_vec())))?;
+        let welcome = native(exit::without_gil(py, move || {
+            inner.add_member(key_package.to_vec())
+        }))?;
         Ok(bytes(py, &welcome))
     }
 
     fn remove_member(&self, py: Python<'_>, identity: &[u8]) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.remove_member(identity.to_vec())))
+        native(exit::without_gil(py, move || {
+            inner.remove_member(identity.to_vec())
+        }))
     }
 
     fn rotate_keys(&self, py: Python<'_>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.rotate_keys()))
+        native(exit::without_gil(py, move || inner.rotate_keys()))
     }
 
     fn leave(&self, py: Python<'_>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.leave()))
+        native(exit::without_gil(py, move || inner.leave()))
     }
 
     fn members(&self, py: Python<'_>) -> PyResult<Vec<Py<PyBytes>>> {
         let inner = Arc::clone(&self.inner);
-        let members = native(py.allow_threads(move || inner.members()))?;
+        let members = native(exit::without_gil(py, move || inner.members()))?;
         Ok(members.iter().map(|m| bytes(py, &m.identity)).collect())
     }
 
     fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.epoch()))
+        native(exit::without_gil(py, move || inner.epoch()))
     }
 
     fn epoch_authenticator(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
         let inner = Arc::clone(&self.inner);
-        let auth = native(py.allow_threads(move || inner.epoch_authenticator()))?;
+        let auth = native(exit::without_gil(py, move || inner.epoch_authenticator()))?;
         Ok(bytes(py, &auth))
     }
 
     fn pending(&self, py: Python<'_>) -> PyResult<u64> {
         let inner = Arc::clone(&self.inner);
-        native(py.allow_threads(move || inner.pending()))
+        native(exit::without_gil(py, move || inner.pending()))
     }
 
     /// The next message without waiting: (0, payload), (1, None) nothing yet, (2, None) ended.
     fn poll_next(&self, py: Python<'_>) -> PyResult<(u8, Option<Py<PyBytes>>)> {
         let inner = Arc::clone(&self.inner);
-        let next = native(py.allow_threads(move || inner.poll_next()))?;
+        let next = native(exit::without_gil(py, move || inner.poll_next()))?;
         Ok(next_tuple(py, next))
     }
 
@@ -547,7 +638,7 @@ impl Channel {
                 slice = slice.min(deadline.saturating_duration_since(Instant::now()));
             }
             let inner = Arc::clone(&self.inner);
-            let next = native(py.allow_threads(move || inner.wait_next(slice)))?;
+            let next = native(exit::without_gil(py, move || inner.wait_next(slice)))?;
             if !matches!(next, Next::Empty) {
                 return Ok(next_tuple(py, next));
             }
@@ -564,8 +655,9 @@ impl Channel {
     fn next_payload(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
         loop {
             let inner = Arc::clone(&self.inner);
-            let next =
-                native(py.allow_threads(move || inner.wait_next(Duration::from_millis(50))))?;
+            let next = native(exit::without_gil(py, move || {
+                inner.wait_next(Duration::from_millis(50))
+            }))?;
             match next {
                 Next::Message(payload) => return Ok(Some(bytes(py, &payload))),
                 Next::End => return Ok(None),
@@ -583,7 +675,29 @@ impl Channel {
 
     fn close(&self, py: Python<'_>) {
         let inner = Arc::clone(&self.inner);
-        py.allow_threads(move || inner.close());
+        exit::without_gil(py, move || inner.close());
+    }
+}
+
+/// One pipelined send.
+#[pyclass(frozen, module = "static._native")]
+struct SendHandle {
+    inner: CoreSendHandle,
+}
+
+#[pymethods]
+impl SendHandle {
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// True once the message is in the log (raises its failure instead); false on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let done = wait_in_slices(py, timeout, |slice| {
+            Ok(self.inner.wait(slice)?.then_some(()))
+        })?;
+        Ok(done.is_some())
     }
 }
 
@@ -613,7 +727,7 @@ fn validate_channel_name(name: &str) -> NativeResult<()> {
 /// Bench support: `n` key packages of distinct throwaway identities.
 #[pyfunction]
 fn _synthetic_key_packages(py: Python<'_>, n: usize) -> NativeResult<Vec<Py<PyBytes>>> {
-    let kps = py.allow_threads(|| static_core::bench_support::synthetic_key_packages(n))?;
+    let kps = exit::without_gil(py, || static_core::bench_support::synthetic_key_packages(n))?;
     Ok(kps.iter().map(|kp| bytes(py, kp)).collect())
 }
 
@@ -628,7 +742,7 @@ fn _bench_rust_encrypt_decrypt(
     iterations: u32,
 ) -> NativeResult<(f64, f64)> {
     let (s, r) = (sender.engine()?, receiver.engine()?);
-    Ok(py.allow_threads(|| {
+    Ok(exit::without_gil(py, || {
         static_core::bench_support::encrypt_decrypt_ns(&s, &r, channel, payload_len, iterations)
     })?)
 }
@@ -640,7 +754,7 @@ fn _bench_ed25519_sign_verify_ns(
     payload_len: usize,
     iterations: u32,
 ) -> NativeResult<f64> {
-    Ok(py.allow_threads(|| {
+    Ok(exit::without_gil(py, || {
         static_core::bench_support::ed25519_sign_verify_ns(payload_len, iterations)
     })?)
 }
@@ -658,11 +772,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_class::<Channel>()?;
     m.add_class::<Waker>()?;
+    m.add_class::<SendHandle>()?;
     m.add("MAX_PAYLOAD", static_core::MAX_PAYLOAD)?;
     m.add_function(wrap_pyfunction!(validate_channel_name, m)?)?;
     m.add_function(wrap_pyfunction!(_synthetic_key_packages, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_ed25519_sign_verify_ns, m)?)?;
     relay::register(m)?;
+    exit::register(m)?;
     Ok(())
 }

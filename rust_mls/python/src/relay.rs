@@ -12,6 +12,8 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
+
+use crate::exit;
 use static_relay::{Principal, RelayConfig, RelayError, Verify};
 
 /// gRPC codes a `verify` callable may refuse with.
@@ -34,7 +36,12 @@ impl Verify for PyVerifier {
         Box::pin(async move {
             // A blocking thread: the callable waits for the trio thread (the store lookup).
             tokio::task::spawn_blocking(move || {
-                Python::with_gil(|py| call_verify(py, &callable, token))
+                crate::exit::with_gil_unless_exiting(|py| call_verify(py, &callable, token))
+                    .unwrap_or_else(|| {
+                        Err(RelayError::Unavailable(
+                            "the server is shutting down".into(),
+                        ))
+                    })
             })
             .await
             .unwrap_or(Err(RelayError::Internal))
@@ -143,9 +150,10 @@ impl RelayServer {
             .enable_all()
             .build()
             .map_err(|e| PyOSError::new_err(format!("cannot start the relay's runtime: {e}")))?;
-        let server = py
-            .allow_threads(|| runtime.block_on(static_relay::RelayServer::start(config, verifier)))
-            .map_err(|e| PyOSError::new_err(format!("cannot start the relay: {e}")))?;
+        let server = exit::without_gil(py, || {
+            runtime.block_on(static_relay::RelayServer::start(config, verifier))
+        })
+        .map_err(|e| PyOSError::new_err(format!("cannot start the relay: {e}")))?;
         let port = server.local_addr().port();
         Ok(Self {
             running: Mutex::new(Some(Running { runtime, server })),
@@ -181,7 +189,7 @@ impl RelayServer {
         let Some(Running { runtime, server }) = running else {
             return Ok(());
         };
-        py.allow_threads(move || {
+        exit::without_gil(py, move || {
             runtime.block_on(server.shutdown());
             runtime.shutdown_timeout(Duration::from_secs(1));
         });

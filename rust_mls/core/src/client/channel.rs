@@ -12,6 +12,7 @@ use tonic::{Code, Status};
 
 use super::applier::{applier, OwnMessages};
 use super::inbox::ApplierCount;
+use super::pipeline::Pipeline;
 use super::publisher::{publisher, Outbound, Outcome};
 use super::reader::reader;
 use super::{backoff_next, bounded, lock, Shared, BACKOFF_MIN, MAX_PAYLOAD, PROGRESS_TIMEOUT};
@@ -99,10 +100,21 @@ pub(super) fn stamp(at: &AtomicU64) {
 }
 
 /// A payload waiting to be encrypted (see [`Channel::send`]).
-struct Pending {
-    payload: Arc<Vec<u8>>,
-    deadline: Instant,
-    reply: oneshot::Sender<Outcome>,
+pub(super) struct Pending {
+    pub(super) payload: Arc<Vec<u8>>,
+    pub(super) deadline: Instant,
+    pub(super) reply: oneshot::Sender<Outcome>,
+}
+
+/// Refuses a payload larger than [`MAX_PAYLOAD`].
+pub(super) fn check_payload(payload: &[u8]) -> Result<()> {
+    if payload.len() > MAX_PAYLOAD {
+        return Err(Error::Transport(format!(
+            "payload of {} bytes exceeds the maximum of {MAX_PAYLOAD} bytes per message",
+            payload.len()
+        )));
+    }
+    Ok(())
 }
 
 /// One channel of ours, with its background tasks. See the module docs.
@@ -122,7 +134,9 @@ pub struct Channel {
     /// Batches are handed to the publisher in the order they were encrypted (receivers
     /// tolerate only a few messages out of order): (next ticket, next ticket to hand over).
     handoff: (Mutex<(u64, u64)>, Condvar),
-    outbound: mpsc::UnboundedSender<Vec<Outbound>>,
+    pub(super) outbound: mpsc::UnboundedSender<Vec<Outbound>>,
+    /// Pipelined sends (see [`Channel::send_pipelined`]).
+    pub(super) pipeline: Arc<Pipeline>,
     /// Our own messages, for the applier to skip when they come back.
     pub(super) own_messages: Mutex<OwnMessages>,
     pub(super) timings: Timings,
@@ -192,6 +206,7 @@ impl Channel {
             shutdown,
             tasks: Mutex::new(Vec::new()),
             applier_thread: Mutex::new(None),
+            pipeline: Arc::new(Pipeline::default()),
         });
         let (entries_tx, entries_rx) = mpsc::channel(16);
         // The tasks hold the channel weakly where they can, strongly where they must finish a
@@ -244,12 +259,15 @@ impl Channel {
         self.progress.borrow().ended.is_some()
     }
 
-    fn block_on<T>(&self, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
+    pub(super) fn block_on<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
         self.shared.check_open()?;
         self.shared.handle.block_on(fut)
     }
 
-    fn check_usable(&self) -> Result<()> {
+    pub(super) fn check_usable(&self) -> Result<()> {
         self.shared.check_open()?;
         match &self.progress.borrow().ended {
             Some(end) => Err(end.error(&self.name)),
@@ -266,6 +284,7 @@ impl Channel {
         });
         let _ = self.shutdown.send(true);
         self.notify();
+        self.wake_pipeline();
     }
 
     /// Stops the background tasks; messages already received stay in the inbox for the next
@@ -371,24 +390,13 @@ impl Channel {
     /// relay did not answer for (it may be in the log) is resent with the same bytes, which the
     /// relay's idempotency makes safe.
     pub fn send(&self, payload: Vec<u8>) -> Result<()> {
-        if payload.len() > MAX_PAYLOAD {
-            return Err(Error::Transport(format!(
-                "payload of {} bytes exceeds the maximum of {MAX_PAYLOAD} bytes per message",
-                payload.len()
-            )));
-        }
+        check_payload(&payload)?;
         self.check_usable()?;
         stamp(&self.timings.send_started);
-        if self.shared.engine()?.needs_fresh_epoch(&self.name)? {
-            // The machine went down while this channel was open: move to a new epoch first.
-            self.block_on(self.commit(Arc::new(|e: &Engine, name: &str| {
-                Ok(if e.needs_fresh_epoch(name)? {
-                    Some((e.self_update(name)?, None))
-                } else {
-                    None
-                })
-            })))?;
-        }
+        self.reach()?;
+        // Our own pipelined messages queued before this one go first.
+        self.pipeline.wait_drained(self)?;
+        self.ensure_fresh_epoch()?;
         let payload = Arc::new(payload);
         let deadline = Instant::now() + self.shared.retry_deadline;
         let mut answer = self.encrypt_and_publish(&payload, deadline);
@@ -458,8 +466,35 @@ impl Channel {
         }
     }
 
+    /// Makes sure the relay has answered this client once (see `Shared::reach`).
+    pub(super) fn reach(&self) -> Result<()> {
+        if self
+            .shared
+            .reached
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Ok(());
+        }
+        self.block_on(self.shared.reach())
+    }
+
+    /// If the machine went down while this channel was open, moves to a new epoch first (the
+    /// secrets of the old one may have been used without being stored).
+    pub(super) fn ensure_fresh_epoch(&self) -> Result<()> {
+        if self.shared.engine()?.needs_fresh_epoch(&self.name)? {
+            self.block_on(self.commit(Arc::new(|e: &Engine, name: &str| {
+                Ok(if e.needs_fresh_epoch(name)? {
+                    Some((e.self_update(name)?, None))
+                } else {
+                    None
+                })
+            })))?;
+        }
+        Ok(())
+    }
+
     /// Whether `error` (from encrypting) is MLS refusing to send while proposals are pending.
-    fn awaits_proposal_commit(&self, error: &Error) -> bool {
+    pub(super) fn awaits_proposal_commit(&self, error: &Error) -> bool {
         error.kind() == ErrorKind::Mls
             && self
                 .shared
@@ -476,16 +511,23 @@ impl Channel {
         deadline: Instant,
     ) -> oneshot::Receiver<Outcome> {
         let (reply, answer) = oneshot::channel();
-        lock(&self.encrypt_queue).push(Pending {
+        self.encrypt_and_publish_all(vec![Pending {
             payload: Arc::clone(payload),
             deadline,
             reply,
-        });
+        }]);
+        answer
+    }
+
+    /// Queues `pending` (kept together, in order) for encryption and encrypts the queue if
+    /// nobody else is doing it; each outcome comes to its `reply`.
+    pub(super) fn encrypt_and_publish_all(&self, pending: Vec<Pending>) {
+        lock(&self.encrypt_queue).extend(pending);
         let encrypting = lock(&self.encrypt_lock);
         let batch = std::mem::take(&mut *lock(&self.encrypt_queue));
         if batch.is_empty() {
             // Another sender encrypted ours along with its own.
-            return answer;
+            return;
         }
         let engine = self.shared.engine();
         let encrypted = engine.as_ref().map_err(Clone::clone).and_then(|engine| {
@@ -545,10 +587,9 @@ impl Channel {
         handoff.1 += 1;
         drop(handoff);
         self.handoff.1.notify_all();
-        answer
     }
 
-    fn ended_error(&self) -> Error {
+    pub(super) fn ended_error(&self) -> Error {
         match &self.progress.borrow().ended {
             Some(end) => end.error(&self.name),
             None => Error::Internal(format!("channel {:?} is closed", self.name)),
@@ -591,6 +632,7 @@ impl Channel {
             )));
         }
         self.block_on(async {
+            self.shared.reach().await?;
             let _guard = self.commit_lock.lock().await;
             for _ in 0..COMMIT_ATTEMPTS {
                 let proposal = self
@@ -672,7 +714,7 @@ impl Channel {
     }
 
     /// Waits until the applier has reached `epoch` (the winner of a lost commit race).
-    async fn wait_epoch(&self, epoch: u64) -> Result<()> {
+    pub(super) async fn wait_epoch(&self, epoch: u64) -> Result<()> {
         let mut rx = self.progress.subscribe();
         let waited = tokio::time::timeout(
             PROGRESS_TIMEOUT,
@@ -695,6 +737,7 @@ impl Channel {
     /// returns `None` when there is nothing to commit.
     pub(super) async fn commit(&self, make: Arc<CommitMaker>) -> Result<Option<Vec<u8>>> {
         self.check_usable()?;
+        self.shared.reach().await?;
         let _guard = self.commit_lock.lock().await;
         for _ in 0..COMMIT_ATTEMPTS {
             let name = self.name.clone();

@@ -33,6 +33,7 @@
 mod applier;
 mod channel;
 mod inbox;
+mod pipeline;
 mod publisher;
 mod reader;
 mod tokens;
@@ -48,6 +49,7 @@ use tonic::{Code, Request, Status};
 
 pub use channel::{now_ns, Channel, End, Next, Progress, Timings, Waker};
 use inbox::{Inbox, Marks};
+pub use pipeline::SendHandle;
 use tokens::Tokens;
 pub use tokens::{Token, TokenProvider};
 
@@ -59,16 +61,49 @@ use crate::transport::{self, pb, RelayClient};
 /// the MLS framing, signature and AEAD tag.
 pub const MAX_PAYLOAD: usize = 1024 * 1024 - 4 * 1024;
 
-/// How long a call keeps retrying a relay that is unreachable before it fails (override:
-/// environment variable `STATIC_SDK_RETRY_TIMEOUT`, in seconds).
-const RETRY_DEADLINE: Duration = Duration::from_secs(30);
+/// How long a call keeps retrying a relay that answered before and is now unreachable (it
+/// restarts, the network dropped) before it fails.
+const RETRY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a call keeps trying a relay that never answered this client (nothing listens
+/// there, a wrong port) before it fails.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
-fn retry_deadline_from_env() -> Duration {
-    std::env::var("STATIC_SDK_RETRY_TIMEOUT")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .map_or(RETRY_DEADLINE, Duration::from_secs_f64)
+/// How patient a [`Client`] is with its relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// How long calls try to reach a relay that never answered this client.
+    pub connect_timeout: Duration,
+    /// How long calls retry a relay that answered before.
+    pub retry_timeout: Duration,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: CONNECT_TIMEOUT,
+            retry_timeout: RETRY_TIMEOUT,
+        }
+    }
+}
+
+impl ClientOptions {
+    /// The defaults, overridden by the environment variables `STATIC_SDK_CONNECT_TIMEOUT` and
+    /// `STATIC_SDK_RETRY_TIMEOUT` (seconds) where they hold a number >= 0.
+    pub fn from_env() -> Self {
+        let seconds = |name: &str| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|v| v.is_finite() && *v >= 0.0)
+                .map(|v| Duration::from_secs_f64(v.min(1e9)))
+        };
+        let defaults = Self::default();
+        Self {
+            connect_timeout: seconds("STATIC_SDK_CONNECT_TIMEOUT")
+                .unwrap_or(defaults.connect_timeout),
+            retry_timeout: seconds("STATIC_SDK_RETRY_TIMEOUT").unwrap_or(defaults.retry_timeout),
+        }
+    }
 }
 /// How long a call waits for the channel's background processing to reach a point.
 const PROGRESS_TIMEOUT: Duration = Duration::from_secs(30);
@@ -95,6 +130,11 @@ struct Shared {
     tokens: Tokens,
     handle: Handle,
     closed: std::sync::atomic::AtomicBool,
+    /// The relay's URI, for errors.
+    endpoint: String,
+    /// Whether the relay has answered this client at least once (see [`Shared::reach`]).
+    reached: std::sync::atomic::AtomicBool,
+    connect_timeout: Duration,
     retry_deadline: Duration,
     marks: Marks,
     inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
@@ -189,6 +229,53 @@ impl Shared {
         let inbox = self.inbox(engine, name)?;
         let mut inbox = lock(&inbox);
         Ok(inbox.take(engine, &self.marks, name)?.map(|m| m.payload))
+    }
+
+    /// Makes sure the relay has answered this client once: the first time, probes it (a
+    /// FetchWelcome that cannot match: any answer from the relay will do) for up to the
+    /// connect timeout, so that a wrong address fails fast instead of being retried like a
+    /// relay that restarts. Free once it has answered.
+    async fn reach(&self) -> Result<()> {
+        use std::sync::atomic::Ordering::{Acquire, Release};
+        if self.reached.load(Acquire) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let (request, _) = self
+                .request(pb::FetchWelcomeRequest {
+                    channel: String::new(),
+                    key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(vec![0; 32])),
+                })
+                .await?;
+            let left = self.connect_timeout.saturating_sub(started.elapsed());
+            let answer = tokio::time::timeout(
+                left.max(Duration::from_millis(100)),
+                self.relay.clone().fetch_welcome(request),
+            )
+            .await;
+            let status = match answer {
+                Ok(Ok(_)) => None,
+                Ok(Err(status)) if !transport::is_transient(&status) => None,
+                Ok(Err(status)) => Some(status.message().to_owned()),
+                Err(_) => Some("no answer".to_owned()),
+            };
+            let Some(why) = status else {
+                self.reached.store(true, Release);
+                return Ok(());
+            };
+            let left = self.connect_timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(Error::Transport(format!(
+                    "cannot reach the relay at {} ({why}; gave up after {:?}: a relay that \
+                     never answered is tried for connect_timeout, STATIC_SDK_CONNECT_TIMEOUT)",
+                    self.endpoint, self.connect_timeout
+                )));
+            }
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = backoff_next(backoff);
+        }
     }
 
     fn check_open(&self) -> Result<()> {
@@ -289,6 +376,25 @@ impl Client {
         tokens: Option<Arc<dyn TokenProvider>>,
         initial_token: Option<Token>,
     ) -> Result<Self> {
+        Self::open_with(
+            endpoint,
+            data_dir,
+            identity,
+            tokens,
+            initial_token,
+            ClientOptions::from_env(),
+        )
+    }
+
+    /// [`Client::open`] with explicit [`ClientOptions`].
+    pub fn open_with(
+        endpoint: &str,
+        data_dir: impl AsRef<Path>,
+        identity: &[u8],
+        tokens: Option<Arc<dyn TokenProvider>>,
+        initial_token: Option<Token>,
+        options: ClientOptions,
+    ) -> Result<Self> {
         let endpoint = transport::endpoint(endpoint)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             // One worker: the connection, the readers and the publishers are light async work,
@@ -317,7 +423,10 @@ impl Client {
             tokens: Tokens::new(tokens, initial_token),
             handle: runtime.handle().clone(),
             closed: std::sync::atomic::AtomicBool::new(false),
-            retry_deadline: retry_deadline_from_env(),
+            endpoint: endpoint.uri().to_string(),
+            reached: std::sync::atomic::AtomicBool::new(false),
+            connect_timeout: options.connect_timeout,
+            retry_deadline: options.retry_timeout,
             marks,
             inboxes: Mutex::new(HashMap::new()),
             inline_applied: InlineApplied::new(),
@@ -367,6 +476,7 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let owned = name.to_owned();
         self.block_on(async move {
+            shared.reach().await?;
             let deadline = Instant::now() + shared.retry_deadline;
             let mut backoff = BACKOFF_MIN;
             let mut strikes = 0;
@@ -409,6 +519,8 @@ impl Client {
     /// Joins `name` from a Welcome produced by a member's `add_member`.
     pub fn join_channel(&self, name: &str, welcome: &[u8]) -> Result<Arc<Channel>> {
         crate::validate_channel_name(name)?;
+        // Before the Welcome is used up: it cannot be processed twice.
+        self.block_on(self.shared.reach())?;
         let owned = name.to_owned();
         let welcome = welcome.to_vec();
         self.block_on(
@@ -486,6 +598,7 @@ impl Client {
             if let Some(thread) = lock(&channel.applier_thread).take() {
                 let _ = thread.join();
             }
+            channel.join_sender();
         }
         // Dropping the last reference checkpoints the store and releases the directory lock.
         lock(&self.shared.engine).take();

@@ -230,12 +230,12 @@ const MAX_INFLIGHT_BATCHES: usize = 32;
 /// Most message bytes awaiting their answer on one call.
 const MAX_INFLIGHT_BYTES: usize = 8 * 1024 * 1024;
 /// Items per batch (the relay's limit).
-const MAX_BATCH_ITEMS: usize = 1024;
+pub(super) const MAX_BATCH_ITEMS: usize = 1024;
 /// Message bytes per batch: the relay reads requests of at most 1 MiB; leave room for the
 /// framing of each item. A larger single message goes alone.
-const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
+pub(super) const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
 /// Framing of one item in a batch request, beyond its message (channel name, tags).
-const ITEM_OVERHEAD: usize = 256;
+pub(super) const ITEM_OVERHEAD: usize = 256;
 
 /// One encrypted message on its way to the relay.
 pub(super) struct Outbound {
