@@ -460,6 +460,7 @@ impl Channel {
                     message,
                     deadline,
                     reply,
+                    unit: None,
                 }])
                 .map_err(|_| self.ended_error())?;
             answer = next;
@@ -572,6 +573,7 @@ impl Channel {
                         message,
                         deadline: p.deadline,
                         reply: p.reply,
+                        unit: None,
                     })
                     .collect();
                 stamp(&self.timings.send_encrypted);

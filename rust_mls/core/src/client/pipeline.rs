@@ -32,6 +32,9 @@ const MAX_QUEUED: usize = 8192;
 const MAX_QUEUED_BYTES: usize = 64 * 1024 * 1024;
 /// How often a waiter looks whether the channel ended meanwhile.
 const RECHECK: Duration = Duration::from_millis(100);
+/// What encryption adds to a payload at most (framing, signature, AEAD tag), so that a batch
+/// cut by payload size still fits in one relay request once encrypted.
+const MLS_OVERHEAD: usize = 512;
 /// Times a batch is encrypted again for a stale epoch before it fails.
 const REENCRYPTIONS: usize = 3;
 
@@ -296,7 +299,7 @@ fn take_batch(channel: &Channel) -> Option<(u64, Vec<Arc<Vec<u8>>>)> {
     let mut batch = Vec::new();
     let mut bytes = 0;
     while let Some(next) = state.queue.front() {
-        let size = next.len() + ITEM_OVERHEAD;
+        let size = next.len() + MLS_OVERHEAD + ITEM_OVERHEAD;
         if !batch.is_empty() && (batch.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES) {
             break;
         }
@@ -472,6 +475,7 @@ fn publish(
                         message,
                         deadline,
                         reply,
+                        unit: None,
                     }
                 })
                 .collect();

@@ -35,7 +35,7 @@ pub(super) async fn publisher(
     let mut answer_by = Instant::now();
     loop {
         while let Ok(more) = incoming.try_recv() {
-            queue.extend(more);
+            enqueue(&mut queue, more);
         }
         // Send what may go now.
         let mut failure: Option<(Status, Option<String>)> = None;
@@ -142,7 +142,7 @@ pub(super) async fn publisher(
                     }
                 },
                 more = incoming.recv(), if !can_send => match more {
-                    Some(more) => queue.extend(more),
+                    Some(more) => enqueue(&mut queue, more),
                     None => return,
                 },
                 _ = tokio::time::sleep_until(answer_by.into()), if waiting => {
@@ -243,6 +243,22 @@ pub(super) struct Outbound {
     /// Until when failures of the call are retried for it.
     pub(super) deadline: Instant,
     pub(super) reply: oneshot::Sender<Outcome>,
+    /// On the first message of what one hand-over brought (see [`enqueue`]): how many
+    /// messages it holds and their size in a batch. Set by the publisher.
+    pub(super) unit: Option<(usize, usize)>,
+}
+
+/// Queues the messages of one hand-over (one sender's, or one combined encryption's), marking
+/// the first with the size of the whole, so that [`take_batch`] does not split them across two
+/// requests when they fit in one: a pipelined batch must reach the relay's rate limit as one
+/// request (see `pipeline`).
+fn enqueue(queue: &mut VecDeque<Outbound>, mut more: Vec<Outbound>) {
+    let bytes = more.iter().map(|o| o.message.len() + ITEM_OVERHEAD).sum();
+    let count = more.len();
+    if let Some(first) = more.first_mut() {
+        first.unit = Some((count, bytes));
+    }
+    queue.extend(more);
 }
 
 impl Outbound {
@@ -300,8 +316,19 @@ fn take_batch(queue: &mut VecDeque<Outbound>) -> InFlight {
     let mut bytes = 0;
     while let Some(next) = queue.front() {
         let size = next.message.len() + ITEM_OVERHEAD;
-        if !items.is_empty() && (items.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES) {
-            break;
+        if !items.is_empty() {
+            let full = items.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES;
+            // A hand-over that fits in a batch of its own but not in what is left of this one
+            // starts the next batch instead.
+            let unit_overflows = next.unit.is_some_and(|(count, unit_bytes)| {
+                count <= MAX_BATCH_ITEMS
+                    && unit_bytes <= MAX_BATCH_BYTES
+                    && (items.len() + count > MAX_BATCH_ITEMS
+                        || bytes + unit_bytes > MAX_BATCH_BYTES)
+            });
+            if full || unit_overflows {
+                break;
+            }
         }
         bytes += size;
         if let Some(item) = queue.pop_front() {
@@ -360,8 +387,23 @@ mod tests {
             message: vec![0; len],
             deadline: Instant::now() + Duration::from_secs(30),
             reply,
+            unit: None,
         };
         (item, answer)
+    }
+
+    #[test]
+    fn a_hand_over_that_fits_in_one_batch_is_not_split() {
+        let mut queue = VecDeque::new();
+        enqueue(&mut queue, (0..1000).map(|_| outbound(10).0).collect());
+        enqueue(&mut queue, (0..100).map(|_| outbound(10).0).collect());
+        enqueue(&mut queue, (0..1500).map(|_| outbound(10).0).collect());
+        let sizes: Vec<usize> =
+            std::iter::from_fn(|| (!queue.is_empty()).then(|| take_batch(&mut queue).items.len()))
+                .collect();
+        // The second hand-over would straddle the first request: it starts the next one. The
+        // third is larger than a request: it is cut, filling each request.
+        assert_eq!(sizes, vec![1000, 1024, 576]);
     }
 
     #[test]
