@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from static.relay._generated import relay_pb2 as pb
+from static.relay import _proto as pb
 from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"

@@ -183,6 +183,9 @@ class Waker:
     def fileno(self) -> int: ...
     def drain(self) -> None: ...
 
+#: proto/relay.proto compiled (a serialized FileDescriptorSet): the Python relay's messages.
+RELAY_PROTO_DESCRIPTOR: Final[bytes]
+
 @final
 class RelayServer:
     """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.

@@ -11,6 +11,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_transport(false)
         .bytes(".")
+        // The descriptor goes into the extension too (`static-relay`'s `PROTO_DESCRIPTOR`): the
+        // Python server builds its protobuf messages from it, so nothing generated is shipped.
+        .file_descriptor_set_path(
+            std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("relay_descriptor.bin"),
+        )
         .compile_protos(&[proto], &["../../proto"])?;
     Ok(())
 }

@@ -24,6 +24,7 @@ from purerpc.grpclib.status import Status, StatusCode
 from static._channel_name import validate_channel_name
 from static._errors import InvalidChannelNameError
 from static._settings import RelaySettings
+from static.relay import _proto as pb
 from static.relay import _wire
 from static.relay._auth import Authenticator, Caller, StreamGuard
 from static.relay._errors import (
@@ -44,7 +45,6 @@ from static.relay._framing import (
     parse_message,
     parse_welcome,
 )
-from static.relay._generated import relay_pb2 as pb
 from static.relay._log import ChannelLog, ChannelState, Origin, PublishResult, Submitted
 from static.relay._rules import TokenBucket, idempotency_key
 from static.relay._transport import MessageTooLarge, RelayStream, StreamGone

@@ -24,7 +24,11 @@ class ServerProcess:
         database_url: str | None = None,
         extra_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
+        cwd: Path | None = None,
     ) -> None:
+        self.python = python
+        self.cwd = cwd
         self.data_dir = data_dir
         self.database_url = database_url
         self.extra_args = list(extra_args)
@@ -37,7 +41,7 @@ class ServerProcess:
     def start(self, timeout: float = 30.0) -> ServerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            sys.executable,
+            self.python,
             "-m",
             "static",
             "serve",
@@ -58,6 +62,7 @@ class ServerProcess:
             stderr=stderr,
             text=True,
             env={**os.environ, **self.env},
+            cwd=self.cwd,
         )
         stderr.close()
         self.http_url = self.relay_url = ""

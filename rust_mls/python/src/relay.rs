@@ -199,5 +199,9 @@ impl RelayServer {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RelayServer>()?;
+    m.add(
+        "RELAY_PROTO_DESCRIPTOR",
+        pyo3::types::PyBytes::new(m.py(), static_relay::PROTO_DESCRIPTOR),
+    )?;
     Ok(())
 }

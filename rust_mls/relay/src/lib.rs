@@ -24,6 +24,10 @@ pub mod pb {
     include!(concat!(env!("OUT_DIR"), "/r#static.relay.v1.rs"));
 }
 
+/// `proto/relay.proto` compiled: a serialized `google.protobuf.FileDescriptorSet`.
+pub const PROTO_DESCRIPTOR: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/relay_descriptor.bin"));
+
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;
 pub use server::{RelayConfig, RelayServer};
