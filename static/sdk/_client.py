@@ -38,6 +38,8 @@ __all__ = [
 MAX_PAYLOAD: Final[int] = _native.MAX_PAYLOAD
 
 _MESSAGE, _EMPTY, _END = 0, 1, 2
+#: How long an async wait for pipelined sends holds a worker thread at a time (seconds).
+_ASYNC_SLICE: Final[float] = 0.1
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -424,8 +426,10 @@ class Channel(_Closeable):
         return SendHandle(handle)
 
     async def flush_async(self) -> None:
-        """Async :meth:`flush` (bound the wait with ``anyio.fail_after`` or the like)."""
-        await _in_thread(self.flush)
+        """Async :meth:`flush` (bound the wait with ``anyio.fail_after`` or the like: it waits
+        in a worker thread in slices of 0.1 s, so a cancellation takes effect within one)."""
+        while not await _in_thread(self._native.flush, _ASYNC_SLICE):
+            pass
 
     def messages_async(self) -> AsyncMessageIterator:
         """An async iterator over received messages (``async for msg in ch.messages_async()``),
@@ -493,8 +497,10 @@ class SendHandle:
             raise TimeoutError(f"the message is still on its way after {timeout} s")
 
     async def wait_async(self) -> None:
-        """Async :meth:`wait`."""
-        await _in_thread(self.wait)
+        """Async :meth:`wait` (waits in a worker thread in slices of 0.1 s, so a cancellation
+        takes effect within one)."""
+        while not await _in_thread(self._native.wait, _ASYNC_SLICE):
+            pass
 
     def __repr__(self) -> str:
         return f"<SendHandle {'done' if self.done() else 'pending'}>"

@@ -168,3 +168,20 @@ def test_asyncio_pipelined(relay: ServerProcess, clients: Clients) -> None:
         assert got == payloads
 
     asyncio.run(main())
+
+
+async def test_a_cancelled_flush_async_returns_promptly_and_loses_nothing(
+    start_server: Callable[..., ServerProcess], clients: Clients
+) -> None:
+    server = start_server("--allow-anonymous", "--relay-publish-rate", "200")
+    alices, bobs = clients.pair(server)
+    payloads = _payloads(600)
+    for p in payloads:
+        await alices.send_pipelined_async(p)
+    started = time.monotonic()
+    with trio.move_on_after(0.2) as scope:
+        await alices.flush_async()
+    assert scope.cancelled_caught and time.monotonic() - started < 1.0
+    with trio.fail_after(WAIT):
+        await alices.flush_async()
+        assert [await bobs.receive_async() for _ in payloads] == payloads
