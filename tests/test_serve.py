@@ -1,4 +1,5 @@
-"""``static serve``: the process contract of DESIGN §1 (bound URLs, health, graceful exit)."""
+"""``static serve``: the process contract of docs/design.md §1 (bound URLs, health, graceful
+exit)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def hypercorn_config(settings: ServerSettings) -> Config:
     config.graceful_timeout = settings.api.graceful_timeout_seconds
     config.accesslog = None
     config.include_server_header = False
-    # Bounds the damage of HTTP/2 rapid reset on one connection (DESIGN §7).
+    # Bounds the damage of HTTP/2 rapid reset on one connection (docs/design.md §7).
     config.keep_alive_max_requests = 1000
     config.backlog = 1024
     return config
@@ -112,7 +112,8 @@ async def serve_app(
     _contain_connection_errors()
     app.asgi_app = _ShieldFinalSend(app.asgi_app)
     async with trio.open_nursery() as nursery:
-        # hypercorn is stopped through its shutdown trigger, never by cancellation (DESIGN §7).
+        # hypercorn is stopped through its shutdown trigger, never by cancellation
+        # (docs/design.md §7).
         binds: list[str] = await nursery.start(_hypercorn, app, config, shutdown)
         task_status.started(binds[0])
 

@@ -1,4 +1,4 @@
-"""The relay: Static's MLS delivery service (DESIGN §5).
+"""The relay: Static's MLS delivery service (docs/design.md §5).
 
 The protocol is ``proto/relay.proto``; :func:`serve_relay` runs it in the ``static serve`` nursery:
 the Rust relay (``static._native.RelayServer``) on SQLite, the Python one (purerpc) on PostgreSQL.

@@ -1,5 +1,5 @@
 """The relay's HTTP/2 + gRPC transport: purerpc's framing (``GRPCConnection``, over h2) on
-connections we accept ourselves (DESIGN §7), with a stream layer of our own.
+connections we accept ourselves (docs/design.md §7), with a stream layer of our own.
 
 purerpc 0.8.0's ``Server.serve_async`` binds every interface with SO_REUSEPORT and cannot stop
 gracefully, and its connection handler ignores RST_STREAM (a cancelled call is noticed only at its

@@ -2,7 +2,7 @@
 
 Timestamps are aware UTC datetimes in Python; PostgreSQL stores them as ``timestamptz`` and
 SQLite as fixed-width ISO 8601 text (so text order is time order). Ids are UUID strings.
-The authentication lookups are one indexed query each (DESIGN §7: one query per request).
+The authentication lookups are one indexed query each (docs/design.md §7: one query per request).
 """
 
 from __future__ import annotations

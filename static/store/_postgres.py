@@ -1,9 +1,9 @@
 """PostgreSQL backend: asyncpg through triopg, inside a trio-asyncio loop.
 
-Every trio<->asyncio crossing costs client CPU (~150 µs, DESIGN §7), and triopg's own pool crosses
-three times per query (acquire, query, release). So the pool lives on the trio side: idle triopg
-connections wait in a list guarded by a trio semaphore, and a query is one crossing. Callers still
-keep statements per request low (one per authenticated request is the target).
+Every trio<->asyncio crossing costs client CPU (~150 µs, docs/design.md §7), and triopg's own
+pool crosses three times per query (acquire, query, release). So the pool lives on the trio side:
+idle triopg connections wait in a list guarded by a trio semaphore, and a query is one crossing.
+Callers still keep statements per request low (one per authenticated request is the target).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""POST /v1/tokens, GET /.well-known/jwks.json, and JWTs on GET /v1/accounts/me (DESIGN §4)."""
+"""POST /v1/tokens, GET /.well-known/jwks.json, and JWTs on GET /v1/accounts/me
+(docs/design.md §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The relay's transport under stress, and the purerpc workarounds (DESIGN §7).
+"""The relay's transport under stress, and the purerpc workarounds (docs/design.md §7).
 
 Both relays: ``static serve`` runs the Rust relay on SQLite and the Python (purerpc) relay on
 PostgreSQL, so the backend parameter picks the relay here; the store is not what is under test.

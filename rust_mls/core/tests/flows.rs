@@ -359,7 +359,7 @@ impl From<common::Agent> for Agent2 {
 
 #[test]
 fn key_package_not_before_now_is_tolerated() {
-    // Regression (DESIGN §7): OpenMLS wants not_before strictly in the past; key packages from
+    // Regression (docs/design.md §7): OpenMLS wants not_before strictly in the past; key packages from
     // implementations that set it to "now" (or a second ahead) must still be accepted.
     use openmls::prelude::*;
     use openmls_basic_credential::SignatureKeyPair;

@@ -1,4 +1,4 @@
-//! Static's relay data plane: the MLS delivery service of DESIGN §5 (gRPC, `proto/relay.proto`)
+//! Static's relay data plane: the MLS delivery service of docs/design.md §5 (gRPC, `proto/relay.proto`)
 //! in Rust, over the SQLite store. `static serve` runs it in its process (through
 //! `static._native.RelayServer`) and keeps what is not per-message in Python: token checks
 //! ([`Verify`], once per call), the revocation checks (which end streams through
