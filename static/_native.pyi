@@ -185,6 +185,9 @@ class Waker:
 
 #: proto/relay.proto compiled (a serialized FileDescriptorSet): the Python relay's messages.
 RELAY_PROTO_DESCRIPTOR: Final[bytes]
+#: Trailers of refusals, shared by both relays and the SDK (static-proto).
+CURRENT_EPOCH_TRAILER: Final[str]
+RETRY_AFTER_TRAILER: Final[str]
 
 @final
 class RelayServer:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from static._native import CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER
+
 __all__ = [
     "AlreadyExists",
     "Code",
@@ -65,7 +67,7 @@ class ResourceExhausted(RelayError):
         self.retry_after_ms = 0
         if retry_after_seconds is not None:
             self.retry_after_ms = max(1, round(retry_after_seconds * 1000))
-            trailers = (("static-retry-after-ms", str(self.retry_after_ms)),)
+            trailers = ((RETRY_AFTER_TRAILER, str(self.retry_after_ms)),)
         super().__init__(message, trailers)
 
 
@@ -77,7 +79,7 @@ class StaleEpoch(RelayError):
     def __init__(self, message_epoch: int, current_epoch: int) -> None:
         super().__init__(
             f"stale epoch: message epoch {message_epoch}, channel epoch {current_epoch}",
-            (("static-current-epoch", str(current_epoch)),),
+            ((CURRENT_EPOCH_TRAILER, str(current_epoch)),),
         )
         self.current_epoch = current_epoch
 

@@ -9,23 +9,14 @@ use tonic::{Code, Status};
 
 use crate::error::Error;
 
-/// The generated protobuf messages and client of `static.relay.v1`.
-#[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]
-pub mod pb {
-    // The package name `static.relay.v1` makes prost name the file `r#static.relay.v1.rs`,
-    // which `tonic::include_proto!` cannot spell.
-    include!(concat!(env!("OUT_DIR"), "/r#static.relay.v1.rs"));
-}
+pub use static_proto::pb;
 
 pub type RelayClient = pb::relay_client::RelayClient<Channel>;
 
 /// Largest gRPC message we send or accept: a 1 MiB MLS message plus its Welcome and framing.
 pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
 
-/// Trailer carrying the channel's current epoch on FAILED_PRECONDITION.
-pub const CURRENT_EPOCH_TRAILER: &str = "static-current-epoch";
-/// Trailer carrying the wait before a retry on RESOURCE_EXHAUSTED (publish rate).
-pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
+pub use static_proto::{CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER};
 
 /// Turns `http://h:p`, `https://h:p` (TLS), `grpc://h:p` or `h:p` into a tonic endpoint.
 pub fn endpoint(url: &str) -> Result<Endpoint, Error> {

@@ -5,10 +5,7 @@
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
-/// Trailer carrying the channel's current epoch on FAILED_PRECONDITION.
-pub const CURRENT_EPOCH_TRAILER: &str = "static-current-epoch";
-/// Trailer carrying the wait before a retry on RESOURCE_EXHAUSTED (publish rate).
-pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
+pub use static_proto::{CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RelayError {

@@ -18,15 +18,7 @@ mod server;
 mod service;
 mod store;
 
-/// The generated protobuf messages, server and client of `static.relay.v1`.
-#[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]
-pub mod pb {
-    include!(concat!(env!("OUT_DIR"), "/r#static.relay.v1.rs"));
-}
-
-/// `proto/relay.proto` compiled: a serialized `google.protobuf.FileDescriptorSet`.
-pub const PROTO_DESCRIPTOR: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/relay_descriptor.bin"));
+pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;

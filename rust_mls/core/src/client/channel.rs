@@ -799,9 +799,9 @@ impl Channel {
                 .shared
                 .request(pb::PublishRequest {
                     channel: self.name.clone(),
-                    message: message.clone(),
-                    welcome: welcome.clone().unwrap_or_default(),
-                    idempotency_key: Vec::new(),
+                    message: message.clone().into(),
+                    welcome: welcome.clone().unwrap_or_default().into(),
+                    idempotency_key: Default::default(),
                 })
                 .await?;
             match bounded(self.shared.relay.clone().publish(request)).await {

@@ -246,7 +246,9 @@ impl Shared {
             let (request, _) = self
                 .request(pb::FetchWelcomeRequest {
                     channel: String::new(),
-                    key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(vec![0; 32])),
+                    key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(
+                        vec![0; 32].into(),
+                    )),
                 })
                 .await?;
             let left = self.connect_timeout.saturating_sub(started.elapsed());

@@ -75,9 +75,9 @@ pub(super) async fn publisher(
                     .iter()
                     .map(|o| pb::PublishRequest {
                         channel: channel.name.clone(),
-                        message: o.message.clone(),
-                        welcome: Vec::new(),
-                        idempotency_key: Vec::new(),
+                        message: o.message.clone().into(),
+                        welcome: Default::default(),
+                        idempotency_key: Default::default(),
                     })
                     .collect(),
             };

@@ -99,7 +99,9 @@ pub(super) async fn reader(channel: Arc<Channel>, cursor: Cursor, entries: mpsc:
                             let batch: Vec<(u64, u32, Vec<u8>)> = batch
                                 .into_iter()
                                 .filter(|entry| entry.seq > seen)
-                                .map(|entry| (entry.seq, entry.content_type, entry.message))
+                                .map(|entry| {
+                                    (entry.seq, entry.content_type, Vec::from(entry.message))
+                                })
                                 .collect();
                             let Some(&(last, _, _)) = batch.last() else {
                                 continue;
