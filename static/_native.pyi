@@ -17,6 +17,10 @@ IncomingKind = Literal["application", "commit", "own_commit", "removed", "propos
 
 def validate_channel_name(name: str) -> None: ...
 
+#: The channel-name rule's limits and wording (static-core), shared by the SDK and both relays.
+MAX_CHANNEL_NAME_LENGTH: Final[int]
+CHANNEL_NAME_FORM: Final[str]
+
 # Registered with atexit on import: from then on, threads coming back from a blocking call park
 # instead of taking the GIL during finalization (which would abort the process on 3.11-3.13).
 def _at_exit() -> None: ...

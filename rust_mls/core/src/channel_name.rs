@@ -6,7 +6,9 @@ use crate::error::Error;
 
 pub const MAX_CHANNEL_NAME_LENGTH: usize = 191;
 
-const EXPECTED: &str = "expected the form 'org/namespace/service': three non-empty components \
+/// The expected form, as every invalid-name error states it.
+pub const CHANNEL_NAME_FORM: &str =
+    "expected the form 'org/namespace/service': three non-empty components \
 separated by '/', each 1-63 characters of letters, digits, '_', '.', '-', starting with a letter \
 or digit";
 
@@ -44,7 +46,11 @@ pub fn validate_channel_name(name: &str) -> Result<(), Error> {
     } else {
         name.chars().take(77).chain("...".chars()).collect()
     };
-    Err(Error::InvalidChannelName(format!("{shown:?}; {EXPECTED}")))
+    // Quoted as Python's repr quotes a plain name: the same text from every side.
+    Err(Error::InvalidChannelName(format!(
+        "'{}'; {CHANNEL_NAME_FORM}",
+        shown.escape_debug()
+    )))
 }
 
 #[cfg(test)]
@@ -90,7 +96,7 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        assert!(err.starts_with("invalid channel name: \"nope\""), "{err}");
+        assert!(err.starts_with("invalid channel name: 'nope'"), "{err}");
         assert!(err.contains("org/namespace/service"), "{err}");
     }
 }

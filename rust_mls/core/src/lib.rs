@@ -20,7 +20,7 @@ pub mod storage;
 pub mod store;
 pub mod transport;
 
-pub use channel_name::{validate_channel_name, MAX_CHANNEL_NAME_LENGTH};
+pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
 pub use client::{
     Channel, Client, ClientOptions, Next, SendHandle, Token, TokenProvider, Waker, MAX_PAYLOAD,
 };

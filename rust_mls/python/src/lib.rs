@@ -774,6 +774,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Waker>()?;
     m.add_class::<SendHandle>()?;
     m.add("MAX_PAYLOAD", static_core::MAX_PAYLOAD)?;
+    m.add(
+        "MAX_CHANNEL_NAME_LENGTH",
+        static_core::MAX_CHANNEL_NAME_LENGTH,
+    )?;
+    m.add("CHANNEL_NAME_FORM", static_core::CHANNEL_NAME_FORM)?;
     m.add_function(wrap_pyfunction!(validate_channel_name, m)?)?;
     m.add_function(wrap_pyfunction!(_synthetic_key_packages, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
