@@ -18,10 +18,10 @@ echo "== mypy"
 # The benchmarks: scripts, outside the packages the configuration lists.
 .venv/bin/mypy --strict bench
 echo "== rustfmt"
-(cd rust_mls && cargo fmt --all --check)
+(cd crates && cargo fmt --all --check)
 echo "== clippy"
-(cd rust_mls && cargo clippy --workspace --all-targets --locked -- -D warnings)
+(cd crates && cargo clippy --workspace --all-targets --locked -- -D warnings)
 echo "== cargo test"
-(cd rust_mls && cargo test --workspace --locked)
+(cd crates && cargo test --workspace --locked)
 echo "== pytest"
 .venv/bin/python -m pytest "$@"

@@ -1,4 +1,4 @@
-"""Channel names: ``org/namespace/service``. One rule, the core's (``static-core``), shared by
+"""Channel names: ``org/namespace/service``. One rule, the MLS crate's (``static-mls``), shared by
 the SDK and both relays through the native extension."""
 
 from typing import Final

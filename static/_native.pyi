@@ -1,4 +1,4 @@
-# Hand-written stub for the extension module built from rust_mls/python (crate static-native).
+# Hand-written stub for the extension module built from crates/python (crate static-native).
 #
 # Every method releases the GIL and is safe to call from several threads at once. Failures raise
 # the classes of static._errors: MLSEngineError ("MLS engine error: ..."), InvalidChannelNameError
@@ -17,7 +17,7 @@ IncomingKind = Literal["application", "commit", "own_commit", "removed", "propos
 
 def validate_channel_name(name: str) -> None: ...
 
-#: The channel-name rule's limits and wording (static-core), shared by the SDK and both relays.
+#: The channel-name rule's limits and wording (static-mls), shared by the SDK and both relays.
 MAX_CHANNEL_NAME_LENGTH: Final[int]
 CHANNEL_NAME_FORM: Final[str]
 

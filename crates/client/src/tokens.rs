@@ -1,0 +1,92 @@
+//! Relay tokens: where they come from ([`TokenProvider`]) and the cached one ([`Tokens`]).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::lock;
+use static_mls::error::{Error, Result};
+
+/// A bearer token for the relay and its lifetime.
+#[derive(Debug, Clone)]
+pub struct Token {
+    pub value: String,
+    pub expires_in: Duration,
+}
+
+/// Supplies relay tokens (the Python layer exchanges the API key at `POST /v1/tokens`).
+/// `fetch` blocks; it is called from a blocking thread. An
+/// [`ErrorKind::Auth`](static_mls::error::ErrorKind::Auth) error is final
+/// (the key is invalid or revoked); any other error is retried.
+pub trait TokenProvider: Send + Sync + 'static {
+    fn fetch(&self) -> Result<Token>;
+}
+
+struct CachedToken {
+    value: String,
+    refresh_at: Instant,
+}
+
+pub(super) struct Tokens {
+    provider: Option<Arc<dyn TokenProvider>>,
+    cached: Mutex<Option<CachedToken>>,
+    refreshing: tokio::sync::Mutex<()>,
+}
+
+impl Tokens {
+    pub(super) fn new(provider: Option<Arc<dyn TokenProvider>>, initial: Option<Token>) -> Self {
+        Self {
+            provider,
+            cached: Mutex::new(initial.map(Self::cache)),
+            refreshing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn cache(token: Token) -> CachedToken {
+        // Refresh ahead of expiry: 30 s early, or 10% of the lifetime for short-lived tokens.
+        let margin = std::cmp::min(Duration::from_secs(30), token.expires_in / 10);
+        CachedToken {
+            value: token.value,
+            refresh_at: Instant::now() + token.expires_in.saturating_sub(margin),
+        }
+    }
+
+    fn current(&self) -> Option<String> {
+        lock(&self.cached)
+            .as_ref()
+            .filter(|t| Instant::now() < t.refresh_at)
+            .map(|t| t.value.clone())
+    }
+
+    /// The token to send, refreshed if it is close to expiry; `None` for anonymous access.
+    pub(super) async fn get(&self) -> Result<Option<String>> {
+        let Some(provider) = &self.provider else {
+            return Ok(None);
+        };
+        if let Some(value) = self.current() {
+            return Ok(Some(value));
+        }
+        let _one_at_a_time = self.refreshing.lock().await;
+        if let Some(value) = self.current() {
+            return Ok(Some(value));
+        }
+        let provider = Arc::clone(provider);
+        let token = tokio::task::spawn_blocking(move || provider.fetch())
+            .await
+            .map_err(|e| Error::Internal(format!("token refresh task failed: {e}")))??;
+        let value = token.value.clone();
+        *lock(&self.cached) = Some(Self::cache(token));
+        Ok(Some(value))
+    }
+
+    /// The relay refused `token`: the next [`Tokens::get`] fetches a new one.
+    pub(super) fn invalidate(&self, token: Option<&str>) {
+        let mut cached = lock(&self.cached);
+        if cached.as_ref().map(|t| t.value.as_str()) == token {
+            *cached = None;
+        }
+    }
+
+    pub(super) fn anonymous(&self) -> bool {
+        self.provider.is_none()
+    }
+}

@@ -1,0 +1,1282 @@
+//! The MLS engine: one client identity, its signature key and its groups (one per channel).
+//!
+//! Every public method is one durable, atomic step (one SQLite transaction, see
+//! [`crate::store`]). Groups are guarded by one mutex each; the database connection by another,
+//! always taken after the group's, so calls on different groups never deadlock.
+//!
+//! Commit flow (RFC 9420 needs one agreed order of commits; the relay gives it): a method that
+//! creates a commit ([`Engine::add_member`], [`Engine::self_update`], [`Engine::remove_member`],
+//! [`Engine::commit_pending_proposals`]) leaves it *pending*. The caller publishes it; if the
+//! relay accepts it the caller calls [`Engine::merge_pending_commit`] (or simply processes the
+//! echo of it from the log, which merges it), else [`Engine::clear_pending_commit`], processes
+//! the winning commit and retries. Incoming messages are handed to
+//! [`Engine::process_incoming`] in log order.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use openmls::prelude::tls_codec::{Deserialize as TlsDeserialize, Serialize as TlsSerialize};
+use openmls::prelude::*;
+use openmls::treesync::errors::LifetimeError;
+use openmls_basic_credential::SignatureKeyPair;
+
+use crate::channel_name::validate_channel_name;
+use crate::crypto::{Ed25519Signer, StaticCrypto};
+use crate::error::{Error, Result};
+use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
+
+/// The OpenMLS provider of every engine call.
+type Provider<'a> = store::Provider<'a, StaticCrypto>;
+
+/// The one ciphersuite Static speaks.
+pub const CIPHERSUITE: Ciphersuite = Ciphersuite::MLS_128_DHKEMX25519_AES128GCM_SHA256_Ed25519;
+
+/// How many past epochs keep their message secrets, so that application messages sent just
+/// before a commit still decrypt after it.
+pub const PAST_EPOCHS: usize = 5;
+
+/// How far in the future a key package's `not_before` may be (clock skew, or implementations
+/// that set it to "now" with sub-second precision lost): such a key package is accepted once
+/// that moment has passed, waiting at most this long.
+pub const MAX_KEY_PACKAGE_SKEW: Duration = Duration::from_secs(2);
+
+/// Largest input accepted by any call (a Welcome for a 512-member group is ~150 KiB).
+pub const MAX_INPUT_LEN: usize = 16 * 1024 * 1024;
+
+/// A member of a group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The member's leaf index in the ratchet tree.
+    pub index: u32,
+    /// The `identity` bytes of its basic credential.
+    pub identity: Vec<u8>,
+}
+
+/// The result of [`Engine::add_member`]: a pending commit to publish and the Welcome for the
+/// joiner (valid once the commit is accepted). Both are TLS-serialized `MLSMessage`s.
+#[derive(Debug, Clone)]
+pub struct AddMemberOutput {
+    pub commit: Vec<u8>,
+    pub welcome: Vec<u8>,
+}
+
+/// What [`Engine::process_incoming`] did with one message of the log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Incoming {
+    /// An application message of another member, decrypted.
+    Application {
+        sender: Vec<u8>,
+        payload: Vec<u8>,
+        epoch: u64,
+    },
+    /// Another member's commit, merged; `epoch` is the new epoch.
+    Commit { sender: Option<Vec<u8>>, epoch: u64 },
+    /// Our own pending commit echoed by the relay: merged; `epoch` is the new epoch.
+    OwnCommit { epoch: u64 },
+    /// A commit that removed us: the group's local state is deleted.
+    Removed { epoch: u64 },
+    /// A proposal of another member, stored until a commit covers it.
+    Proposal { sender: Option<Vec<u8>> },
+    /// Our own application message or proposal echoed by the relay: recognised and skipped.
+    Own,
+}
+
+struct GroupSlot {
+    /// `None` once the group is gone (we left or were removed).
+    group: Option<MlsGroup>,
+}
+
+/// The outcome of one entry of [`Engine::process_entries`].
+#[derive(Debug)]
+pub struct Applied {
+    pub seq: u64,
+    pub outcome: Result<Incoming>,
+    /// The inbox row an application message was stored in: lets a reader of the inbox take
+    /// what was just applied without reading it back (see `static-client`).
+    pub inbox_id: Option<i64>,
+}
+
+/// One MLS client over a data directory. `Send + Sync`; see the module docs.
+pub struct Engine {
+    identity: Vec<u8>,
+    crypto: StaticCrypto,
+    signer: Ed25519Signer,
+    credential: CredentialWithKey,
+    db: Mutex<Db>,
+    groups: Mutex<HashMap<String, Arc<Mutex<GroupSlot>>>>,
+    data_dir: PathBuf,
+    /// The kernel's boot id at opening; `None` where the system has none. See
+    /// [`Engine::sync_before_send`].
+    boot_id: Option<String>,
+    /// Whether some group must move to a new epoch before we encrypt in it (see
+    /// [`Engine::open`]); when false (nearly always) encrypting does not look.
+    fresh_epochs_needed: AtomicBool,
+}
+
+/// Where Linux keeps the id of the running boot (a new random one at every boot).
+const BOOT_ID_FILE: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Overrides the boot id, for tests that simulate a machine restart.
+pub const BOOT_ID_ENV: &str = "STATIC_TEST_BOOT_ID";
+
+/// The id of the running boot of the machine, `None` when the system does not say.
+fn current_boot_id() -> Option<String> {
+    std::env::var(BOOT_ID_ENV)
+        .ok()
+        .or_else(|| std::fs::read_to_string(BOOT_ID_FILE).ok())
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while holding these locks on purpose; if something did, the state behind
+    // the lock is still the last committed one (memory is reloaded on error), so carry on.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn serialize(msg: &MlsMessageOut) -> Result<Vec<u8>> {
+    msg.tls_serialize_detached()
+        .map_err(|e| Error::Internal(format!("cannot serialize an MLS message: {e:?}")))
+}
+
+fn check_len(what: &str, bytes: &[u8]) -> Result<()> {
+    if bytes.is_empty() {
+        return Err(Error::Mls(format!("empty {what}")));
+    }
+    if bytes.len() > MAX_INPUT_LEN {
+        return Err(Error::Mls(format!(
+            "{what} too large ({} bytes)",
+            bytes.len()
+        )));
+    }
+    Ok(())
+}
+
+fn identity_of(credential: &Credential) -> Option<Vec<u8>> {
+    BasicCredential::try_from(credential.clone())
+        .ok()
+        .map(|c| c.identity().to_vec())
+}
+
+fn group_id_of(channel: &str) -> GroupId {
+    GroupId::from_slice(channel.as_bytes())
+}
+
+fn create_config() -> MlsGroupCreateConfig {
+    MlsGroupCreateConfig::builder()
+        .ciphersuite(CIPHERSUITE)
+        .use_ratchet_tree_extension(true)
+        .max_past_epochs(PAST_EPOCHS)
+        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .build()
+}
+
+fn join_config() -> MlsGroupJoinConfig {
+    MlsGroupJoinConfig::builder()
+        .use_ratchet_tree_extension(true)
+        .max_past_epochs(PAST_EPOCHS)
+        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .build()
+}
+
+/// Parses a key package sent as an `MLSMessage` or as a bare `KeyPackage`.
+fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn> {
+    if let Ok(msg) = MlsMessageIn::tls_deserialize_exact(bytes) {
+        return match msg.extract() {
+            MlsMessageBodyIn::KeyPackage(kp) => Ok(kp),
+            _ => Err(Error::Mls("the MLSMessage is not a key package".into())),
+        };
+    }
+    KeyPackageIn::tls_deserialize_exact(bytes).map_err(|e| Error::mls("malformed key package", e))
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Parses and validates a key package of our ciphersuite. A `not_before` at most
+/// [`MAX_KEY_PACKAGE_SKEW`] in the future is waited out (OpenMLS requires it in the past).
+fn validate_key_package(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+    check_len("key package", bytes)?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        validate_key_package_inner(crypto, bytes)
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::Internal(
+            "panic while validating a key package".into(),
+        ))
+    })
+}
+
+fn validate_key_package_inner(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+    let mut waited = false;
+    loop {
+        let kp_in = parse_key_package(bytes)?;
+        match kp_in.validate(crypto, ProtocolVersion::Mls10) {
+            Ok(kp) => {
+                if kp.ciphersuite() != CIPHERSUITE {
+                    return Err(Error::Mls(format!(
+                        "key package ciphersuite {:?} is not {CIPHERSUITE:?}",
+                        kp.ciphersuite()
+                    )));
+                }
+                return Ok(kp);
+            }
+            Err(KeyPackageVerifyError::LifetimeError(LifetimeError::NotValidYet {
+                not_before,
+                ..
+            })) if !waited => {
+                let ahead = not_before.saturating_sub(now_secs());
+                if Duration::from_secs(ahead) > MAX_KEY_PACKAGE_SKEW {
+                    return Err(Error::Mls(format!(
+                        "key package not valid before {not_before} (now {})",
+                        now_secs()
+                    )));
+                }
+                // Sleep until the second `not_before` has fully begun.
+                let target = UNIX_EPOCH + Duration::from_secs(not_before);
+                if let Ok(d) = target.duration_since(SystemTime::now()) {
+                    std::thread::sleep(d + Duration::from_millis(5));
+                }
+                waited = true;
+            }
+            Err(e) => return Err(Error::mls("invalid key package", e)),
+        }
+    }
+}
+
+/// A protocol message (PublicMessage or PrivateMessage) parsed from an `MLSMessage`.
+fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage> {
+    check_len("message", bytes)?;
+    std::panic::catch_unwind(|| parse_protocol_message_inner(bytes))
+        .unwrap_or_else(|_| Err(Error::Mls("malformed MLS message".into())))
+}
+
+fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage> {
+    let msg = MlsMessageIn::tls_deserialize_exact(bytes)
+        .map_err(|e| Error::mls("malformed MLS message", e))?;
+    msg.try_into_protocol_message()
+        .map_err(|_| Error::Mls("not a PublicMessage or PrivateMessage".into()))
+}
+
+fn changes_epoch(incoming: &Incoming) -> bool {
+    matches!(
+        incoming,
+        Incoming::Commit { .. } | Incoming::OwnCommit { .. } | Incoming::Removed { .. }
+    )
+}
+
+/// Parses a protocol message and checks it belongs to `channel`.
+fn parse_for_channel(channel: &str, message: &[u8]) -> Result<ProtocolMessage> {
+    let protocol = parse_protocol_message(message)?;
+    if protocol.group_id().as_slice() != channel.as_bytes() {
+        return Err(Error::Mls(format!(
+            "the message belongs to group {:?}, not channel {channel:?}",
+            String::from_utf8_lossy(protocol.group_id().as_slice())
+        )));
+    }
+    Ok(protocol)
+}
+
+/// Applies one message of the log to the group inside the caller's transaction.
+fn apply_message(
+    channel: &str,
+    group: &mut MlsGroup,
+    provider: &Provider<'_>,
+    conn: &rusqlite::Connection,
+    protocol: ProtocolMessage,
+    message: &[u8],
+) -> Result<Incoming> {
+    let is_commit = protocol.content_type() == ContentType::Commit;
+    if is_commit {
+        let pending = store::pending_commit(conn, channel)?;
+        if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
+            // Our own commit, accepted by the relay and echoed back.
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::own_commit_merged(conn, channel)?;
+            return Ok(Incoming::OwnCommit {
+                epoch: group.epoch().as_u64(),
+            });
+        }
+        if group.pending_commit().is_some() && protocol.epoch() == group.epoch() {
+            // Another member's commit won this epoch: ours is void.
+            group
+                .clear_pending_commit(provider.storage())
+                .map_err(StoreError::from)?;
+            store::clear_pending_commit(conn, channel)?;
+        }
+    }
+    let processed = group
+        .process_message(provider, protocol)
+        .map_err(|e| Error::mls("cannot process the message", e))?;
+    let epoch = processed.epoch().as_u64();
+    let sender = identity_of(processed.credential());
+    match processed.into_content() {
+        ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
+            sender: sender.unwrap_or_default(),
+            payload: app.into_bytes(),
+            epoch,
+        }),
+        ProcessedMessageContent::ProposalMessage(proposal) => {
+            group
+                .store_pending_proposal(provider.storage(), *proposal)
+                .map_err(StoreError::from)?;
+            Ok(Incoming::Proposal { sender })
+        }
+        ProcessedMessageContent::ExternalJoinProposalMessage(_) => Err(Error::Mls(
+            "external join proposals are not accepted".into(),
+        )),
+        ProcessedMessageContent::StagedCommitMessage(staged) => {
+            let self_removed = staged.self_removed();
+            group
+                .merge_staged_commit(provider, *staged)
+                .map_err(|e| Error::mls("cannot merge the commit", e))?;
+            let epoch = group.epoch().as_u64();
+            if self_removed || !group.is_active() {
+                group.delete(provider.storage()).map_err(StoreError::from)?;
+                store::delete_group(conn, channel)?;
+                Ok(Incoming::Removed { epoch })
+            } else {
+                Ok(Incoming::Commit { sender, epoch })
+            }
+        }
+        ProcessedMessageContent::OwnPendingCommit => {
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::own_commit_merged(conn, channel)?;
+            Ok(Incoming::OwnCommit {
+                epoch: group.epoch().as_u64(),
+            })
+        }
+        ProcessedMessageContent::OwnPrivateMessage if is_commit => Err(Error::Mls(
+            "our own commit came back but it is not our pending commit".into(),
+        )),
+        ProcessedMessageContent::OwnPrivateMessage => Ok(Incoming::Own),
+        #[allow(unreachable_patterns)]
+        _ => Err(Error::Mls("unsupported message content".into())),
+    }
+}
+
+/// Writes the group's message secrets if their write was deferred (see `crate::storage`).
+fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>) -> Result<()> {
+    if provider.storage().end_deferral() {
+        // OpenMLS has no "store the message secrets" call; setting the (unchanged) past-epoch
+        // policy writes them, and the join config, as they are in memory.
+        let policy = group.past_epoch_deletion_policy().clone();
+        group
+            .set_past_epoch_deletion_policy(provider, policy)
+            .map_err(|e| Error::Internal(format!("cannot store the message secrets: {e:?}")))?;
+    }
+    Ok(())
+}
+
+/// Stores a decrypted application message in the inbox (with the state change that
+/// decrypted it: MLS deletes the key once used); its inbox row id, `None` for anything else.
+fn keep_for_caller(
+    conn: &rusqlite::Connection,
+    channel: &str,
+    seq: u64,
+    incoming: &Incoming,
+) -> Result<Option<i64>> {
+    let Incoming::Application {
+        sender, payload, ..
+    } = incoming
+    else {
+        return Ok(None);
+    };
+    store::inbox_push(conn, channel, seq, sender, payload)?;
+    Ok(Some(conn.last_insert_rowid()))
+}
+
+/// What [`apply_entries_fast`] did.
+struct FastBatch {
+    applied: Vec<Applied>,
+    removed: bool,
+    epoch_changed: bool,
+}
+
+/// The common case of [`Engine::process_entries`]: every entry applies. Without a savepoint
+/// per entry, with the message secrets written once (deferred), and the cursor set once.
+/// If an entry fails, everything this did is rolled back, the group reloaded, and `None`
+/// returned: the caller then goes entry by entry (a failed entry is skipped there, and its
+/// partial effects undone, which needs each entry's state on disk).
+fn apply_entries_fast(
+    channel: &str,
+    group: &mut MlsGroup,
+    provider: &Provider<'_>,
+    conn: &rusqlite::Connection,
+    entries: &[(u64, &[u8])],
+) -> Result<Option<FastBatch>> {
+    conn.exec_cached("SAVEPOINT batch")
+        .map_err(StoreError::from)?;
+    if entries.len() > 1 {
+        provider.storage().defer_message_secrets();
+    }
+    let mut batch = FastBatch {
+        applied: Vec::with_capacity(entries.len()),
+        removed: false,
+        epoch_changed: false,
+    };
+    let mut last = None;
+    let mut failed = false;
+    for &(seq, message) in entries {
+        let outcome = parse_for_channel(channel, message)
+            .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
+        match outcome {
+            Ok(incoming) => {
+                let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
+                batch.removed = matches!(incoming, Incoming::Removed { .. });
+                batch.epoch_changed |= changes_epoch(&incoming);
+                last = Some(seq);
+                batch.applied.push(Applied {
+                    seq,
+                    outcome: Ok(incoming),
+                    inbox_id,
+                });
+                if batch.removed {
+                    break;
+                }
+            }
+            Err(err) if err.kind() == crate::ErrorKind::Internal => return Err(err),
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    if failed {
+        // Nothing owed any more: the deferred writes are rolled back with the rest.
+        provider.storage().end_deferral();
+        conn.execute_batch("ROLLBACK TO batch; RELEASE batch")
+            .map_err(StoreError::from)?;
+        *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
+            .map_err(StoreError::from)?
+            .ok_or_else(|| Error::Internal(format!("the state of group {channel:?} is missing")))?;
+        return Ok(None);
+    }
+    if !batch.removed {
+        write_deferred_message_secrets(group, provider)?;
+        if let Some(seq) = last {
+            store::set_cursor(conn, channel, Cursor::After(seq))?;
+        }
+    }
+    conn.exec_cached("RELEASE batch")
+        .map_err(StoreError::from)?;
+    Ok(Some(batch))
+}
+
+impl Engine {
+    /// Opens (or creates) the engine of `identity` under `data_dir`. The directory is locked
+    /// for the life of the engine; a data_dir created for another identity is refused.
+    ///
+    /// Sends skip the disk sync where the machine has a boot id (see
+    /// [`Engine::sync_before_send`]). In exchange, the opening records the boot id and, on a
+    /// clean close, that every commit is on disk; opening after the machine went down while
+    /// the engine was open (another boot id, not closed cleanly) means sends that were not on
+    /// disk yet may be lost, which would make encrypting again reuse their generations' keys and
+    /// nonces: every group is then marked to need a commit of ours (a new epoch, fresh secrets)
+    /// before we encrypt in it again.
+    pub fn open(data_dir: impl AsRef<Path>, identity: &[u8]) -> Result<Self> {
+        Self::open_with_boot_id(data_dir, identity, current_boot_id())
+    }
+
+    /// [`Engine::open`] as if the machine's boot id were `boot_id` (tests simulate restarts).
+    #[doc(hidden)]
+    pub fn open_with_boot_id(
+        data_dir: impl AsRef<Path>,
+        identity: &[u8],
+        boot_id: Option<String>,
+    ) -> Result<Self> {
+        let data_dir = data_dir.as_ref().to_owned();
+        if identity.is_empty() {
+            return Err(Error::Internal("identity must not be empty".into()));
+        }
+        let db = Db::open(&data_dir)?;
+        let crypto = StaticCrypto::default();
+        let (signer, groups, fresh_epochs_needed) = db.transaction(|conn| -> Result<_> {
+            let provider = Provider::new(&crypto, conn);
+            let signer = match store::read_identity(conn)? {
+                Some((stored, public)) => {
+                    if stored != identity {
+                        return Err(StoreError::WrongIdentity {
+                            path: data_dir.clone(),
+                            stored: String::from_utf8_lossy(&stored).into_owned(),
+                            requested: String::from_utf8_lossy(identity).into_owned(),
+                        }
+                        .into());
+                    }
+                    SignatureKeyPair::read(
+                        provider.storage(),
+                        &public,
+                        CIPHERSUITE.signature_algorithm(),
+                    )
+                    .ok_or_else(|| Error::Internal("the stored signature key is missing".into()))?
+                }
+                None => {
+                    let signer = SignatureKeyPair::new(CIPHERSUITE.signature_algorithm())
+                        .map_err(|e| Error::Internal(format!("key generation: {e:?}")))?;
+                    signer.store(provider.storage()).map_err(StoreError::from)?;
+                    store::write_identity(conn, identity, signer.public())?;
+                    signer
+                }
+            };
+            let mut groups = HashMap::new();
+            for name in store::group_names(conn)? {
+                let group = MlsGroup::load(provider.storage(), &group_id_of(&name))
+                    .map_err(StoreError::from)?
+                    .ok_or_else(|| {
+                        Error::Internal(format!("the state of group {name:?} is missing"))
+                    })?;
+                groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
+            }
+            let signer = Ed25519Signer::from_key_pair(&signer)
+                .map_err(|e| Error::Internal(format!("the stored signature key: {e}")))?;
+            // Committed durably (like all of this transaction) before any send of this opening.
+            let sends_lost = match store::read_session(conn)? {
+                Some((Some(previous), false)) => boot_id.as_deref() != Some(previous.as_str()),
+                _ => false,
+            };
+            if sends_lost {
+                for name in groups.keys() {
+                    store::require_fresh_epoch(conn, name)?;
+                }
+            }
+            store::write_session(conn, boot_id.as_deref(), false)?;
+            let fresh_epochs_needed = store::any_fresh_epoch_needed(conn)?;
+            Ok((signer, groups, fresh_epochs_needed))
+        })?;
+        let credential = CredentialWithKey {
+            credential: BasicCredential::new(identity.to_vec()).into(),
+            signature_key: signer.public().into(),
+        };
+        Ok(Self {
+            identity: identity.to_vec(),
+            crypto,
+            signer,
+            credential,
+            db: Mutex::new(db),
+            groups: Mutex::new(groups),
+            data_dir,
+            boot_id,
+            fresh_epochs_needed: AtomicBool::new(fresh_epochs_needed),
+        })
+    }
+
+    pub fn identity(&self) -> &[u8] {
+        &self.identity
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The Ed25519 public key this identity signs with (stable across reopenings).
+    pub fn signature_public_key(&self) -> &[u8] {
+        self.signer.public()
+    }
+
+    /// The channels this engine is a member of, sorted.
+    pub fn group_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = lock(&self.groups)
+            .iter()
+            .filter(|(_, slot)| lock(slot).group.is_some())
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    pub fn has_group(&self, channel: &str) -> bool {
+        lock(&self.groups)
+            .get(channel)
+            .is_some_and(|slot| lock(slot).group.is_some())
+    }
+
+    /// A fresh key package (an `MLSMessage`), its private keys stored until a Welcome uses it.
+    pub fn generate_key_package(&self) -> Result<Vec<u8>> {
+        let db = lock(&self.db);
+        db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let bundle = KeyPackage::builder()
+                .build(
+                    CIPHERSUITE,
+                    &provider,
+                    &self.signer,
+                    self.credential.clone(),
+                )
+                .map_err(|e| Error::mls("cannot create a key package", e))?;
+            serialize(&MlsMessageOut::from(bundle.key_package().clone()))
+        })
+    }
+
+    /// Creates the group of `channel` (group id = the name's UTF-8 bytes) with us as its only
+    /// member, at epoch 0.
+    pub fn create_group(&self, channel: &str) -> Result<()> {
+        validate_channel_name(channel)?;
+        let slot = self.new_slot(channel)?;
+        let slot = lock(&slot);
+        let db = lock(&self.db);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let group = MlsGroup::new_with_group_id(
+                &provider,
+                &self.signer,
+                &create_config(),
+                group_id_of(channel),
+                self.credential.clone(),
+            )
+            .map_err(|e| Error::mls("cannot create the group", e))?;
+            store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::After(0))?;
+            Ok::<_, Error>(group)
+        });
+        self.install_group(slot, channel, group)
+    }
+
+    /// Joins `channel` from a Welcome (an `MLSMessage`, or a bare Welcome) that must be for
+    /// that channel and carry the ratchet tree.
+    pub fn join_group(&self, channel: &str, welcome: &[u8]) -> Result<()> {
+        validate_channel_name(channel)?;
+        check_len("Welcome", welcome)?;
+        let welcome = match MlsMessageIn::tls_deserialize_exact(welcome) {
+            Ok(msg) => match msg.extract() {
+                MlsMessageBodyIn::Welcome(w) => w,
+                _ => return Err(Error::Mls("the MLSMessage is not a Welcome".into())),
+            },
+            Err(_) => Welcome::tls_deserialize_exact(welcome)
+                .map_err(|e| Error::mls("malformed Welcome", e))?,
+        };
+        if welcome.ciphersuite() != CIPHERSUITE {
+            return Err(Error::Mls(format!(
+                "Welcome ciphersuite {:?} is not {CIPHERSUITE:?}",
+                welcome.ciphersuite()
+            )));
+        }
+        let slot = self.new_slot(channel)?;
+        let slot = lock(&slot);
+        let db = lock(&self.db);
+        let expected = group_id_of(channel);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let processed = ProcessedWelcome::new_from_welcome(&provider, &join_config(), welcome)
+                .map_err(|e| Error::mls("invalid Welcome", e))?;
+            let claimed = processed.unverified_group_info().group_id().clone();
+            if claimed != expected {
+                return Err(Error::Mls(format!(
+                    "the Welcome is for group {:?}, not channel {channel:?}",
+                    String::from_utf8_lossy(claimed.as_slice())
+                )));
+            }
+            let staged = processed
+                .into_staged_welcome(&provider, None)
+                .map_err(|e| Error::mls("invalid Welcome", e))?;
+            if staged.group_context().group_id() != &expected {
+                return Err(Error::Mls("the Welcome's group id does not match".into()));
+            }
+            let group = staged
+                .into_group(&provider)
+                .map_err(|e| Error::mls("cannot join from the Welcome", e))?;
+            store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
+            Ok(group)
+        });
+        self.install_group(slot, channel, group)
+    }
+
+    /// Adds the owner of `key_package` (an `MLSMessage` or a bare `KeyPackage`): returns the
+    /// pending commit and the Welcome (ratchet tree included).
+    pub fn add_member(&self, channel: &str, key_package: &[u8]) -> Result<AddMemberOutput> {
+        self.add_members(channel, &[key_package])
+    }
+
+    /// Adds several members in one commit (one Welcome for all of them).
+    pub fn add_members(&self, channel: &str, key_packages: &[&[u8]]) -> Result<AddMemberOutput> {
+        if key_packages.is_empty() {
+            return Err(Error::Mls("no key packages to add".into()));
+        }
+        let key_packages = key_packages
+            .iter()
+            .map(|kp| validate_key_package(&self.crypto, kp))
+            .collect::<Result<Vec<_>>>()?;
+        self.with_group(channel, |group, provider, conn| {
+            let (commit, welcome, _) = group
+                .add_members(provider, &self.signer, &key_packages)
+                .map_err(|e| Error::mls("cannot add the member", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(AddMemberOutput {
+                commit,
+                welcome: serialize(&welcome)?,
+            })
+        })
+    }
+
+    /// Rotates our leaf keys (a commit with a path): returns the pending commit.
+    pub fn self_update(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, conn| {
+            let bundle = group
+                .self_update(provider, &self.signer, LeafNodeParameters::default())
+                .map_err(|e| Error::mls("cannot update own keys", e))?;
+            let commit = serialize(bundle.commit())?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(commit)
+        })
+    }
+
+    /// Removes the member(s) whose credential identity is `identity`: returns the pending
+    /// commit. Removing ourselves is refused (use [`Engine::leave`]).
+    pub fn remove_member(&self, channel: &str, identity: &[u8]) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, conn| {
+            let own = group.own_leaf_index();
+            let targets: Vec<LeafNodeIndex> = group
+                .members()
+                .filter(|m| identity_of(&m.credential).as_deref() == Some(identity))
+                .map(|m| m.index)
+                .collect();
+            if targets.is_empty() {
+                return Err(Error::Mls(format!(
+                    "{:?} is not a member of {channel:?}",
+                    String::from_utf8_lossy(identity)
+                )));
+            }
+            if targets.contains(&own) {
+                return Err(Error::Mls("cannot remove ourselves; leave instead".into()));
+            }
+            let (commit, _, _) = group
+                .remove_members(provider, &self.signer, &targets)
+                .map_err(|e| Error::mls("cannot remove the member", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(commit)
+        })
+    }
+
+    /// Proposes our own removal: returns the proposal to publish. Another member commits it
+    /// ([`Engine::commit_pending_proposals`]); processing that commit deletes our state.
+    pub fn leave(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group(channel, |group, provider, _| {
+            let proposal = group
+                .leave_group(provider, &self.signer)
+                .map_err(|e| Error::mls("cannot leave the group", e))?;
+            serialize(&proposal)
+        })
+    }
+
+    /// Deletes our local state of `channel`: for a group joined from a Welcome whose channel
+    /// the relay refuses us, which could never be used and must not be listed as ours.
+    pub fn forget_group(&self, channel: &str) -> Result<()> {
+        self.with_group(channel, |group, provider, conn| {
+            group.delete(provider.storage()).map_err(StoreError::from)?;
+            store::delete_group(conn, channel)?;
+            Ok(())
+        })?;
+        self.drop_group(channel);
+        Ok(())
+    }
+
+    /// Commits the proposals received so far (e.g. a member's leave); `None` if there are none.
+    pub fn commit_pending_proposals(&self, channel: &str) -> Result<Option<Vec<u8>>> {
+        self.with_group(channel, |group, provider, conn| {
+            if !group.has_pending_proposals() {
+                return Ok(None);
+            }
+            let (commit, _, _) = group
+                .commit_to_pending_proposals(provider, &self.signer)
+                .map_err(|e| Error::mls("cannot commit the pending proposals", e))?;
+            let commit = serialize(&commit)?;
+            store::set_pending_commit(conn, channel, &commit)?;
+            Ok(Some(commit))
+        })
+    }
+
+    /// The bytes of our pending commit, if any.
+    pub fn pending_commit(&self, channel: &str) -> Result<Option<Vec<u8>>> {
+        self.with_group_read(channel, |_| Ok(()))?;
+        let db = lock(&self.db);
+        Ok(store::pending_commit(&db.conn, channel)?)
+    }
+
+    /// Applies our pending commit (the relay accepted it).
+    pub fn merge_pending_commit(&self, channel: &str) -> Result<u64> {
+        let epoch = self.with_group(channel, |group, provider, conn| {
+            if group.pending_commit().is_none() {
+                return Err(Error::Mls("there is no pending commit".into()));
+            }
+            group
+                .merge_pending_commit(provider)
+                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+            store::own_commit_merged(conn, channel)?;
+            Ok(group.epoch().as_u64())
+        })?;
+        self.checkpoint();
+        Ok(epoch)
+    }
+
+    /// Drops our pending commit (the relay refused it). A no-op without one.
+    pub fn clear_pending_commit(&self, channel: &str) -> Result<()> {
+        self.with_group(channel, |group, provider, conn| {
+            group
+                .clear_pending_commit(provider.storage())
+                .map_err(StoreError::from)?;
+            store::clear_pending_commit(conn, channel)?;
+            Ok(())
+        })
+    }
+
+    /// Encrypts an application message (a PrivateMessage in an `MLSMessage`).
+    pub fn encrypt(&self, channel: &str, payload: &[u8]) -> Result<Vec<u8>> {
+        if payload.len() > MAX_INPUT_LEN {
+            return Err(Error::Mls(format!(
+                "payload too large ({} bytes)",
+                payload.len()
+            )));
+        }
+        self.with_group(channel, |group, provider, conn| {
+            self.check_may_encrypt(conn, channel)?;
+            let msg = group
+                .create_message(provider, &self.signer, payload)
+                .map_err(|e| Error::mls("cannot encrypt", e))?;
+            serialize(&msg)
+        })
+    }
+
+    /// Processes the next message of the channel's log (public or private framing).
+    pub fn process_incoming(&self, channel: &str, message: &[u8]) -> Result<Incoming> {
+        let protocol = parse_for_channel(channel, message)?;
+        let mut removed = false;
+        let result = self.with_group(channel, |group, provider, conn| {
+            let incoming = apply_message(channel, group, provider, conn, protocol, message)?;
+            removed = matches!(incoming, Incoming::Removed { .. });
+            Ok(incoming)
+        });
+        self.after_processing(channel, removed, result.as_ref().is_ok_and(changes_epoch));
+        result
+    }
+
+    /// Applies entries of the channel's log in order, in ONE transaction: each entry's
+    /// MLS state change, the channel's cursor (the last seq applied) and, for application
+    /// messages, the decrypted payload in the inbox land together, so a crash can neither lose
+    /// a decrypted message nor apply an entry twice. An entry that cannot be processed (not
+    /// decryptable for us, malformed, from before we joined) is skipped with its error (its
+    /// partial effects rolled back); a storage failure fails the whole batch. Processing stops
+    /// after a commit that removed us.
+    pub fn process_entries(&self, channel: &str, entries: &[(u64, &[u8])]) -> Result<Vec<Applied>> {
+        let mut removed = false;
+        let mut epoch_changed = false;
+        // Not synced to disk (synchronous=NORMAL): everything it writes (state, cursor, inbox)
+        // commits atomically, survives a killed process, and after a power loss the entries it
+        // lost are applied again from the relay's log.
+        let result = self.with_group_durability(channel, false, |group, provider, conn| {
+            if let Some(out) = apply_entries_fast(channel, group, provider, conn, entries)? {
+                removed = out.removed;
+                epoch_changed = out.epoch_changed;
+                return Ok(out.applied);
+            }
+            let mut out = Vec::with_capacity(entries.len());
+            for &(seq, message) in entries {
+                conn.exec_cached("SAVEPOINT entry")
+                    .map_err(StoreError::from)?;
+                let outcome = parse_for_channel(channel, message).and_then(|protocol| {
+                    apply_message(channel, group, provider, conn, protocol, message)
+                });
+                match outcome {
+                    Ok(incoming) => {
+                        let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
+                        removed = matches!(incoming, Incoming::Removed { .. });
+                        epoch_changed |= changes_epoch(&incoming);
+                        if !removed {
+                            store::set_cursor(conn, channel, Cursor::After(seq))?;
+                        }
+                        conn.exec_cached("RELEASE entry")
+                            .map_err(StoreError::from)?;
+                        out.push(Applied {
+                            seq,
+                            outcome: Ok(incoming),
+                            inbox_id,
+                        });
+                        if removed {
+                            break;
+                        }
+                    }
+                    Err(err) if err.kind() == crate::ErrorKind::Internal => return Err(err),
+                    Err(err) => {
+                        conn.execute_batch("ROLLBACK TO entry; RELEASE entry")
+                            .map_err(StoreError::from)?;
+                        // OpenMLS may have changed the in-memory group before failing: reload
+                        // it from the rolled-back store.
+                        *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
+                            .map_err(StoreError::from)?
+                            .ok_or_else(|| {
+                                Error::Internal(format!(
+                                    "the state of group {channel:?} is missing"
+                                ))
+                            })?;
+                        store::set_cursor(conn, channel, Cursor::After(seq))?;
+                        out.push(Applied {
+                            seq,
+                            outcome: Err(err),
+                            inbox_id: None,
+                        });
+                    }
+                }
+            }
+            Ok(out)
+        });
+        self.after_processing(channel, removed, epoch_changed && result.is_ok());
+        result
+    }
+
+    /// Encrypts several application messages in one durable transaction (one disk sync for
+    /// the batch): all or none.
+    pub fn encrypt_many(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_with_durability(channel, payloads, true)
+    }
+
+    /// [`Engine::encrypt_many`] whose transaction does not wait for the disk: the caller MUST
+    /// call [`Engine::sync_before_send`] before any returned message leaves the process (a
+    /// message sent from a state a power loss could take back would let a later message reuse
+    /// its generation, and so its key and nonce, unless that loss is detected). Lets a sender
+    /// encrypt the next batch while the previous one is being synced.
+    pub fn encrypt_many_unsynced(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_with_durability(channel, payloads, false)
+    }
+
+    /// Waits until every transaction committed so far is on disk: syncs the write-ahead log,
+    /// which holds every commit not yet checkpointed (checkpoints sync the database file).
+    pub fn sync(&self) -> Result<()> {
+        store::sync_wal(&self.data_dir.join(store::DB_FILE)).map_err(Into::into)
+    }
+
+    /// What a sender calls between [`Engine::encrypt_many_unsynced`] and sending the
+    /// messages. Where the machine has a boot id this does not wait for the disk: the messages
+    /// are written (a killed process loses nothing) and a power loss or crash of the machine is
+    /// detected at the next opening, which then requires a new epoch before encrypting again
+    /// (see [`Engine::open`]). Elsewhere it is [`Engine::sync`].
+    pub fn sync_before_send(&self) -> Result<()> {
+        if self.boot_id.is_some() {
+            Ok(())
+        } else {
+            self.sync()
+        }
+    }
+
+    /// Whether we must commit (e.g. [`Engine::self_update`]) before encrypting in `channel`:
+    /// only after the machine went down while the engine was open (see [`Engine::open`]).
+    pub fn needs_fresh_epoch(&self, channel: &str) -> Result<bool> {
+        if !self.fresh_epochs_needed.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let db = lock(&self.db);
+        Ok(store::fresh_epoch_needed(&db.conn, channel)?)
+    }
+
+    /// Refuses to encrypt where our sending generations of the epoch may have been lost.
+    fn check_may_encrypt(&self, conn: &rusqlite::Connection, channel: &str) -> Result<()> {
+        if self.fresh_epochs_needed.load(Ordering::Relaxed)
+            && store::fresh_epoch_needed(conn, channel)?
+        {
+            return Err(Error::Mls(format!(
+                "cannot encrypt in channel {channel:?} before a commit of ours: the machine went \
+                 down while it was open, so messages it sent at this epoch may be unknown to it \
+                 (rotate_keys moves the channel to a new epoch)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn encrypt_with_durability(
+        &self,
+        channel: &str,
+        payloads: &[&[u8]],
+        durable: bool,
+    ) -> Result<Vec<Vec<u8>>> {
+        for payload in payloads {
+            if payload.len() > MAX_INPUT_LEN {
+                return Err(Error::Mls(format!(
+                    "payload too large ({} bytes)",
+                    payload.len()
+                )));
+            }
+        }
+        self.with_group_durability(channel, durable, |group, provider, conn| {
+            self.check_may_encrypt(conn, channel)?;
+            // One write of the ratchet state for the batch, not one per message (the
+            // transaction commits it before any ciphertext is returned).
+            if payloads.len() > 1 {
+                provider.storage().defer_message_secrets();
+            }
+            payloads
+                .iter()
+                .map(|payload| {
+                    let msg = group
+                        .create_message(provider, &self.signer, payload)
+                        .map_err(|e| Error::mls("cannot encrypt", e))?;
+                    serialize(&msg)
+                })
+                .collect()
+        })
+    }
+
+    /// Where the channel's processing resumes in the relay's log.
+    pub fn cursor(&self, channel: &str) -> Result<Cursor> {
+        self.with_group_read(channel, |_| Ok(()))?;
+        let db = lock(&self.db);
+        Ok(store::cursor(&db.conn, channel)?)
+    }
+
+    /// Removes and returns the oldest received message of the channel (see
+    /// [`crate::store::Db::light_transaction`] for its durability). For users of the engine
+    /// alone: the SDK's client reads with [`Engine::inbox_after`] and marks what it hands out.
+    pub fn inbox_take(&self, channel: &str) -> Result<Option<InboxMessage>> {
+        let db = lock(&self.db);
+        db.light_transaction(|conn| Ok(store::inbox_take(conn, channel)?))
+    }
+
+    /// Up to `limit` received messages of the channel after inbox row `after_id`, oldest
+    /// first. Reading leaves them stored: the caller records what it handed out (see
+    /// `static-client`) and prunes with [`Engine::inbox_prune`].
+    pub fn inbox_after(
+        &self,
+        channel: &str,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<InboxMessage>> {
+        let db = lock(&self.db);
+        Ok(store::inbox_after(&db.conn, channel, after_id, limit)?)
+    }
+
+    /// Deletes the channel's inbox rows up to `upto_id` (handed out already), in a light
+    /// transaction (see [`crate::store::Db::light_transaction`]).
+    pub fn inbox_prune(&self, channel: &str, upto_id: i64) -> Result<()> {
+        let db = lock(&self.db);
+        db.light_transaction(|conn| Ok(store::inbox_prune(conn, channel, upto_id).map(|_| ())?))
+    }
+
+    /// How many received messages of the channel come after inbox row `after_id`.
+    pub fn inbox_count_after(&self, channel: &str, after_id: i64) -> Result<u64> {
+        let db = lock(&self.db);
+        Ok(store::inbox_count_after(&db.conn, channel, after_id)?)
+    }
+
+    /// The channel's slot in the client's hand-out marks file.
+    pub fn inbox_slot(&self, channel: &str) -> Result<u64> {
+        let db = lock(&self.db);
+        db.transaction(|conn| Ok(store::inbox_slot(conn, channel)?))
+    }
+
+    fn after_processing(&self, channel: &str, removed: bool, epoch_changed: bool) {
+        if removed {
+            self.drop_group(channel);
+        }
+        if epoch_changed {
+            self.checkpoint();
+        }
+    }
+
+    /// The members of the group, by leaf index.
+    pub fn members(&self, channel: &str) -> Result<Vec<Member>> {
+        self.with_group_read(channel, |group| {
+            Ok(group
+                .members()
+                .map(|m| Member {
+                    index: m.index.u32(),
+                    identity: identity_of(&m.credential).unwrap_or_default(),
+                })
+                .collect())
+        })
+    }
+
+    /// The group's current epoch.
+    pub fn epoch(&self, channel: &str) -> Result<u64> {
+        self.with_group_read(channel, |group| Ok(group.epoch().as_u64()))
+    }
+
+    /// The epoch authenticator: equal for all members in the same epoch of the same group
+    /// (compare it out of band to detect a fork).
+    pub fn epoch_authenticator(&self, channel: &str) -> Result<Vec<u8>> {
+        self.with_group_read(channel, |group| {
+            Ok(group.epoch_authenticator().as_slice().to_vec())
+        })
+    }
+
+    /// Whether the group holds proposals no commit has covered yet (MLS forbids sending
+    /// application messages until one does).
+    pub fn has_pending_proposals(&self, channel: &str) -> Result<bool> {
+        self.with_group_read(channel, |group| Ok(group.has_pending_proposals()))
+    }
+
+    /// Whether the group has a pending (unmerged) commit of ours.
+    pub fn has_pending_commit(&self, channel: &str) -> Result<bool> {
+        self.with_group_read(channel, |group| Ok(group.pending_commit().is_some()))
+    }
+
+    /// Truncates the WAL now (also done after each epoch change).
+    pub fn checkpoint(&self) {
+        // Best effort: a failure only delays the truncation to the next checkpoint.
+        let _ = lock(&self.db).checkpoint();
+    }
+
+    // --- internals -------------------------------------------------------------------------
+
+    fn slot(&self, channel: &str) -> Result<Arc<Mutex<GroupSlot>>> {
+        lock(&self.groups)
+            .get(channel)
+            .cloned()
+            .ok_or_else(|| Error::Mls(format!("not a member of channel {channel:?}")))
+    }
+
+    /// Reserves the slot of a new group; refused if we already are a member.
+    fn new_slot(&self, channel: &str) -> Result<Arc<Mutex<GroupSlot>>> {
+        let mut groups = lock(&self.groups);
+        if let Some(existing) = groups.get(channel) {
+            if lock(existing).group.is_some() {
+                return Err(Error::Mls(format!(
+                    "already a member of channel {channel:?}"
+                )));
+            }
+        }
+        let slot = Arc::new(Mutex::new(GroupSlot { group: None }));
+        groups.insert(channel.to_owned(), Arc::clone(&slot));
+        Ok(slot)
+    }
+
+    fn forget_empty_slot(&self, channel: &str) {
+        let mut groups = lock(&self.groups);
+        if groups
+            .get(channel)
+            .is_some_and(|slot| lock(slot).group.is_none())
+        {
+            groups.remove(channel);
+        }
+    }
+
+    /// Puts a group just created or joined into the slot made for it; on failure the slot goes.
+    fn install_group(
+        &self,
+        mut slot: MutexGuard<'_, GroupSlot>,
+        channel: &str,
+        group: Result<MlsGroup>,
+    ) -> Result<()> {
+        match group {
+            Ok(group) => {
+                slot.group = Some(group);
+                Ok(())
+            }
+            Err(e) => {
+                drop(slot);
+                self.forget_empty_slot(channel);
+                Err(e)
+            }
+        }
+    }
+
+    fn drop_group(&self, channel: &str) {
+        if let Some(slot) = lock(&self.groups).remove(channel) {
+            lock(&slot).group = None;
+        }
+    }
+
+    fn with_group_read<T>(
+        &self,
+        channel: &str,
+        f: impl FnOnce(&MlsGroup) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(channel)?;
+        let slot = lock(&slot);
+        match slot.group.as_ref() {
+            Some(group) => f(group),
+            None => Err(Error::Mls(format!("not a member of channel {channel:?}"))),
+        }
+    }
+
+    /// Runs `f` on the group in one transaction; on failure the in-memory group is reloaded
+    /// from the (rolled back) store so memory matches disk.
+    fn with_group<T>(
+        &self,
+        channel: &str,
+        f: impl FnOnce(&mut MlsGroup, &Provider<'_>, &rusqlite::Connection) -> Result<T>,
+    ) -> Result<T> {
+        self.with_group_durability(channel, true, f)
+    }
+
+    /// [`Engine::with_group`] with a choice of durability: `durable == false` commits without
+    /// syncing the log (see [`crate::store::Db::light_transaction`]): atomic and safe
+    /// against the process being killed, but a power loss may take back the last commits.
+    /// For changes that can be redone from the relay's log (applying entries), and for
+    /// encryption followed by [`Engine::sync_before_send`] (a lost ratchet advance would reuse
+    /// a key and nonce: either it is synced, or its loss is detected at the next opening). A
+    /// later durable commit syncs the earlier light ones too (the WAL is written in order).
+    fn with_group_durability<T>(
+        &self,
+        channel: &str,
+        durable: bool,
+        f: impl FnOnce(&mut MlsGroup, &Provider<'_>, &rusqlite::Connection) -> Result<T>,
+    ) -> Result<T> {
+        let slot = self.slot(channel)?;
+        let mut slot = lock(&slot);
+        let Some(group) = slot.group.as_mut() else {
+            return Err(Error::Mls(format!("not a member of channel {channel:?}")));
+        };
+        let db = lock(&self.db);
+        let body = |conn: &rusqlite::Connection| {
+            let provider = Provider::new(&self.crypto, conn);
+            let value = f(group, &provider, conn)?;
+            // A call that deferred the message secrets (see `crate::storage`) writes them once
+            // now, inside the transaction: committed with everything else or not at all.
+            write_deferred_message_secrets(group, &provider)?;
+            Ok(value)
+        };
+        let result = if durable {
+            db.transaction(body)
+        } else {
+            db.light_transaction(body)
+        };
+        if result.is_err() {
+            let provider = Provider::new(&self.crypto, &db.conn);
+            match MlsGroup::load(provider.storage(), &group_id_of(channel)) {
+                Ok(Some(fresh)) => *group = fresh,
+                Ok(None) => slot.group = None,
+                Err(e) => {
+                    return Err(Error::Internal(format!(
+                        "cannot reload group {channel:?} after a failure: {e}"
+                    )))
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.checkpoint();
+        // Everything on disk, then recorded as such (durably): the next opening need not
+        // suspect lost sends, whatever happens to the machine meanwhile.
+        if self.sync().is_ok() {
+            let db = lock(&self.db);
+            let _ =
+                db.transaction(|conn| store::write_session(conn, self.boot_id.as_deref(), true));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn engine_is_send_sync() {
+        assert_send_sync::<Engine>();
+    }
+}

@@ -1,0 +1,844 @@
+//! Persistence of an [`Engine`](crate::Engine) under its data directory.
+//!
+//! # Design
+//!
+//! One SQLite database per data directory (`<data_dir>/mls.sqlite3`, rusqlite with the bundled
+//! SQLite), used as OpenMLS's storage provider through `openmls_sqlite_storage`, plus three small
+//! tables of our own (the identity, the list of groups, the bytes of each group's pending
+//! commit). Why SQLite rather than our own files:
+//!
+//! * **Atomic, durable calls.** One public call of the engine is one SQLite transaction
+//!   (`BEGIN IMMEDIATE` ... `COMMIT`): the dozen storage writes OpenMLS makes while merging a
+//!   commit land together or not at all. A call that fails rolls back, and the in-memory group
+//!   is reloaded from the database, so memory and disk never disagree. `journal_mode=WAL` and a
+//!   sync of the WAL right after the commit (what `synchronous=FULL` does inside it; the
+//!   connection runs at `NORMAL`) make the commit durable before the call returns:
+//!   killing the process at any moment, or losing power, leaves the last committed state, which
+//!   loads. Applying the relay's log (and taking from the inbox) commits without that sync
+//!   ([`Db::light_transaction`]): still atomic and safe against a
+//!   killed process; a power loss may take back such commits, which are redone from the log.
+//!   Encrypting application messages too, where the kernel has a boot id: a power loss may
+//!   then take back ratchet advances of messages already sent, which the next opening detects
+//!   (another boot, not closed cleanly: `static_session`) and answers by requiring a commit of
+//!   ours in each group before encrypting there again (`static_fresh_epoch_needed`), so no key
+//!   and nonce is ever used twice. Commits and proposals stay durable. A hand-written "write temp + fsync + rename" scheme would have to rewrite the whole
+//!   group state per message and would still need a journal across the several keys OpenMLS
+//!   writes per operation.
+//! * **Deleted secrets are gone.** `secure_delete=ON` overwrites deleted rows (used message keys,
+//!   past-epoch secrets, consumed key packages) with zeros, and after every epoch change and on
+//!   close the WAL is checkpointed and truncated so no older page images linger in it.
+//! * **Checkpoints beside the calls.** Between those, a background thread copies the WAL into
+//!   the database file after a few dozen commits, in a pause of the conversation where there is
+//!   one (`Checkpointer`), so that no call pays for a checkpoint (SQLite's own, inside a
+//!   commit, remains as a backstop).
+//! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
+//!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
+//!   or another, gets a clear `runtime error:` instead of a corrupt state.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use openmls_rust_crypto::RustCrypto;
+use openmls_sqlite_storage::{Codec, SqliteStorageProvider};
+use openmls_traits::crypto::OpenMlsCrypto;
+use openmls_traits::random::OpenMlsRand;
+use openmls_traits::OpenMlsProvider;
+use rusqlite::{Connection, OptionalExtension};
+
+/// File name of the database inside the data directory.
+pub const DB_FILE: &str = "mls.sqlite3";
+/// File name of the lock file inside the data directory.
+pub const LOCK_FILE: &str = "lock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot use data_dir {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("data_dir {0} is in use by another StaticClient (another process or an open client in this one); close it first")]
+    Locked(PathBuf),
+    #[error("storage failure: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("internal panic: {0}")]
+    Panic(String),
+    #[error("the store could not be synced to disk earlier ({0}); reopen the client")]
+    Unsynced(String),
+    #[error("storage migration failed: {0}")]
+    Migration(String),
+    #[error("data_dir {path} belongs to identity {stored:?}, not {requested:?}")]
+    WrongIdentity {
+        path: PathBuf,
+        stored: String,
+        requested: String,
+    },
+}
+
+/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
+/// message secrets are the exception (see [`crate::storage`]).
+#[derive(Default)]
+pub struct JsonCodec;
+
+impl Codec for JsonCodec {
+    type Error = serde_json::Error;
+
+    fn to_vec<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, Self::Error> {
+        serde_json::to_vec(value)
+    }
+
+    fn from_slice<T: serde::de::DeserializeOwned>(slice: &[u8]) -> Result<T, Self::Error> {
+        serde_json::from_slice(slice)
+    }
+}
+
+pub use crate::storage::Storage;
+
+/// An OpenMLS provider over one borrowed connection, built per call (cheap). `C` is the crypto
+/// (and randomness) provider: the engine's [`crate::crypto::StaticCrypto`], or plain
+/// `RustCrypto`.
+pub struct Provider<'a, C = RustCrypto> {
+    crypto: &'a C,
+    storage: Storage<'a>,
+}
+
+impl<'a, C> Provider<'a, C> {
+    pub fn new(crypto: &'a C, conn: &'a Connection) -> Self {
+        Self {
+            crypto,
+            storage: Storage::new(conn),
+        }
+    }
+}
+
+impl<'a, C: OpenMlsCrypto + OpenMlsRand> OpenMlsProvider for Provider<'a, C> {
+    type CryptoProvider = C;
+    type RandProvider = C;
+    type StorageProvider = Storage<'a>;
+
+    fn storage(&self) -> &Self::StorageProvider {
+        &self.storage
+    }
+
+    fn crypto(&self) -> &Self::CryptoProvider {
+        self.crypto
+    }
+
+    fn rand(&self) -> &Self::RandProvider {
+        self.crypto
+    }
+}
+
+/// The open database and the held directory lock.
+pub struct Db {
+    pub conn: Connection,
+    checkpointer: Checkpointer,
+    /// Why a durable commit could not be synced, if one could not: the store is unusable from
+    /// then on (see [`Db::transaction`]).
+    sync_failed: std::cell::RefCell<Option<String>>,
+    /// Makes the next [`Db::sync_log`] fail, for the tests of what follows.
+    #[cfg(test)]
+    fail_next_sync: std::cell::Cell<bool>,
+    _lock: File,
+    pub path: PathBuf,
+}
+
+/// Commits before a background checkpoint is worth it: a few dozen pages of WAL.
+const CHECKPOINT_EVERY: u32 = 32;
+
+/// The background checkpoint waits for a pause this long in the commits (its fsyncs would
+/// otherwise share the disk with those of the conversation going on, the relay's included)...
+const CHECKPOINT_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// ...unless this many commits went by without one: still well below
+/// [`BACKSTOP_AUTOCHECKPOINT`] (a commit writes a few pages).
+const CHECKPOINT_LATEST: u32 = 64;
+
+/// SQLite's own checkpoint inside a commit (pages of WAL), only reached if the background
+/// checkpoints fall behind (their connection failed, or a long burst).
+const BACKSTOP_AUTOCHECKPOINT: u32 = 4096;
+
+/// Copies the WAL into the database file on its own thread and connection (a PASSIVE
+/// checkpoint: it neither waits for nor blocks the engine's writes), once
+/// [`CHECKPOINT_EVERY`] commits have gone by and the commits pause ([`CHECKPOINT_PAUSE`]), or
+/// after [`CHECKPOINT_LATEST`] commits without a pause. Left to SQLite, the checkpoint runs
+/// inside whichever commit crosses the threshold, and that call then waits for two extra
+/// fsyncs and the page copies (milliseconds on a slow disk) in the middle of a conversation.
+struct Checkpointer {
+    shared: std::sync::Arc<(std::sync::Mutex<CheckpointState>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct CheckpointState {
+    /// Commits since the last checkpoint, and when the latest was.
+    commits: u32,
+    last_commit: Option<std::time::Instant>,
+    /// Checkpoints run so far.
+    runs: u32,
+    stop: bool,
+}
+
+impl Checkpointer {
+    fn start(path: &Path) -> Result<Self, StoreError> {
+        let conn = Connection::open(path)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        // The checkpoint syncs the database file before the WAL may be reused.
+        conn.execute_batch("PRAGMA synchronous=FULL;")?;
+        let shared = std::sync::Arc::new((
+            std::sync::Mutex::new(CheckpointState::default()),
+            std::sync::Condvar::new(),
+        ));
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("static-mls-checkpoint".into())
+            .spawn(move || Self::run(&conn, &theirs))
+            .map_err(|e| StoreError::Io {
+                path: path.to_owned(),
+                source: e,
+            })?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn run(conn: &Connection, shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar)) {
+        let (state, wake) = shared;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if state.stop {
+                return;
+            }
+            if state.commits < CHECKPOINT_EVERY {
+                state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let quiet = state
+                .last_commit
+                .map_or(CHECKPOINT_PAUSE, |at| at.elapsed());
+            if quiet < CHECKPOINT_PAUSE && state.commits < CHECKPOINT_LATEST {
+                state = wake
+                    .wait_timeout(state, CHECKPOINT_PAUSE - quiet)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            }
+            state.commits = 0;
+            drop(state);
+            // Best effort: a failure leaves the WAL to the next run or SQLite's backstop.
+            let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+            state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
+            state.runs += 1;
+        }
+    }
+
+    /// Counts a commit (see [`Checkpointer`]).
+    fn committed(&self) {
+        let (state, wake) = &*self.shared;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.commits = state.commits.saturating_add(1);
+        state.last_commit = Some(std::time::Instant::now());
+        if state.commits == CHECKPOINT_EVERY || state.commits == CHECKPOINT_LATEST {
+            wake.notify_one();
+        }
+    }
+
+    #[cfg(test)]
+    fn runs(&self) -> u32 {
+        self.shared.0.lock().unwrap_or_else(|e| e.into_inner()).runs
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        let (state, wake) = &*self.shared;
+        state.lock().unwrap_or_else(|e| e.into_inner()).stop = true;
+        wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Syncs the write-ahead log of the database at `db_path`, where every commit since the last
+/// checkpoint is (a checkpoint syncs the database file before it lets the log go). Needs no
+/// connection: a sender syncs while others go on using the store.
+pub fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
+    let wal = PathBuf::from(format!("{}-wal", db_path.display()));
+    match File::open(&wal) {
+        Ok(file) => file.sync_data().map_err(io(&wal)),
+        // No log: everything is in the (synced) database file.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io(&wal)(e)),
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl Db {
+    /// Opens (creating if needed) the store under `data_dir` and takes its lock.
+    pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+        let lock_path = data_dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StoreError::Locked(data_dir.to_owned()))
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
+        }
+        let path = data_dir.join(DB_FILE);
+        let mut conn = Connection::open(&path)?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(
+            "PRAGMA journal_mode=WAL;
+             PRAGMA synchronous=NORMAL;
+             PRAGMA secure_delete=ON;
+             PRAGMA foreign_keys=ON;",
+        )?;
+        conn.pragma_update(None, "wal_autocheckpoint", BACKSTOP_AUTOCHECKPOINT)?;
+        let mut storage: SqliteStorageProvider<JsonCodec, &mut Connection> =
+            SqliteStorageProvider::new(&mut conn);
+        storage
+            .run_migrations()
+            .map_err(|e| StoreError::Migration(e.to_string()))?;
+        conn.execute_batch(
+            "CREATE TABLE IF NOT EXISTS static_identity (
+                 id INTEGER PRIMARY KEY CHECK (id = 0),
+                 identity BLOB NOT NULL,
+                 signature_public_key BLOB NOT NULL
+             );
+             CREATE TABLE IF NOT EXISTS static_groups (
+                 name TEXT PRIMARY KEY
+             );
+             CREATE TABLE IF NOT EXISTS static_pending_commits (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+                 commit_bytes BLOB NOT NULL
+             );
+             -- Where each channel stands in the relay's log: `seq` is the last entry applied
+             -- (NULL: none yet, subscribe from the start of `join_epoch`). Written in the same
+             -- transaction as the MLS state change the entry caused.
+             CREATE TABLE IF NOT EXISTS static_cursors (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+                 seq INTEGER,
+                 join_epoch INTEGER NOT NULL DEFAULT 0
+             );
+             -- Decrypted application messages not yet handed to the caller. MLS deletes a
+             -- message key once used, so a plaintext only held in memory would be lost by a
+             -- crash: it is stored with the state change that decrypted it. Not tied to the
+             -- group: what arrived before a removal can still be read.
+             CREATE TABLE IF NOT EXISTS static_inbox (
+                 id INTEGER PRIMARY KEY AUTOINCREMENT,
+                 name TEXT NOT NULL,
+                 seq INTEGER NOT NULL,
+                 sender BLOB NOT NULL,
+                 payload BLOB NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);
+             -- The engine's last opening: the kernel's boot id then (NULL: unknown, every send
+             -- was synced) and whether it was closed cleanly (see `Engine::open`).
+             CREATE TABLE IF NOT EXISTS static_session (
+                 id INTEGER PRIMARY KEY CHECK (id = 0),
+                 boot_id TEXT,
+                 clean INTEGER NOT NULL
+             );
+             -- Groups in which we must not encrypt until a commit of ours moved them to a new
+             -- epoch: after the machine went down, sends not yet on disk may have been lost.
+             CREATE TABLE IF NOT EXISTS static_fresh_epoch_needed (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
+             );",
+        )?;
+        // After the schema exists: the checkpointer's connection needs the database in WAL mode.
+        let checkpointer = Checkpointer::start(&path)?;
+        Ok(Self {
+            conn,
+            checkpointer,
+            sync_failed: std::cell::RefCell::new(None),
+            #[cfg(test)]
+            fail_next_sync: std::cell::Cell::new(false),
+            _lock: lock,
+            path,
+        })
+    }
+
+    /// Runs `f` inside one immediate transaction: committed if it returns `Ok`, rolled back
+    /// otherwise (also when the commit itself fails, and if `f` panics: the panic becomes an
+    /// error, so a library bug never crashes the caller nor leaves a transaction open). Durable:
+    /// the log is on disk before this returns.
+    ///
+    /// The connection runs at `synchronous=NORMAL` and this syncs the log itself after the
+    /// commit (what `FULL` would do inside it): switching the pragma per transaction instead
+    /// re-parsed two statements on every light transaction, the hot path. If that sync fails the
+    /// commit may or may not be on disk, so the store refuses all further use (as PostgreSQL
+    /// does on a failed fsync): the caller must reopen it.
+    pub fn transaction<T, E: From<StoreError>>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let value = self.light_transaction(f)?;
+        if let Err(e) = self.sync_log() {
+            *self.sync_failed.borrow_mut() = Some(e.to_string());
+            return Err(E::from(e));
+        }
+        Ok(value)
+    }
+
+    /// Like [`Db::transaction`] but without waiting for the disk: the commit is atomic and
+    /// survives the process being killed (it is in the OS's WAL file), but not a power loss until
+    /// the next durable commit or [`Db::sync_log`]. Used for applying the relay's log (entries
+    /// lost to a power loss are applied again from it), for sends that are synced separately or
+    /// covered by the boot-id check (see `Engine::open`), and for taking messages out of the
+    /// inbox, where the worst a power loss can do is hand a message out twice.
+    pub fn light_transaction<T, E: From<StoreError>>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        if let Some(reason) = self.sync_failed.borrow().as_ref() {
+            return Err(E::from(StoreError::Unsynced(reason.clone())));
+        }
+        self.conn
+            .exec_cached("BEGIN IMMEDIATE")
+            .map_err(|e| E::from(e.into()))?;
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&self.conn)))
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown".to_owned());
+                Err(E::from(StoreError::Panic(what)))
+            });
+        match outcome {
+            Ok(value) => match self.conn.exec_cached("COMMIT") {
+                Ok(()) => {
+                    self.committed();
+                    Ok(value)
+                }
+                Err(e) => {
+                    let _ = self.conn.execute_batch("ROLLBACK");
+                    Err(E::from(e.into()))
+                }
+            },
+            Err(err) => {
+                // A failed rollback leaves the transaction to be rolled back when the connection
+                // closes; nothing of it was committed either way.
+                let _ = self.conn.execute_batch("ROLLBACK");
+                Err(err)
+            }
+        }
+    }
+
+    /// Puts everything committed so far on disk (see [`sync_wal`]).
+    pub fn sync_log(&self) -> Result<(), StoreError> {
+        #[cfg(test)]
+        if self.fail_next_sync.take() {
+            return Err(io(&self.path)(std::io::Error::other(
+                "injected sync failure",
+            )));
+        }
+        sync_wal(&self.path)
+    }
+
+    fn committed(&self) {
+        self.checkpointer.committed();
+    }
+
+    /// Checkpoints the WAL into the database and truncates it, so no page images of deleted
+    /// secrets survive in the WAL file.
+    pub fn checkpoint(&self) -> Result<(), StoreError> {
+        self.conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))?;
+        Ok(())
+    }
+}
+
+/// Runs one statement without output from the connection's statement cache: the statements
+/// every call runs (transaction control, pragmas, savepoints) are parsed once, not per call.
+pub trait ExecCached {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()>;
+}
+
+impl ExecCached for Connection {
+    fn exec_cached(&self, sql: &str) -> rusqlite::Result<()> {
+        self.prepare_cached(sql)?.execute([])?;
+        Ok(())
+    }
+}
+
+/// Room for every statement of a call (ours, the inbox's) in the statement cache.
+const STATEMENT_CACHE: usize = 64;
+
+/// The stored identity row: (identity, signature public key).
+pub type IdentityRow = (Vec<u8>, Vec<u8>);
+
+pub fn read_identity(conn: &Connection) -> Result<Option<IdentityRow>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT identity, signature_public_key FROM static_identity WHERE id = 0",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?)
+}
+
+pub fn write_identity(conn: &Connection, identity: &[u8], public: &[u8]) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT INTO static_identity (id, identity, signature_public_key) VALUES (0, ?1, ?2)",
+        (identity, public),
+    )?;
+    Ok(())
+}
+
+pub fn group_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare("SELECT name FROM static_groups ORDER BY name")?;
+    let names = stmt
+        .query_map([], |row| row.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    Ok(names)
+}
+
+pub fn insert_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("INSERT INTO static_groups (name) VALUES (?1)", [name])?;
+    Ok(())
+}
+
+pub fn delete_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("DELETE FROM static_groups WHERE name = ?1", [name])?;
+    Ok(())
+}
+
+pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO static_pending_commits (name, commit_bytes) VALUES (?1, ?2)",
+        (name, bytes),
+    )?;
+    Ok(())
+}
+
+pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT commit_bytes FROM static_pending_commits WHERE name = ?1")?
+        .query_row([name], |row| row.get(0))
+        .optional()?)
+}
+
+pub fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute("DELETE FROM static_pending_commits WHERE name = ?1", [name])?;
+    Ok(())
+}
+
+/// The engine's last opening: (boot id, closed cleanly).
+pub fn read_session(conn: &Connection) -> Result<Option<(Option<String>, bool)>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT boot_id, clean FROM static_session WHERE id = 0",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?)
+}
+
+pub fn write_session(
+    conn: &Connection,
+    boot_id: Option<&str>,
+    clean: bool,
+) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR REPLACE INTO static_session (id, boot_id, clean) VALUES (0, ?1, ?2)",
+        (boot_id, clean),
+    )?;
+    Ok(())
+}
+
+pub fn require_fresh_epoch(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    conn.execute(
+        "INSERT OR IGNORE INTO static_fresh_epoch_needed (name) VALUES (?1)",
+        [name],
+    )?;
+    Ok(())
+}
+
+pub fn fresh_epoch_needed(conn: &Connection, name: &str) -> Result<bool, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT 1 FROM static_fresh_epoch_needed WHERE name = ?1")?
+        .query_row([name], |_| Ok(()))
+        .optional()?
+        .is_some())
+}
+
+pub fn any_fresh_epoch_needed(conn: &Connection) -> Result<bool, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT 1 FROM static_fresh_epoch_needed LIMIT 1",
+            [],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// Our pending commit was merged: it is gone, and the group is at an epoch of its own making.
+pub fn own_commit_merged(conn: &Connection, name: &str) -> Result<(), StoreError> {
+    clear_pending_commit(conn, name)?;
+    conn.prepare_cached("DELETE FROM static_fresh_epoch_needed WHERE name = ?1")?
+        .execute([name])?;
+    Ok(())
+}
+
+/// Where a channel's processing resumes in the relay's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cursor {
+    /// Entries after this seq (0: from the beginning).
+    After(u64),
+    /// No entry applied yet since joining at this epoch: entries from the start of the epoch.
+    FromEpoch(u64),
+}
+
+fn to_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn to_u64(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), StoreError> {
+    let (seq, epoch) = match cursor {
+        Cursor::After(seq) => (Some(to_i64(seq)), 0),
+        Cursor::FromEpoch(epoch) => (None, to_i64(epoch)),
+    };
+    conn.prepare_cached(
+        "INSERT OR REPLACE INTO static_cursors (name, seq, join_epoch) VALUES (?1, ?2, ?3)",
+    )?
+    .execute((name, seq, epoch))?;
+    Ok(())
+}
+
+pub fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
+    let row: Option<(Option<i64>, i64)> = conn
+        .query_row(
+            "SELECT seq, join_epoch FROM static_cursors WHERE name = ?1",
+            [name],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .optional()?;
+    Ok(match row {
+        Some((Some(seq), _)) => Cursor::After(to_u64(seq)),
+        Some((None, epoch)) => Cursor::FromEpoch(to_u64(epoch)),
+        // A group created before cursors existed: replay the whole log (what cannot be
+        // decrypted any more is skipped).
+        None => Cursor::After(0),
+    })
+}
+
+pub fn inbox_push(
+    conn: &Connection,
+    name: &str,
+    seq: u64,
+    sender: &[u8],
+    payload: &[u8],
+) -> Result<(), StoreError> {
+    conn.prepare_cached(
+        "INSERT INTO static_inbox (name, seq, sender, payload) VALUES (?1, ?2, ?3, ?4)",
+    )?
+    .execute((name, to_i64(seq), sender, payload))?;
+    Ok(())
+}
+
+/// One received message waiting in the inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxMessage {
+    /// The row's id: increasing in arrival order, never reused.
+    pub id: i64,
+    pub seq: u64,
+    pub sender: Vec<u8>,
+    pub payload: Vec<u8>,
+}
+
+/// Up to `limit` messages of the channel's inbox after row `after_id`, oldest first (a read:
+/// no transaction needed).
+pub fn inbox_after(
+    conn: &Connection,
+    name: &str,
+    after_id: i64,
+    limit: usize,
+) -> Result<Vec<InboxMessage>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT id, seq, sender, payload FROM static_inbox
+         WHERE name = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
+    )?;
+    let rows = stmt
+        .query_map(
+            (name, after_id, i64::try_from(limit).unwrap_or(i64::MAX)),
+            |row| {
+                Ok(InboxMessage {
+                    id: row.get(0)?,
+                    seq: to_u64(row.get(1)?),
+                    sender: row.get(2)?,
+                    payload: row.get(3)?,
+                })
+            },
+        )?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(rows)
+}
+
+/// Removes and returns the oldest message of the channel's inbox (for users of the engine
+/// alone; the SDK's client hands messages out through [`inbox_after`] and its marks).
+pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "DELETE FROM static_inbox WHERE id = (
+                 SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
+             ) RETURNING id, seq, sender, payload",
+        )?
+        .query_row([name], |row| {
+            Ok(InboxMessage {
+                id: row.get(0)?,
+                seq: to_u64(row.get(1)?),
+                sender: row.get(2)?,
+                payload: row.get(3)?,
+            })
+        })
+        .optional()?)
+}
+
+/// Deletes the channel's inbox rows up to `upto_id` (messages already handed out).
+pub fn inbox_prune(conn: &Connection, name: &str, upto_id: i64) -> Result<usize, StoreError> {
+    Ok(conn
+        .prepare_cached("DELETE FROM static_inbox WHERE name = ?1 AND id <= ?2")?
+        .execute((name, upto_id))?)
+}
+
+/// How many messages of the channel's inbox come after row `after_id`.
+pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result<u64, StoreError> {
+    let n: i64 = conn.query_row(
+        "SELECT count(*) FROM static_inbox WHERE name = ?1 AND id > ?2",
+        (name, after_id),
+        |row| row.get(0),
+    )?;
+    Ok(to_u64(n))
+}
+
+/// The channel's slot in the hand-out marks file (see `static-client`), assigned on first use
+/// and kept for good.
+pub fn inbox_slot(conn: &Connection, name: &str) -> Result<u64, StoreError> {
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS static_inbox_slots (
+             name TEXT PRIMARY KEY,
+             slot INTEGER NOT NULL UNIQUE
+         );",
+    )?;
+    conn.execute(
+        "INSERT OR IGNORE INTO static_inbox_slots (name, slot)
+         VALUES (?1, (SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots))",
+        [name],
+    )?;
+    let slot: i64 = conn.query_row(
+        "SELECT slot FROM static_inbox_slots WHERE name = ?1",
+        [name],
+        |row| row.get(0),
+    )?;
+    Ok(to_u64(slot))
+}
+
+/// The names with messages in the inbox (a channel we were removed from may still have some).
+pub fn inbox_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare("SELECT DISTINCT name FROM static_inbox ORDER BY name")?;
+    let names = stmt
+        .query_map([], |row| row.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    Ok(names)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn count(db: &Db) -> i64 {
+        db.conn
+            .query_row("SELECT COUNT(*) FROM static_groups", [], |row| row.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn durable_and_light_transactions_commit_at_normal_synchronous() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        db.transaction(|conn| insert_group(conn, "a/b/c")).unwrap();
+        db.light_transaction(|conn| insert_group(conn, "a/b/d"))
+            .unwrap();
+        assert_eq!(count(&db), 2);
+        // No per-transaction pragma switch: the connection stays at NORMAL (1), durable
+        // transactions sync the log themselves.
+        let level: i64 = db
+            .conn
+            .query_row("PRAGMA synchronous", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(level, 1);
+        db.sync_log().unwrap();
+    }
+
+    #[test]
+    fn the_background_checkpoint_waits_for_enough_commits_and_a_pause() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let before = db.checkpointer.runs();
+        for i in 0..CHECKPOINT_EVERY - 1 {
+            db.light_transaction(|conn| insert_group(conn, &format!("a/b/{i}")))
+                .unwrap();
+        }
+        std::thread::sleep(CHECKPOINT_PAUSE * 5);
+        assert_eq!(
+            db.checkpointer.runs(),
+            before,
+            "too few commits for a checkpoint"
+        );
+        db.light_transaction(|conn| insert_group(conn, "a/b/last"))
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while db.checkpointer.runs() == before {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no checkpoint after a pause"
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+    }
+
+    #[test]
+    fn a_failed_sync_makes_the_store_refuse_further_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        db.fail_next_sync.set(true);
+        let failed = db.transaction(|conn| insert_group(conn, "a/b/c"));
+        assert!(matches!(failed, Err(StoreError::Io { .. })), "{failed:?}");
+        // Committed or not on disk, nobody can tell: nothing more is written.
+        for attempt in [
+            db.light_transaction(|conn| insert_group(conn, "a/b/d")),
+            db.transaction(|conn| insert_group(conn, "a/b/e")),
+        ] {
+            assert!(
+                matches!(attempt, Err(StoreError::Unsynced(_))),
+                "{attempt:?}"
+            );
+        }
+        assert_eq!(count(&db), 1);
+    }
+}

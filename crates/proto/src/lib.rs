@@ -1,0 +1,20 @@
+//! The relay protocol, `proto/relay.proto` compiled once: the SDK's client (`static-client`) and
+//! the relay (`static-relay`) use these types, and the Python relay builds its messages from
+//! [`PROTO_DESCRIPTOR`]. The constants here are the ones both sides must agree on.
+
+/// The generated protobuf messages, tonic client and server of `static.relay.v1`.
+#[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]
+pub mod pb {
+    // The package name `static.relay.v1` makes prost name the file `r#static.relay.v1.rs`,
+    // which `tonic::include_proto!` cannot spell.
+    include!(concat!(env!("OUT_DIR"), "/r#static.relay.v1.rs"));
+}
+
+/// `proto/relay.proto` compiled: a serialized `google.protobuf.FileDescriptorSet`.
+pub const PROTO_DESCRIPTOR: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/relay.bin"));
+
+/// Trailer carrying the channel's current epoch on FAILED_PRECONDITION (decimal ASCII).
+pub const CURRENT_EPOCH_TRAILER: &str = "static-current-epoch";
+/// Trailer carrying the wait before a retry on RESOURCE_EXHAUSTED by the publish rate limit
+/// (milliseconds, decimal ASCII).
+pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";

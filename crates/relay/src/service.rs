@@ -1,0 +1,953 @@
+//! The Relay service: the six RPCs of `proto/relay.proto` over the channel log.
+//! A port of `static/relay/_service.py` (same checks, same status codes and texts).
+//!
+//! Every call's work runs in the task that serves its HTTP/2 stream: a unary call in its
+//! handler, a streaming call in a driver future polled by its own response body ([`Driven`]).
+//! A publish is answered by the task its commit wakes, with no hop through a spawned task; a
+//! slow reader's body is not polled, so its driver waits (and a subscriber then catches up
+//! from the log); a call whose peer is gone (its body dropped) stops at once.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures_util::stream::Stream;
+use futures_util::FutureExt as _;
+use tokio::sync::{mpsc, watch};
+use tonic::metadata::MetadataMap;
+use tonic::{Code, Extensions, Request, Response, Status, Streaming};
+
+use crate::auth::{Authenticator, Caller, StreamGuard};
+use crate::error::{RelayError, Result};
+use crate::framing::{self, ContentType};
+use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, Outcome, WelcomeKey};
+use crate::pb;
+use crate::rules::{self, TokenBucket};
+
+/// Rate-limit buckets kept before idle ones are dropped.
+const MAX_BUCKETS: usize = 10_000;
+/// Publishes of one PublishStream call queued ahead of their answers.
+const PIPELINE_DEPTH: usize = 256;
+/// Items of one PublishBatches request, and requests of one call read ahead of their answers.
+const BATCH_ITEMS: usize = 1024;
+const BATCHES_AHEAD: usize = 64;
+/// Entries per Subscribe response when the subscriber asks for batches (and its max_batch).
+const SUBSCRIBE_BATCH_BYTES: usize = 1024 * 1024;
+const SUBSCRIBE_BATCH_ENTRIES: usize = 1024;
+/// Entries a subscription reads from the log at a time.
+const READ_PAGE: usize = 256;
+/// Responses a call's driver may queue ahead of its body. The body is polled (and so drains
+/// the queue) only when HTTP/2 flow control lets it send: this bounds what a slow peer costs.
+const RESPONSE_QUEUE: usize = 16;
+
+pub(crate) const SHUTTING_DOWN: &str = "relay is shutting down";
+
+/// What the service needs of the relay's configuration.
+#[derive(Debug, Clone)]
+pub(crate) struct ServiceSettings {
+    pub max_message_bytes: usize,
+    pub keepalive_interval: Duration,
+    /// 0 = no limit.
+    pub publish_rate_per_agent: f64,
+}
+
+impl ServiceSettings {
+    /// The largest gRPC message read: a message and a welcome at the limit, plus the
+    /// request's own fields.
+    pub fn transport_limit(&self) -> usize {
+        self.max_message_bytes
+            .saturating_mul(2)
+            .saturating_add(64 * 1024)
+    }
+}
+
+/// The relay's drain: once started, new calls are refused and live calls wind down.
+#[derive(Clone)]
+pub(crate) struct Drain(Arc<watch::Sender<bool>>);
+
+impl Drain {
+    pub fn new() -> Self {
+        Drain(Arc::new(watch::channel(false).0))
+    }
+
+    pub fn start(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub fn started(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    fn watch(&self) -> watch::Receiver<bool> {
+        self.0.subscribe()
+    }
+}
+
+/// Resolves once the drain has started (cancel-safe).
+async fn drained(rx: &mut watch::Receiver<bool>) {
+    // An error means the sender is gone with the relay: that is a drain too.
+    let _ = rx.wait_for(|started| *started).await;
+}
+
+pub(crate) fn shutting_down() -> RelayError {
+    RelayError::Unavailable(SHUTTING_DOWN.to_owned())
+}
+
+/// Where a call comes from (`ip:port`), put in each request's extensions by the server.
+#[derive(Debug, Clone)]
+pub(crate) struct Peer(pub Arc<str>);
+
+/// The statuses tonic produces itself while reading a request, worded as the Python relay
+/// words them (clients and tests read these texts). None: leave the status as it is.
+pub(crate) fn transport_error(status: &Status, limit: usize) -> Option<RelayError> {
+    let message = status.message();
+    match status.code() {
+        Code::OutOfRange if message.starts_with("Error, decoded message length too large") => {
+            Some(RelayError::resource_exhausted(format!(
+                "request larger than the transport limit of {limit} bytes"
+            )))
+        }
+        Code::Internal if message.starts_with("failed to decode Protobuf message") => Some(
+            RelayError::InvalidArgument("request is not a valid protobuf message".to_owned()),
+        ),
+        Code::Internal if message == "Missing request message." => Some(
+            RelayError::InvalidArgument("expected a request message".to_owned()),
+        ),
+        _ => None,
+    }
+}
+
+/// A bug: logged here, the caller sees only "internal error".
+fn internal(what: &str) -> RelayError {
+    eprintln!("relay: internal error: {what}");
+    RelayError::Internal
+}
+
+/// The Relay gRPC service. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Relay(Arc<Inner>);
+
+struct Inner {
+    log: ChannelLog,
+    auth: Arc<Authenticator>,
+    settings: ServiceSettings,
+    buckets: Mutex<HashMap<String, TokenBucket>>,
+    drain: Drain,
+}
+
+impl Relay {
+    pub fn new(
+        log: ChannelLog,
+        auth: Arc<Authenticator>,
+        settings: ServiceSettings,
+        drain: Drain,
+    ) -> Relay {
+        Relay(Arc::new(Inner {
+            log,
+            auth,
+            settings,
+            buckets: Mutex::new(HashMap::new()),
+            drain,
+        }))
+    }
+}
+
+impl Inner {
+    /// Authenticates a call (once per call, never per message).
+    async fn caller(&self, metadata: &MetadataMap, extensions: &Extensions) -> Result<Caller> {
+        let peer = extensions
+            .get::<Peer>()
+            .map_or_else(|| Arc::from("unknown"), |p| Arc::clone(&p.0));
+        self.auth.authenticate(metadata, &peer).await
+    }
+
+    async fn channel(&self, scope: &str, name: &str) -> Result<Arc<Channel>> {
+        match self.log.loaded(scope, name) {
+            Some(channel) => Ok(channel),
+            None => self.log.channel(scope, name).await,
+        }
+    }
+
+    /// Everything decided about a publish before its channel is looked up (`_check`).
+    fn check(&self, request: pb::PublishRequest, caller: &Caller) -> Result<(String, Checked)> {
+        let name = channel_name(request.channel)?;
+        let limit = self.settings.max_message_bytes;
+        if request.message.len() > limit || request.welcome.len() > limit {
+            return Err(RelayError::resource_exhausted(format!(
+                "message larger than {limit} bytes"
+            )));
+        }
+        if request.message.is_empty() {
+            return Err(RelayError::InvalidArgument("empty message".to_owned()));
+        }
+        let key = rules::idempotency_key(&request.idempotency_key, &request.message)?;
+        let header = framing::parse_message(&request.message)
+            .map_err(|e| RelayError::InvalidArgument(format!("malformed MLS message: {e}")))?;
+        if header.group_id != name.as_bytes() {
+            return Err(RelayError::InvalidArgument(format!(
+                "the message belongs to another group than channel '{name}'"
+            )));
+        }
+        let mut welcome_refs = Vec::new();
+        if !request.welcome.is_empty() {
+            if header.content_type != ContentType::Commit {
+                return Err(RelayError::InvalidArgument(
+                    "a welcome can only be published with a commit".to_owned(),
+                ));
+            }
+            welcome_refs = framing::parse_welcome(&request.welcome)
+                .map_err(|e| RelayError::InvalidArgument(format!("malformed welcome: {e}")))?
+                .key_package_refs;
+        }
+        self.rate_limit(caller)?;
+        let checked = Checked {
+            header,
+            message: request.message,
+            key,
+            welcome: request.welcome,
+            welcome_refs,
+        };
+        Ok((name, checked))
+    }
+
+    fn rate_limit(&self, caller: &Caller) -> Result<()> {
+        let rate = self.settings.publish_rate_per_agent;
+        if rate.is_nan() || rate <= 0.0 {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let wait = {
+            let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+            match buckets.get_mut(&caller.agent) {
+                Some(bucket) => bucket.take(now, 1.0),
+                None => {
+                    if buckets.len() >= MAX_BUCKETS {
+                        let idle = Duration::from_secs(60);
+                        buckets.retain(|_, b| now.saturating_duration_since(b.updated) < idle);
+                    }
+                    let mut bucket = TokenBucket::full(rate, rate, now);
+                    let wait = bucket.take(now, 1.0);
+                    buckets.insert(caller.agent.clone(), bucket);
+                    wait
+                }
+            }
+        };
+        if wait.is_zero() {
+            return Ok(());
+        }
+        let ms = (wait.as_secs_f64() * 1000.0).round().max(1.0);
+        // Saturating float-to-int conversion: a "never" (Duration::MAX) stays huge.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let retry_after_ms = ms as u64;
+        Err(RelayError::ResourceExhausted {
+            message: format!("publish rate limit of {rate} messages/s per agent exceeded"),
+            retry_after_ms,
+        })
+    }
+
+    /// A publish checked and its channel loaded, ready to submit.
+    async fn prepare(
+        &self,
+        request: pb::PublishRequest,
+        caller: &Caller,
+    ) -> Result<(Arc<Channel>, Checked)> {
+        let (name, checked) = self.check(request, caller)?;
+        let channel = self.channel(&caller.scope, &name).await?;
+        Ok((channel, checked))
+    }
+
+    /// Submits one publish; `more`: the caller has more at hand right away (see
+    /// [`ChannelLog::submit_more`]).
+    fn submit_one(&self, item: (Arc<Channel>, Checked), more: bool) -> Result<Outcome> {
+        let items = vec![item];
+        let mut outcomes = if more {
+            self.log.submit_more(items)
+        } else {
+            self.log.submit(items)
+        };
+        outcomes
+            .pop()
+            .ok_or_else(|| internal("the log gave no outcome for a publish"))
+    }
+
+    /// Waits for a submitted publish's decision. Cancel-safe; not to be polled again once it
+    /// returned (the caller drops or replaces the outcome).
+    async fn decided(&self, outcome: &mut Outcome) -> Result<Accepted> {
+        match outcome.await {
+            Ok(result) => result,
+            Err(_) if self.drain.started() => Err(shutting_down()),
+            Err(_) => Err(internal("a publish was dropped without an answer")),
+        }
+    }
+
+    /// PublishStream: requests are read and submitted while earlier ones are being committed
+    /// (so they share group commits); answers go out in request order. The first refusal
+    /// ends the call after the answers before it.
+    async fn publish_stream(
+        self: Arc<Self>,
+        caller: Caller,
+        requests: Streaming<pb::PublishRequest>,
+        tx: mpsc::Sender<Result<pb::PublishResponse, Status>>,
+    ) {
+        let mut requests = Lookahead::new(requests);
+        let mut drain = self.drain.watch();
+        let mut queue: VecDeque<Result<Outcome, Status>> = VecDeque::new();
+        let mut reading = true;
+        while reading || !queue.is_empty() {
+            tokio::select! {
+                biased;
+                decided = self.head_of_stream(&mut queue), if !queue.is_empty() => {
+                    queue.pop_front();
+                    let refused = decided.is_err();
+                    if tx.send(decided.map(publish_response)).await.is_err() || refused {
+                        return;
+                    }
+                }
+                message = requests.message(), if reading && queue.len() < PIPELINE_DEPTH => {
+                    match message {
+                        Ok(Some(request)) => {
+                            let item = match self.prepare(request, &caller).await {
+                                Ok(item) => self.submit_one(item, requests.more_ready()),
+                                Err(e) => Err(e),
+                            };
+                            // A refusal ends the reading: nothing after it is submitted.
+                            reading = item.is_ok();
+                            queue.push_back(item.map_err(|e| e.to_status()));
+                        }
+                        Ok(None) => reading = false,
+                        Err(status) => {
+                            queue.push_back(Err(self.request_failed(status)));
+                            reading = false;
+                        }
+                    }
+                }
+                () = drained(&mut drain), if reading => {
+                    queue.push_back(Err(shutting_down().to_status()));
+                    reading = false;
+                }
+            }
+        }
+    }
+
+    async fn head_of_stream(
+        &self,
+        queue: &mut VecDeque<Result<Outcome, Status>>,
+    ) -> Result<Accepted, Status> {
+        match queue.front_mut() {
+            Some(Ok(outcome)) => self.decided(outcome).await.map_err(|e| e.to_status()),
+            Some(Err(status)) => Err(status.clone()),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// PublishBatches: each request's items are submitted together as it is read (so
+    /// batches share group commits); each request is answered, in order, once all its items
+    /// are decided. A refused item is answered as such; only a failure of the call ends it.
+    async fn publish_batches(
+        self: Arc<Self>,
+        caller: Caller,
+        requests: Streaming<pb::PublishBatchRequest>,
+        tx: mpsc::Sender<Result<pb::PublishBatchResponse, Status>>,
+    ) {
+        let mut requests = Lookahead::new(requests);
+        let mut drain = self.drain.watch();
+        let mut queue: VecDeque<Result<Vec<Slot>, Status>> = VecDeque::new();
+        let mut reading = true;
+        while reading || !queue.is_empty() {
+            tokio::select! {
+                biased;
+                () = self.settle_head(&mut queue), if !queue.is_empty() => {
+                    let Some(head) = queue.pop_front() else { continue };
+                    let failed = head.is_err();
+                    if tx.send(head.map(batch_response)).await.is_err() || failed {
+                        return;
+                    }
+                }
+                message = requests.message(), if reading && queue.len() < BATCHES_AHEAD => {
+                    match message {
+                        Ok(Some(batch)) if batch.requests.len() > BATCH_ITEMS => {
+                            let refusal = RelayError::InvalidArgument(format!(
+                                "{} requests in one batch; at most {BATCH_ITEMS}",
+                                batch.requests.len()
+                            ));
+                            queue.push_back(Err(refusal.to_status()));
+                            reading = false;
+                        }
+                        Ok(Some(batch)) => {
+                            let more = requests.more_ready();
+                            let slots = self.submit_batch(batch.requests, &caller, more).await;
+                            queue.push_back(Ok(slots));
+                        }
+                        Ok(None) => reading = false,
+                        Err(status) => {
+                            queue.push_back(Err(self.request_failed(status)));
+                            reading = false;
+                        }
+                    }
+                }
+                () = drained(&mut drain), if reading => {
+                    queue.push_back(Err(shutting_down().to_status()));
+                    reading = false;
+                }
+            }
+        }
+    }
+
+    /// Checks every item of a batch in order and submits the accepted ones together.
+    async fn submit_batch(
+        &self,
+        requests: Vec<pb::PublishRequest>,
+        caller: &Caller,
+        more: bool,
+    ) -> Vec<Slot> {
+        let mut items = Vec::with_capacity(requests.len());
+        let mut refusals = Vec::with_capacity(requests.len());
+        // Once the rate limit refuses an item, it refuses the rest of the request too: the
+        // bucket refills while the items are checked, and letting a later item through after
+        // an earlier one was refused would reorder a sender's pipelined messages.
+        let mut rate_limited: Option<RelayError> = None;
+        for request in requests {
+            if let Some(refusal) = &rate_limited {
+                refusals.push(Some(refusal.clone()));
+                continue;
+            }
+            match self.prepare(request, caller).await {
+                Ok(item) => {
+                    items.push(item);
+                    refusals.push(None);
+                }
+                Err(e) => {
+                    if matches!(e, RelayError::ResourceExhausted { retry_after_ms, .. } if retry_after_ms > 0)
+                    {
+                        rate_limited = Some(e.clone());
+                    }
+                    refusals.push(Some(e));
+                }
+            }
+        }
+        let mut outcomes = if items.is_empty() {
+            Vec::new().into_iter()
+        } else if more {
+            self.log.submit_more(items).into_iter()
+        } else {
+            self.log.submit(items).into_iter()
+        };
+        refusals
+            .into_iter()
+            .map(|refusal| match refusal {
+                Some(e) => Slot::Decided(publish_result(Err(e))),
+                None => match outcomes.next() {
+                    Some(outcome) => Slot::Waiting(outcome),
+                    None => Slot::Decided(publish_result(Err(internal(
+                        "the log gave fewer outcomes than publishes",
+                    )))),
+                },
+            })
+            .collect()
+    }
+
+    /// Waits until every item of the first queued batch is decided (cancel-safe: decisions
+    /// are kept in the slots as they come).
+    async fn settle_head(&self, queue: &mut VecDeque<Result<Vec<Slot>, Status>>) {
+        let Some(Ok(slots)) = queue.front_mut() else {
+            return;
+        };
+        for slot in slots.iter_mut() {
+            if let Slot::Waiting(outcome) = slot {
+                let result = self.decided(outcome).await;
+                *slot = Slot::Decided(publish_result(result));
+            }
+        }
+    }
+
+    /// The status a streaming call ends with when reading its requests failed.
+    fn request_failed(&self, status: Status) -> Status {
+        match transport_error(&status, self.settings.transport_limit()) {
+            Some(e) => e.to_status(),
+            None => status,
+        }
+    }
+
+    /// Subscribe's stream: a keep-alive, then the log after `cursor` (replayed, then live)
+    /// until the peer leaves or the stream is ended (revocation, expiry, shutdown).
+    async fn follow(
+        self: Arc<Self>,
+        channel: Arc<Channel>,
+        cursor: u64,
+        max_batch: usize,
+        mut guard: StreamGuard,
+        tx: mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
+    ) {
+        if let Some(reason) = self
+            .stream_entries(&channel, cursor, max_batch, &mut guard, &tx)
+            .await
+        {
+            let _ = tx.send(Err(reason.to_status())).await;
+        }
+    }
+
+    /// None when the subscriber is gone, else why the stream ends.
+    async fn stream_entries(
+        &self,
+        channel: &Channel,
+        mut cursor: u64,
+        max_batch: usize,
+        guard: &mut StreamGuard,
+        tx: &mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
+    ) -> Option<RelayError> {
+        // A zero interval would make this loop spin on keep-alives.
+        let interval = self
+            .settings
+            .keepalive_interval
+            .max(Duration::from_millis(1));
+        let mut head = channel.watch_head();
+        let mut drain = self.drain.watch();
+        // A first keep-alive right away tells the client the subscription is live.
+        if tx.send(Ok(keep_alive(channel.head_seq()))).await.is_err() {
+            return None;
+        }
+        // Made once and polled in every wait below (both are cancel-safe): one expiry timer
+        // per subscription, not one per page.
+        let ended = guard.ended();
+        let drained = drained(&mut drain);
+        let idle = tokio::time::sleep(interval);
+        tokio::pin!(ended, drained, idle);
+        let page_size = READ_PAGE.max(max_batch);
+        loop {
+            let last = *head.borrow_and_update();
+            if cursor < last {
+                let page = tokio::select! {
+                    biased;
+                    reason = &mut ended => return Some(reason),
+                    () = &mut drained => return Some(shutting_down()),
+                    page = self.log.read_after(channel, cursor, page_size) => page,
+                };
+                let page = match page.and_then(|page| consecutive(page, cursor, last)) {
+                    Ok(page) => page,
+                    Err(e) => return Some(e),
+                };
+                cursor = page.last().map_or(cursor, |e| e.seq);
+                // A slow reader makes these sends wait (its body is not polled): it falls
+                // behind here and reads the rest from the log later, costing nobody else.
+                for response in responses(page, max_batch) {
+                    if tx.send(Ok(response)).await.is_err() {
+                        return None;
+                    }
+                }
+                // Entries count as traffic: no keep-alive for that interval.
+                idle.as_mut().reset(tokio::time::Instant::now() + interval);
+                continue;
+            }
+            tokio::select! {
+                biased;
+                reason = &mut ended => return Some(reason),
+                () = &mut drained => return Some(shutting_down()),
+                changed = head.changed() => {
+                    if changed.is_err() {
+                        // The channel's writer side is gone: only a closing log does that.
+                        return Some(shutting_down());
+                    }
+                }
+                () = &mut idle => {
+                    if tx.send(Ok(keep_alive(channel.head_seq()))).await.is_err() {
+                        return None;
+                    }
+                    idle.as_mut().reset(tokio::time::Instant::now() + interval);
+                }
+            }
+        }
+    }
+}
+
+/// One item of a PublishBatches request.
+enum Slot {
+    Waiting(Outcome),
+    Decided(pb::PublishResult),
+}
+
+fn channel_name(name: String) -> Result<String> {
+    match static_mls::validate_channel_name(&name) {
+        Ok(()) => Ok(name),
+        Err(e) => Err(RelayError::InvalidArgument(e.to_string())),
+    }
+}
+
+fn publish_response(accepted: Accepted) -> pb::PublishResponse {
+    pb::PublishResponse {
+        seq: accepted.seq,
+        epoch: accepted.epoch,
+        duplicate: accepted.duplicate,
+    }
+}
+
+/// What Publish would have answered, as one result of a batch.
+fn publish_result(result: Result<Accepted>) -> pb::PublishResult {
+    use pb::publish_result::Outcome as Decision;
+    let outcome = match result {
+        Ok(accepted) => Decision::Accepted(publish_response(accepted)),
+        Err(e) => {
+            let (current_epoch, retry_after_ms) = match &e {
+                RelayError::StaleEpoch { current_epoch, .. } => (*current_epoch, 0),
+                RelayError::ResourceExhausted { retry_after_ms, .. } => (0, *retry_after_ms),
+                _ => (0, 0),
+            };
+            Decision::Refused(pb::Refusal {
+                code: e.code() as u32,
+                message: e.to_string(),
+                current_epoch,
+                retry_after_ms,
+            })
+        }
+    };
+    pb::PublishResult {
+        outcome: Some(outcome),
+    }
+}
+
+fn batch_response(slots: Vec<Slot>) -> pb::PublishBatchResponse {
+    let results = slots
+        .into_iter()
+        .map(|slot| match slot {
+            Slot::Decided(result) => result,
+            // settle_head decided every slot before the batch is answered.
+            Slot::Waiting(_) => publish_result(Err(internal("a batch answered before its end"))),
+        })
+        .collect();
+    pb::PublishBatchResponse { results }
+}
+
+fn keep_alive(head_seq: u64) -> pb::SubscribeResponse {
+    pb::SubscribeResponse {
+        item: Some(pb::subscribe_response::Item::KeepAlive(pb::KeepAlive {
+            head_seq,
+        })),
+    }
+}
+
+fn wire_entry(entry: Entry) -> pb::Entry {
+    pb::Entry {
+        seq: entry.seq,
+        epoch: entry.epoch,
+        content_type: entry.content_type,
+        message: entry.message,
+    }
+}
+
+/// A page of the log must start right after the cursor and have no gap (never expected).
+fn consecutive(page: Vec<Entry>, cursor: u64, head: u64) -> Result<Vec<Entry>> {
+    if page.is_empty() {
+        return Err(RelayError::Unavailable(format!(
+            "log ends before seq {head}"
+        )));
+    }
+    for (offset, entry) in (1u64..).zip(&page) {
+        if entry.seq != cursor + offset {
+            return Err(RelayError::Unavailable(format!(
+                "log gap after seq {}",
+                cursor + offset - 1
+            )));
+        }
+    }
+    Ok(page)
+}
+
+/// A page as Subscribe responses: one `entry` each, or with `max_batch > 1` runs of at most
+/// `max_batch` entries and about [`SUBSCRIBE_BATCH_BYTES`] (a larger entry travels alone).
+fn responses(page: Vec<Entry>, max_batch: usize) -> Vec<pb::SubscribeResponse> {
+    use pb::subscribe_response::Item;
+    if max_batch <= 1 {
+        return page
+            .into_iter()
+            .map(|e| pb::SubscribeResponse {
+                item: Some(Item::Entry(wire_entry(e))),
+            })
+            .collect();
+    }
+    let mut out = Vec::new();
+    let mut current: Vec<pb::Entry> = Vec::new();
+    let mut size = 0;
+    for entry in page {
+        if !current.is_empty()
+            && (current.len() >= max_batch || size + entry.message.len() > SUBSCRIBE_BATCH_BYTES)
+        {
+            out.push(std::mem::take(&mut current));
+            size = 0;
+        }
+        size += entry.message.len();
+        current.push(wire_entry(entry));
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out.into_iter()
+        .map(|entries| pb::SubscribeResponse {
+            item: Some(Item::Entries(pb::Entries { entries })),
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl pb::relay_server::Relay for Relay {
+    async fn create_channel(
+        &self,
+        request: Request<pb::CreateChannelRequest>,
+    ) -> Result<Response<pb::CreateChannelResponse>, Status> {
+        let (metadata, extensions, request) = request.into_parts();
+        let caller = self.0.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.channel)?;
+        self.0.log.create(&caller.scope, &name).await?;
+        Ok(Response::new(pb::CreateChannelResponse {
+            channel: name,
+            epoch: 0,
+        }))
+    }
+
+    async fn publish(
+        &self,
+        request: Request<pb::PublishRequest>,
+    ) -> Result<Response<pb::PublishResponse>, Status> {
+        let (metadata, extensions, request) = request.into_parts();
+        let caller = self.0.caller(&metadata, &extensions).await?;
+        let item = self.0.prepare(request, &caller).await?;
+        let mut outcome = self.0.submit_one(item, false)?;
+        // Answered as soon as the commit decides it.
+        let accepted = self.0.decided(&mut outcome).await?;
+        Ok(Response::new(publish_response(accepted)))
+    }
+
+    type PublishStreamStream = Driven<Result<pb::PublishResponse, Status>>;
+
+    async fn publish_stream(
+        &self,
+        request: Request<Streaming<pb::PublishRequest>>,
+    ) -> Result<Response<Self::PublishStreamStream>, Status> {
+        let (metadata, extensions, requests) = request.into_parts();
+        let caller = self.0.caller(&metadata, &extensions).await?;
+        let inner = Arc::clone(&self.0);
+        // Returned at once: the response headers leave before any request is read.
+        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
+            inner.publish_stream(caller, requests, tx)
+        })))
+    }
+
+    type PublishBatchesStream = Driven<Result<pb::PublishBatchResponse, Status>>;
+
+    async fn publish_batches(
+        &self,
+        request: Request<Streaming<pb::PublishBatchRequest>>,
+    ) -> Result<Response<Self::PublishBatchesStream>, Status> {
+        let (metadata, extensions, requests) = request.into_parts();
+        let caller = self.0.caller(&metadata, &extensions).await?;
+        let inner = Arc::clone(&self.0);
+        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
+            inner.publish_batches(caller, requests, tx)
+        })))
+    }
+
+    type SubscribeStream = Driven<Result<pb::SubscribeResponse, Status>>;
+
+    async fn subscribe(
+        &self,
+        request: Request<pb::SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        use pb::subscribe_request::Start;
+        let (metadata, extensions, request) = request.into_parts();
+        let inner = &self.0;
+        let caller = inner.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.channel)?;
+        let channel = inner.channel(&caller.scope, &name).await?;
+        let after_seq = match request.start {
+            Some(Start::FromEpoch(epoch)) => inner.log.start_of_epoch(&channel, epoch).await?,
+            Some(Start::AfterSeq(seq)) => seq,
+            None => 0,
+        };
+        let max_batch = request.max_batch.min(SUBSCRIBE_BATCH_ENTRIES as u32) as usize;
+        // Registered before the drain is looked at (in `follow`): a shutdown either sees
+        // this guard or is seen by the stream.
+        let guard = inner.auth.watch(&caller);
+        let inner = Arc::clone(inner);
+        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
+            inner.follow(channel, after_seq, max_batch, guard, tx)
+        })))
+    }
+
+    async fn fetch_welcome(
+        &self,
+        request: Request<pb::FetchWelcomeRequest>,
+    ) -> Result<Response<pb::FetchWelcomeResponse>, Status> {
+        use pb::fetch_welcome_request::Key;
+        let (metadata, extensions, request) = request.into_parts();
+        let inner = &self.0;
+        let caller = inner.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.channel)?;
+        let channel = inner.channel(&caller.scope, &name).await?;
+        let key = match request.key {
+            Some(Key::WelcomeSha256(digest)) => WelcomeKey::Digest(digest.to_vec()),
+            Some(Key::KeyPackageRef(key_package_ref)) => {
+                WelcomeKey::KeyPackageRef(key_package_ref.to_vec())
+            }
+            None => {
+                return Err(RelayError::InvalidArgument(
+                    "set welcome_sha256 or key_package_ref".to_owned(),
+                )
+                .into())
+            }
+        };
+        let found = inner
+            .log
+            .fetch_welcome(&channel, key)
+            .await?
+            .ok_or_else(|| RelayError::NotFound("no such welcome".to_owned()))?;
+        Ok(Response::new(pb::FetchWelcomeResponse {
+            welcome: found.welcome,
+            commit_seq: found.commit_seq,
+            epoch: found.epoch,
+        }))
+    }
+}
+
+type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A response stream whose producer (the driver) runs inside the stream's own polls: no task
+/// is spawned, the driver runs only while the body is polled (that is, while HTTP/2 flow
+/// control lets the call send), and it is dropped with the body when the peer goes away.
+pub(crate) struct Driven<T> {
+    driver: Option<Driver>,
+    rx: mpsc::Receiver<T>,
+}
+
+impl<T: Send + 'static> Driven<T> {
+    fn new<F>(capacity: usize, make: impl FnOnce(mpsc::Sender<T>) -> F) -> Self
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(capacity);
+        Driven {
+            driver: Some(Box::pin(make(tx))),
+            rx,
+        }
+    }
+}
+
+impl<T> Stream for Driven<T> {
+    type Item = T;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let this = &mut *self;
+        if let Some(driver) = this.driver.as_mut() {
+            if driver.as_mut().poll(cx).is_ready() {
+                // Its sender is dropped with it: the stream ends once the queue is empty.
+                this.driver = None;
+            }
+        }
+        this.rx.poll_recv(cx)
+    }
+}
+
+/// A request stream that can tell whether its next message is already here: a pipelined
+/// call's publishes are then left to the writer thread, to be committed with what follows,
+/// and only the last one at hand is committed right away (see [`ChannelLog::submit`]).
+struct Lookahead<T> {
+    requests: Streaming<T>,
+    next: Option<std::result::Result<Option<T>, Status>>,
+}
+
+impl<T> Lookahead<T> {
+    fn new(requests: Streaming<T>) -> Self {
+        Lookahead {
+            requests,
+            next: None,
+        }
+    }
+
+    /// The next message (cancel-safe, as `Streaming::message`).
+    async fn message(&mut self) -> std::result::Result<Option<T>, Status> {
+        match self.next.take() {
+            Some(next) => next,
+            None => self.requests.message().await,
+        }
+    }
+
+    /// Whether another request has arrived already (it is kept for [`Lookahead::message`]).
+    fn more_ready(&mut self) -> bool {
+        if self.next.is_none() {
+            self.next = self.requests.message().now_or_never();
+        }
+        matches!(self.next, Some(Ok(Some(_))))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn entry(seq: u64, size: usize) -> Entry {
+        Entry {
+            seq,
+            epoch: 0,
+            content_type: 1,
+            message: Bytes::from(vec![0u8; size]),
+        }
+    }
+
+    fn batch_sizes(responses: &[pb::SubscribeResponse]) -> Vec<usize> {
+        responses
+            .iter()
+            .map(|r| match &r.item {
+                Some(pb::subscribe_response::Item::Entries(e)) => e.entries.len(),
+                _ => 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pages_are_cut_by_count_and_bytes() {
+        let page: Vec<Entry> = (1..=250).map(|s| entry(s, 10)).collect();
+        assert_eq!(batch_sizes(&responses(page, 100)), vec![100, 100, 50]);
+        let big: Vec<Entry> = (1..=5).map(|s| entry(s, 400 * 1024)).collect();
+        assert_eq!(batch_sizes(&responses(big, 100)), vec![2, 2, 1]);
+        let huge = vec![entry(1, 2 * 1024 * 1024), entry(2, 1)];
+        assert_eq!(batch_sizes(&responses(huge, 100)), vec![1, 1]);
+        let single = responses(vec![entry(1, 1), entry(2, 1)], 1);
+        assert!(single
+            .iter()
+            .all(|r| matches!(r.item, Some(pb::subscribe_response::Item::Entry(_)))));
+    }
+
+    #[test]
+    fn pages_must_follow_the_cursor() {
+        assert!(consecutive(vec![entry(5, 1), entry(6, 1)], 4, 6).is_ok());
+        assert_eq!(
+            consecutive(vec![entry(5, 1), entry(7, 1)], 4, 7)
+                .unwrap_err()
+                .to_string(),
+            "log gap after seq 5"
+        );
+        assert_eq!(
+            consecutive(Vec::new(), 4, 7).unwrap_err().to_string(),
+            "log ends before seq 7"
+        );
+    }
+
+    #[test]
+    fn transport_statuses_get_the_relay_texts() {
+        let too_large = Status::out_of_range(
+            "Error, decoded message length too large: found 9 bytes, the limit is: 8 bytes",
+        );
+        assert_eq!(
+            transport_error(&too_large, 8).unwrap().to_string(),
+            "request larger than the transport limit of 8 bytes"
+        );
+        let garbage = Status::internal("failed to decode Protobuf message: invalid varint");
+        assert_eq!(
+            transport_error(&garbage, 8).unwrap().code(),
+            Code::InvalidArgument
+        );
+        assert!(transport_error(&Status::internal("other"), 8).is_none());
+    }
+}
