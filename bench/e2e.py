@@ -1,9 +1,11 @@
 """End-to-end SDK benchmark: SDK -> relay -> SDK with MLS. Prints figures, asserts nothing.
 
     .venv/bin/python bench/e2e.py [--messages N] [--round-trips N] [--senders N,N,...]
+                                  [--stores sqlite,postgresql]
 
-Starts a real ``static serve`` (SQLite, durable) on loopback and two SDK agents in separate
-processes (Alice sends, Bob receives), 1 KiB payloads. Measures:
+Starts a real ``static serve`` (durable; on each store in turn, SQLite and a throwaway
+PostgreSQL cluster, with the PostgreSQL/SQLite round-trip ratio at the end) on loopback and two
+SDK agents in separate processes (Alice sends, Bob receives), 1 KiB payloads. Measures:
 
 * one-way throughput, Alice -> Bob (from the first send to the last message Bob reads), with
   one sending thread and with 16 and 256 (``--senders``): each ``send`` waits for the relay's
@@ -46,8 +48,10 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
 PAYLOAD = 1024
@@ -56,10 +60,12 @@ SLIM_PIPELINED = 3_200
 CHANNEL = "bench/e2e/channel"
 
 
-def _start_static(data_dir: str) -> ServerProcess:
+def _start_static(data_dir: str, database_url: str | None = None) -> ServerProcess:
     """A real ``static serve`` (anonymous relay, no publish rate limit) on loopback."""
     return ServerProcess(
-        Path(data_dir), extra_args=["--allow-anonymous", "--relay-publish-rate", "0"]
+        Path(data_dir),
+        database_url,
+        extra_args=["--allow-anonymous", "--relay-publish-rate", "0"],
     ).start()
 
 
@@ -239,6 +245,104 @@ def trace(channel: object, conn: Connection, count: int) -> list[tuple[str, tupl
     return rows
 
 
+@dataclass
+class Figures:
+    """What one run over one store measured."""
+
+    single: float
+    pipelined: float
+    many: list[tuple[int, float, dict[str, float]]]
+    rtts: list[float]
+    rtt_cpu: dict[str, float]
+    stages: list[tuple[str, tuple[float, float]]]
+
+
+def measure(database_url: str | None, args: argparse.Namespace, tmp: str) -> Figures:
+    """Every figure, against one ``static serve`` on ``database_url`` (None: embedded SQLite)."""
+    from static_sdk import StaticClient
+
+    sender_counts = [int(n) for n in args.senders.split(",") if n.strip()]
+    server = _start_static(f"{tmp}/server", database_url)
+    relay = server.relay_url
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    receiver = ctx.Process(target=bob, args=(relay, f"{tmp}/bob", theirs))
+    receiver.start()
+    try:
+        with StaticClient(relay, f"{tmp}/alice", b"alice") as alice:
+            channel = alice.create_channel(CHANNEL)
+            ours.send(channel.add_member(ours.recv()))
+            assert ours.recv() == "joined"
+            # Warm up (connections, first epochs).
+            one_way(channel, ours, 500, 4)
+
+            single = one_way(channel, ours, min(args.messages, 2_000), 1)
+            one_way_pipelined(channel, ours, 1_000)  # warm up the sender thread
+            pipelined = one_way_pipelined(channel, ours, args.messages)
+            pids = {
+                "alice": os.getpid(),
+                "relay": server.proc.pid if server.proc else 0,
+                "bob": receiver.pid or 0,
+            }
+            many: list[tuple[int, float, dict[str, float]]] = []
+            for senders in sender_counts:
+                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+                rate = one_way(channel, ours, args.messages, senders)
+                cpu = {
+                    name: (_cpu_seconds(pid) - before[name]) / args.messages * 1e6
+                    for name, pid in pids.items()
+                }
+                many.append((senders, rate, cpu))
+
+            ours.send(("echo", args.round_trips))
+            answers = channel.messages()
+            rtts = []
+            payload = b"p" * PAYLOAD
+            before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+            for _ in range(args.round_trips):
+                started = time.perf_counter()
+                channel.send(payload)
+                next(answers)
+                rtts.append((time.perf_counter() - started) * 1000)
+            assert ours.recv() == "echoed"
+            rtt_cpu = {
+                name: (_cpu_seconds(pid) - before[name]) / args.round_trips * 1e6
+                for name, pid in pids.items()
+            }
+            stages = trace(channel, ours, min(args.round_trips, 300))
+            ours.send("stop")
+    finally:
+        receiver.join(30)
+        server.stop(30)
+    return Figures(single, pipelined, many, sorted(rtts), rtt_cpu, stages)
+
+
+def report(store: str, f: Figures) -> None:
+    p99 = f.rtts[min(len(f.rtts) - 1, int(len(f.rtts) * 0.99))]
+    print(f"SDK -> relay -> SDK, MLS, 1 KiB payloads, loopback, durable stores; store: {store}")
+    print(f"  one-way, 1 sending thread:       {f.single:9,.0f} msg/s")
+    print(
+        f"  one-way, 1 thread, pipelined:    {f.pipelined:9,.0f} msg/s   "
+        f"({f.pipelined / f.single:.1f}x the blocking thread above;"
+        f" {f.pipelined / SLIM_PIPELINED:.1f}x SLIM's pipelined publish; target >= 2x)"
+    )
+    for senders, rate, cpu in f.many:
+        print(f"  one-way, {senders} sending threads: {rate:9,.0f} msg/s   (target >= 7,000)")
+        print(
+            "    CPU per message in that run: "
+            + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items())
+        )
+    print(
+        f"  round trip: median {statistics.median(f.rtts):.2f} ms, p99 {p99:.2f} ms"
+        "   (targets <= 1.5 ms, <= 5 ms)"
+    )
+    per_trip = ", ".join(f"{name} {us:.0f} us" for name, us in f.rtt_cpu.items())
+    print(f"    CPU per round trip: {per_trip}")
+    print("  where a round trip goes (ms, median and p99; the relay's ack and delivery overlap):")
+    for label, (median, p99_ms) in f.stages:
+        print(f"    {label:<38} {median:7.3f} {p99_ms:7.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
@@ -250,101 +354,55 @@ def main() -> None:
         " each send() waits for the relay's durable acknowledgement, so the rate is the number"
         " of sends in flight over their latency",
     )
+    parser.add_argument(
+        "--stores",
+        default="sqlite,postgresql",
+        help="comma-separated stores to run against, in one run (default both; PostgreSQL is a"
+        " throwaway cluster of Debian's binaries, skipped when they are missing)",
+    )
     args = parser.parse_args()
-    sender_counts = [int(n) for n in args.senders.split(",") if n.strip()]
+    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
 
-    from static_sdk import StaticClient
-
+    results: dict[str, Figures] = {}
     with tempfile.TemporaryDirectory(prefix="static-e2e-") as tmp:
-        server = _start_static(f"{tmp}/server")
-        relay = server.relay_url
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        receiver = ctx.Process(target=bob, args=(relay, f"{tmp}/bob", theirs))
-        receiver.start()
-        try:
-            with StaticClient(relay, f"{tmp}/alice", b"alice") as alice:
-                channel = alice.create_channel(CHANNEL)
-                ours.send(channel.add_member(ours.recv()))
-                assert ours.recv() == "joined"
-                # Warm up (connections, first epochs).
-                one_way(channel, ours, 500, 4)
-
-                single = one_way(channel, ours, min(args.messages, 2_000), 1)
-                one_way_pipelined(channel, ours, 1_000)  # warm up the sender thread
-                pipelined = one_way_pipelined(channel, ours, args.messages)
-                pids = {
-                    "alice": os.getpid(),
-                    "relay": server.proc.pid if server.proc else 0,
-                    "bob": receiver.pid or 0,
-                }
-                many: list[tuple[int, float, dict[str, float]]] = []
-                for senders in sender_counts:
-                    before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-                    rate = one_way(channel, ours, args.messages, senders)
-                    cpu = {
-                        name: (_cpu_seconds(pid) - before[name]) / args.messages * 1e6
-                        for name, pid in pids.items()
-                    }
-                    many.append((senders, rate, cpu))
-
-                ours.send(("echo", args.round_trips))
-                answers = channel.messages()
-                rtts = []
-                payload = b"p" * PAYLOAD
-                before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
-                for _ in range(args.round_trips):
-                    started = time.perf_counter()
-                    channel.send(payload)
-                    next(answers)
-                    rtts.append((time.perf_counter() - started) * 1000)
-                assert ours.recv() == "echoed"
-                rtt_cpu = {
-                    name: (_cpu_seconds(pid) - before[name]) / args.round_trips * 1e6
-                    for name, pid in pids.items()
-                }
-                stages = trace(channel, ours, min(args.round_trips, 300))
-                ours.send("stop")
-        finally:
-            receiver.join(30)
-            server.stop(30)
+        for store in stores:
+            if store == "sqlite":
+                results[store] = measure(None, args, f"{tmp}/{store}")
+            elif store == "postgresql":
+                bindir = find_postgres_bin()
+                if bindir is None:
+                    print(
+                        "postgresql: skipped (no PostgreSQL binaries; scripts/ensure-postgres.sh)"
+                    )
+                    continue
+                cluster = PostgresCluster(bindir)
+                cluster.start()
+                try:
+                    results[store] = measure(cluster.create_database(), args, f"{tmp}/{store}")
+                finally:
+                    cluster.stop()
+            else:
+                parser.error(f"unknown store {store!r}: sqlite or postgresql")
         durable_write = _durable_write_latency(tmp)
         wake_up = _wake_up_latency()
 
-    rtts.sort()
-    p99 = rtts[min(len(rtts) - 1, int(len(rtts) * 0.99))]
-    print("SDK -> relay -> SDK, MLS, 1 KiB payloads, loopback, durable stores")
-    print(f"  one-way, 1 sending thread:       {single:9,.0f} msg/s")
-    print(
-        f"  one-way, 1 thread, pipelined:    {pipelined:9,.0f} msg/s   "
-        f"({pipelined / single:.1f}x the blocking thread above; {pipelined / SLIM_PIPELINED:.1f}x"
-        f" SLIM's pipelined publish; target >= 2x)"
-    )
-    for senders, rate, cpu in many:
-        print(f"  one-way, {senders} sending threads: {rate:9,.0f} msg/s   (target >= 7,000)")
-        print(
-            "    CPU per message in that run: "
-            + ", ".join(f"{name} {us:.0f} us" for name, us in cpu.items())
+    for store, figures in results.items():
+        report(store, figures)
+    if "sqlite" in results and "postgresql" in results:
+        ratio = statistics.median(results["postgresql"].rtts) / statistics.median(
+            results["sqlite"].rtts
         )
+        print(f"PostgreSQL / SQLite round-trip median: {ratio:.2f}x   (goal <= 1.5x)")
     print(
-        f"  round trip: median {statistics.median(rtts):.2f} ms, p99 {p99:.2f} ms"
-        "   (targets <= 1.5 ms, <= 5 ms)"
-    )
-    per_trip = ", ".join(f"{name} {us:.0f} us" for name, us in rtt_cpu.items())
-    print(f"    CPU per round trip: {per_trip}")
-    print(
-        "  reference, AGNTCY SLIM 3.3.8: ~3,600 msg/s one-way (~3,200 pipelined from one"
+        "reference, AGNTCY SLIM 3.3.8: ~3,600 msg/s one-way (~3,200 pipelined from one"
         " thread); RTT median 1.9 ms at best"
     )
-    print("  where a round trip goes (ms, median and p99; the relay's ack and delivery overlap):")
-    for label, (median, p99_ms) in stages:
-        print(f"    {label:<38} {median:7.3f} {p99_ms:7.3f}")
-    print("  this machine, same run (one every ms, as in a round trip; us, median and p99):")
+    print("this machine, same run (one every ms, as in a round trip; us, median and p99):")
     for label, (median, p99_us), note in [
         ("durable 4 KiB write (fdatasync)", durable_write, "a round trip holds 2"),
         ("wake-up of an idle process", wake_up, "a round trip holds ~10 hand-offs"),
     ]:
-        print(f"    {label:<38} {median:7.0f} {p99_us:7.0f}   {note}")
+        print(f"  {label:<38} {median:7.0f} {p99_us:7.0f}   {note}")
 
 
 if __name__ == "__main__":
