@@ -223,16 +223,21 @@ def test_publish_rate_limit_per_agent(start_server: Start) -> None:
         relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"later"))
 
 
+def _applications(count: int) -> list[Any]:
+    """``count`` distinct application messages at epoch 0, as PublishRequests."""
+    return [
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"%d" % i))
+        for i in range(count)
+    ]
+
+
 def test_a_full_batch_on_an_idle_relay_is_answered_whole(start_server: Start) -> None:
     # The Rust relay once committed one group-commit batch (512) of such a request on the
     # caller's task and left the rest queued for a writer thread nobody woke.
     server = start_server("--allow-anonymous", "--relay-publish-rate", "0")
     with Relay(server.relay_url) as relay:
         relay.create(CHANNEL)
-        batch = [
-            pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"%d" % i))
-            for i in range(1024)
-        ]
+        batch = _applications(1024)
         [response] = relay.publish_batches([batch])
         assert [r.accepted.seq for r in response.results] == list(range(1, 1025))
 
@@ -243,10 +248,7 @@ def test_a_rate_limited_batch_item_refuses_the_rest_of_its_request(start_server:
     server = start_server("--allow-anonymous", "--relay-publish-rate", "200")
     with Relay(server.relay_url) as relay:
         relay.create(CHANNEL)
-        batch = [
-            pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"%d" % i))
-            for i in range(1000)
-        ]
+        batch = _applications(1000)
         [response] = relay.publish_batches([batch])
         kinds = [result.WhichOneof("outcome") for result in response.results]
         accepted = kinds.count("accepted")

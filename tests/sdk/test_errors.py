@@ -21,7 +21,7 @@ from static_sdk import (
     TransportError,
 )
 from tests.sdk.conftest import WAIT, Clients, channel_name
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, free_port
 
 FORM = "org/namespace/service"
 
@@ -72,17 +72,10 @@ def test_channel_existing_on_the_relay(relay: ServerProcess, clients: Clients) -
         clients(relay, b"mallory").create_channel(name)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_transport_errors(tmp_path: Path) -> None:
     # Nothing listens: the first contact fails within the connect timeout (1 s by default),
     # not after the 30 s a relay that answered before is retried for.
-    with StaticClient(f"grpc://127.0.0.1:{_closed_port()}", tmp_path / "a", b"alice") as client:
+    with StaticClient(f"grpc://127.0.0.1:{free_port()}", tmp_path / "a", b"alice") as client:
         for attempt in (client.create_channel, lambda name: client.join_channel(name, b"w")):
             started = time.monotonic()
             with pytest.raises(TransportError, match=r"^transport error: cannot reach the relay"):
@@ -93,7 +86,7 @@ def test_transport_errors(tmp_path: Path) -> None:
 
 
 def test_connect_timeout_is_configurable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"grpc://127.0.0.1:{_closed_port()}"
+    url = f"grpc://127.0.0.1:{free_port()}"
     for i, (timeout, env) in enumerate([(2.5, None), (None, "2.5")]):
         if env is not None:
             monkeypatch.setenv("STATIC_SDK_CONNECT_TIMEOUT", env)
@@ -114,7 +107,7 @@ def test_a_join_that_cannot_reach_the_relay_keeps_the_welcome_usable(
     with StaticClient(relay.relay_url, tmp_path / "alice", b"alice") as alice:
         name = channel_name()
         alices = alice.create_channel(name)
-        with StaticClient(f"grpc://127.0.0.1:{_closed_port()}", tmp_path / "bob", b"bob") as bob:
+        with StaticClient(f"grpc://127.0.0.1:{free_port()}", tmp_path / "bob", b"bob") as bob:
             welcome = alices.add_member(bob.generate_key_package())
             with pytest.raises(TransportError, match=r"cannot reach the relay"):
                 bob.join_channel(name, welcome)
@@ -153,7 +146,7 @@ def test_auth_errors_without_a_server(tmp_path: Path) -> None:
             tmp_path / "b",
             b"b",
             api_key="sk_live_x",
-            api_url=f"http://127.0.0.1:{_closed_port()}",
+            api_url=f"http://127.0.0.1:{free_port()}",
         )
 
 

@@ -5,7 +5,6 @@ blocking sends; failures are reported, never silent."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ import trio
 
 from static_sdk import MAX_PAYLOAD, Channel, InternalError, SendHandle, TransportError
 from tests.sdk.conftest import WAIT, Clients, receive_n
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, restartable_args
 
 
 def _payloads(n: int, prefix: bytes = b"") -> list[bytes]:
@@ -67,23 +66,10 @@ def test_rate_limited_pipelined_sends_keep_their_order(
     assert receive_n(bobs, len(payloads)) == payloads
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_pipelined_sends_ride_out_a_relay_restart(
     start_server: Callable[..., ServerProcess], clients: Clients
 ) -> None:
-    server = start_server(
-        "--allow-anonymous",
-        "--relay",
-        f"127.0.0.1:{_free_port()}",
-        "--http",
-        f"127.0.0.1:{_free_port()}",
-    )
+    server = start_server(*restartable_args("--allow-anonymous"))
     alices, bobs = clients.pair(server)
     payloads = _payloads(4000)
     sending_done = threading.Event()

@@ -7,7 +7,6 @@ import os
 import selectors
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -20,20 +19,13 @@ import pytest
 
 from tests.conftest import BACKENDS
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, restartable_args
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     value: str = request.param
     return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def test_typical_flow_on_both_backends(relay: ServerProcess, clients: Clients) -> None:
@@ -48,13 +40,7 @@ def test_relay_restart_mid_stream_loses_nothing(
     start_server: Callable[..., ServerProcess], clients: Clients
 ) -> None:
     # Fixed ports, so the restarted relay is where the clients look for it.
-    server = start_server(
-        "--allow-anonymous",
-        "--relay",
-        f"127.0.0.1:{_free_port()}",
-        "--http",
-        f"127.0.0.1:{_free_port()}",
-    )
+    server = start_server(*restartable_args("--allow-anonymous"))
     alices, bobs = clients.pair(server)
     total = 60
     received: list[bytes] = []

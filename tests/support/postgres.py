@@ -11,11 +11,12 @@ import itertools
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.support.server import free_port
 
 __all__ = ["PostgresCluster", "find_postgres_bin"]
 
@@ -29,13 +30,6 @@ def find_postgres_bin() -> Path | None:
     return Path(found).resolve().parent if found else None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class PostgresCluster:
     """One cluster; :meth:`create_database` hands out a fresh database per test server."""
 
@@ -43,7 +37,7 @@ class PostgresCluster:
         self._bindir = bindir
         self._root = Path(tempfile.mkdtemp(prefix="static-pg-"))
         self._data = self._root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self._as_root = os.geteuid() == 0
         self._counter = itertools.count(1)
         if self._as_root:

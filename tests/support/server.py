@@ -6,13 +6,28 @@ import importlib
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ServerProcess"]
+__all__ = ["ServerProcess", "free_port", "restartable_args"]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (picked by the OS, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def restartable_args(*extra: str) -> tuple[str, ...]:
+    """``static serve`` arguments with fixed ports, so that a restarted server is where its
+    clients look for it."""
+    return (*extra, "--relay", f"127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{free_port()}")
 
 
 class ServerProcess:

@@ -374,26 +374,9 @@ pub struct Client {
 impl Client {
     /// Opens the engine of `identity` under `data_dir` and prepares (lazily) the connection to
     /// the relay at `endpoint`. `tokens` is `None` for anonymous access; `initial_token` saves
-    /// the first fetch when the caller has just exchanged the key.
+    /// the first fetch when the caller has just exchanged the key; `options` (see
+    /// [`ClientOptions::from_env`]) says how patient calls are with the relay.
     pub fn open(
-        endpoint: &str,
-        data_dir: impl AsRef<Path>,
-        identity: &[u8],
-        tokens: Option<Arc<dyn TokenProvider>>,
-        initial_token: Option<Token>,
-    ) -> Result<Self> {
-        Self::open_with(
-            endpoint,
-            data_dir,
-            identity,
-            tokens,
-            initial_token,
-            ClientOptions::from_env(),
-        )
-    }
-
-    /// [`Client::open`] with explicit [`ClientOptions`].
-    pub fn open_with(
         endpoint: &str,
         data_dir: impl AsRef<Path>,
         identity: &[u8],

@@ -389,7 +389,7 @@ impl Client {
             expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
         });
         let client = exit::without_gil(py, || {
-            CoreClient::open_with(endpoint, &data_dir, identity, provider, initial, options)
+            CoreClient::open(endpoint, &data_dir, identity, provider, initial, options)
         });
         Ok(Self {
             inner: Arc::new(native(client)?),
