@@ -1,16 +1,23 @@
-"""``serve_rust_relay``: the relay's data plane in Rust (``static._native.RelayServer``), on SQLite.
+"""``serve_rust_relay``: the relay's data plane in Rust (``static._native.RelayServer``).
 
 The gRPC service, the channel logs and their group-committing writer run on a tokio runtime of
-the extension, in this process, on the same database file as the HTTP API; no message crosses
-into Python. What stays here is what is not per message: tokens are checked by the server's
-:class:`~static.auth.TokenVerifier` once per call (the extension calls ``verify`` from one of its
-threads, which waits for the trio thread), the keys behind live streams are re-checked for
-revocation every ``revocation_check_seconds``, and shutdown is decided here.
+the extension, in this process, on the same database as the HTTP API (a SQLite file, or a
+PostgreSQL database that other ``static serve`` processes may share); no message crosses into
+Python. What stays here is what is not per message: tokens are checked by the server's
+:class:`~static.auth.TokenVerifier` once per call, the keys behind live streams are re-checked
+for revocation every ``revocation_check_seconds``, and shutdown is decided here.
+
+The extension asks for token checks from its own threads. They are answered by a task of this
+module's nursery rather than by ``trio.from_thread.run``: a task started from a foreign thread
+would lack this task's context, which the PostgreSQL store (triopg, over trio-asyncio) needs.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 
 import trio
@@ -28,24 +35,67 @@ _UNAVAILABLE = 14
 _UNAUTHENTICATED = 16
 
 _Verified = tuple[str, str, float | None] | tuple[int, str]
+_SHUTTING_DOWN: _Verified = (_UNAVAILABLE, "relay is shutting down")
 
 
-def _verify_in_trio(
-    verifier: TokenVerifier, trio_token: trio.lowlevel.TrioToken
+@dataclass(frozen=True)
+class _Request:
+    token: str
+    answer: Future[_Verified]
+
+
+async def _check(verifier: TokenVerifier, token: str) -> _Verified:
+    """The principal, or a (code, text) refusal."""
+    try:
+        principal = await verifier.verify_token(token)
+    except TokenRefused as exc:
+        return (_UNAUTHENTICATED, str(exc) or "invalid token")
+    except DatabaseError as exc:
+        return (_UNAVAILABLE, f"store unavailable: {exc}")
+    return (principal.account_id, principal.key_id, principal.expires_at)
+
+
+async def _answer(verifier: TokenVerifier, request: _Request) -> None:
+    answer = _SHUTTING_DOWN
+    try:
+        answer = await _check(verifier, request.token)
+    finally:
+        # Cancelled (shutdown) too: the extension's thread waits for an answer.
+        request.answer.set_result(answer)
+
+
+async def _serve_verifications(
+    verifier: TokenVerifier, requests: trio.MemoryReceiveChannel[_Request]
+) -> None:
+    """Answer the extension's token checks, each in a task of its own, until cancelled."""
+    try:
+        async with trio.open_nursery() as nursery:
+            async for request in requests:
+                nursery.start_soon(_answer, verifier, request)
+    finally:
+        requests.close()
+        # Asked before the channel closed, never taken: refused.
+        while True:
+            try:
+                request = requests.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                break
+            request.answer.set_result(_SHUTTING_DOWN)
+
+
+def _verify_from_threads(
+    requests: trio.MemorySendChannel[_Request], trio_token: trio.lowlevel.TrioToken
 ) -> Callable[[str], _Verified]:
-    """``verify(token)`` for the extension's threads: the principal, or a (code, text) refusal
-    with the texts of the Python relay."""
+    """``verify(token)`` for the extension's threads: hands the token to
+    :func:`_serve_verifications` and waits for its answer."""
 
     def verify(token: str) -> _Verified:
+        request = _Request(token, Future())
         try:
-            principal = trio.from_thread.run(verifier.verify_token, token, trio_token=trio_token)
-        except TokenRefused as exc:
-            return (_UNAUTHENTICATED, str(exc) or "invalid token")
-        except DatabaseError as exc:
-            return (_UNAVAILABLE, f"store unavailable: {exc}")
-        except trio.RunFinishedError:
-            return (_UNAVAILABLE, "relay is shutting down")
-        return (principal.account_id, principal.key_id, principal.expires_at)
+            trio.from_thread.run_sync(requests.send_nowait, request, trio_token=trio_token)
+        except (trio.RunFinishedError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return _SHUTTING_DOWN
+        return request.answer.result()
 
     return verify
 
@@ -64,29 +114,32 @@ async def _revocation_checks(server: RelayServer, verifier: TokenVerifier, every
 
 
 async def serve_rust_relay(
-    db_path: str,
+    database: str,
     settings: ServerSettings,
     verifier: TokenVerifier | None,
     shutdown: trio.Event,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the relay on ``settings.relay`` over the SQLite file ``db_path`` (already migrated)
-    until ``shutdown`` is set; report ``grpc://HOST:PORT``.
+    """Serve the relay on ``settings.relay`` over ``database`` (a SQLite file or a PostgreSQL URL,
+    already migrated) until ``shutdown`` is set; report ``grpc://HOST:PORT``.
 
     Binds only the configured host, without SO_REUSEPORT. On shutdown: stop accepting, end live
     subscriptions (UNAVAILABLE), let in-flight calls finish within the graceful timeout, close
     every connection, commit what was submitted.
     """
     relay = settings.relay_settings
+    requests_in, requests_out = trio.open_memory_channel[_Request](math.inf)
     verify = (
-        None if verifier is None else _verify_in_trio(verifier, trio.lowlevel.current_trio_token())
+        None
+        if verifier is None
+        else _verify_from_threads(requests_in, trio.lowlevel.current_trio_token())
     )
     start = partial(
         RelayServer,
         host=settings.relay.host,
         port=settings.relay.port,
-        db_path=db_path,
+        database=database,
         verify=verify,
         allow_anonymous=relay.allow_anonymous,
         max_message_bytes=relay.max_message_bytes,
@@ -99,17 +152,21 @@ async def serve_rust_relay(
         publish_rate_per_agent=relay.publish_rate_per_agent,
     )
     server = await trio.to_thread.run_sync(start)
-    try:
-        async with trio.open_nursery() as nursery:
-            if verifier is not None:
-                nursery.start_soon(
-                    _revocation_checks, server, verifier, relay.revocation_check_seconds
-                )
-            task_status.started(f"grpc://{Address(settings.relay.host, server.port)}")
-            await shutdown.wait()
-            nursery.cancel_scope.cancel()
-    finally:
-        # Shielded: the drain runs to its end (bounded by the graceful timeout); the trio thread
-        # stays free meanwhile for the token checks of calls still in flight.
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(server.shutdown)
+    async with trio.open_nursery() as verifications:
+        if verifier is not None:
+            verifications.start_soon(_serve_verifications, verifier, requests_out)
+        try:
+            async with trio.open_nursery() as nursery:
+                if verifier is not None:
+                    nursery.start_soon(
+                        _revocation_checks, server, verifier, relay.revocation_check_seconds
+                    )
+                task_status.started(f"grpc://{Address(settings.relay.host, server.port)}")
+                await shutdown.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            # Shielded: the drain runs to its end (bounded by the graceful timeout); token
+            # checks of calls still in flight are answered meanwhile.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(server.shutdown)
+            verifications.cancel_scope.cancel()

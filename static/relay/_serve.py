@@ -31,5 +31,9 @@ async def serve_relay(
     through ``task_status`` once it listens."""
     if isinstance(db, SQLiteDatabase) and db.path != ":memory:":
         await serve_rust_relay(db.path, settings, verifier, shutdown, task_status=task_status)
+    elif not isinstance(db, SQLiteDatabase):
+        await serve_rust_relay(
+            settings.resolved_database_url, settings, verifier, shutdown, task_status=task_status
+        )
     else:
         await serve_purerpc_relay(db, settings, verifier, shutdown, task_status=task_status)

@@ -5,7 +5,6 @@
 //! to stop (`shutdown`). Errors at start are `OSError`s; nothing else raises.
 
 use std::future::Future;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
@@ -14,7 +13,7 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 
 use crate::exit;
-use static_relay::{Principal, RelayConfig, RelayError, Verify};
+use static_relay::{Database, Principal, RelayConfig, RelayError, Verify};
 
 /// gRPC codes a `verify` callable may refuse with.
 const UNAVAILABLE: u32 = 14;
@@ -103,7 +102,7 @@ impl RelayServer {
 impl RelayServer {
     #[new]
     #[pyo3(signature = (
-        *, host, port, db_path, verify, allow_anonymous, max_message_bytes, graceful_timeout,
+        *, host, port, database, verify, allow_anonymous, max_message_bytes, graceful_timeout,
         application_window, keepalive_interval, max_streams_per_connection, reset_burst,
         reset_rate_per_second, publish_rate_per_agent,
     ))]
@@ -112,7 +111,7 @@ impl RelayServer {
         py: Python<'_>,
         host: String,
         port: u16,
-        db_path: PathBuf,
+        database: String,
         verify: Option<Py<PyAny>>,
         allow_anonymous: bool,
         max_message_bytes: usize,
@@ -129,7 +128,7 @@ impl RelayServer {
         let config = RelayConfig {
             host,
             port,
-            db_path,
+            database: Database::parse(&database),
             allow_anonymous,
             max_message_bytes,
             graceful_timeout: seconds(graceful_timeout),

@@ -1,10 +1,11 @@
 //! Static's relay data plane: the MLS delivery service of docs/design.md §5 (gRPC, `proto/relay.proto`)
-//! in Rust, over the SQLite store. `static serve` runs it in its process (through
+//! in Rust, over SQLite (one relay per file) or PostgreSQL (any number of relays on one database). `static serve` runs it in its process (through
 //! `static._native.RelayServer`) and keeps what is not per-message in Python: token checks
 //! ([`Verify`], once per call), the revocation checks (which end streams through
 //! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
 //!
-//! Layout: `framing` and `rules` are pure; `log` is the channel logs (memory + SQLite writer);
+//! Layout: `framing` and `rules` are pure; `log` is the channel logs (memory, the group-committing
+//! writer); `store` is the log's I/O, one module per database;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 #![forbid(unsafe_code)]
@@ -23,3 +24,4 @@ pub use static_proto::{pb, PROTO_DESCRIPTOR};
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;
 pub use server::{RelayConfig, RelayServer};
+pub use store::Database;

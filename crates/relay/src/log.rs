@@ -1,52 +1,43 @@
-//! Channel logs: the in-memory view of each channel, the group-committing writer over SQLite,
-//! reading after a cursor. A port of `static/relay/_log.py` + `static/store/_channels.py`
-//! (SQLite only), same schema (`static/store/migrations/0002_relay.sqlite.sql`, created by
-//! the Python store's migrations before the relay opens the database).
+//! Channel logs: the in-memory view of each channel, the group-committing writer over a store
+//! (SQLite or PostgreSQL, [`crate::store`]), reading after a cursor. Same schema on both
+//! (`static/store/migrations/0002_relay.*.sql`, created by the Python store's migrations
+//! before the relay opens the database).
 //!
 //! # Design
 //!
-//! * **One writer.** One [`Writer`] owns the write connection. Publishes (and channel
-//!   creations) queue up in a `Mutex<VecDeque>`; whoever holds the writer takes everything
-//!   queued (up to [`MAX_BATCH`]), fences and numbers it in submission order, and stores it in
-//!   ONE transaction: the fsync (WAL, `synchronous=FULL`) is paid once per batch. When the
-//!   writer is free, the submitting task commits its own publishes right away, on its thread
-//!   (sparse traffic: no hand-off at all between a publish and its delivery, and the woken
-//!   tasks run on the same worker); when it is busy, the writer thread (woken through a
-//!   `Condvar`) takes what queued up meanwhile, so a tokio worker commits at most one batch.
+//! * **One writer per relay.** One [`Writer`] owns the store's write side. Publishes (and
+//!   channel creations) queue up in a `Mutex<VecDeque>`; whoever holds the writer takes
+//!   everything queued (up to [`MAX_BATCH`]), has the store fence and number it in submission
+//!   order, and store it in ONE transaction: the fsync is paid once per batch. When the writer
+//!   is free and the store allows it (SQLite), the submitting task commits its own publishes
+//!   right away, on its thread (sparse traffic: no hand-off at all between a publish and its
+//!   delivery); otherwise the writer thread (woken through a `Condvar`) takes what queued up.
+//! * **Who decides.** On SQLite the relay is the only writer of its file: memory is
+//!   authoritative and the fence is decided from it, idempotency optimistically (the unique
+//!   index refuses a retry; only then are keys looked up). On PostgreSQL several relays share
+//!   the database: each group commit locks its channels' rows, reads their heads and the
+//!   batch's keys, and decides from those (exact across relays). See the store modules.
 //! * **Memory only after COMMIT.** Right after the commit, still on the committing thread, each
 //!   channel's recent-entries ring gets the new entries, its head and epoch advance, its
-//!   `watch` wakes the subscribers, and then the publishers' oneshots are answered: the commit
-//!   to wake-up path has no further hand-off. A failed transaction changes nothing in memory
-//!   (the batch was decided on a tentative copy of the heads), and everything in it is
-//!   answered with the store's error.
-//! * **Optimistic idempotency.** No lookup of idempotency keys up front: the unique index
-//!   (channel_id, idempotency_key) refuses a retry, and only then is every key of the batch
-//!   looked up and the batch decided again. A publish refused by the fence may still be the
-//!   retry of a logged message: only those are looked up, after the commit.
+//!   `watch` wakes the subscribers, and then the publishers' oneshots are answered. A failed
+//!   transaction changes nothing in memory, and everything in it is answered with the store's
+//!   error. Heads only move forward: on PostgreSQL another relay's commit (NOTIFYed) moves
+//!   them too, and the ring then restarts at the next local entry (it holds consecutive seqs).
 //! * **Readers pull.** A subscriber holds a cursor and reads what is after it: from the ring
-//!   while the ring still reaches back to it (no store access), else from a read-only
-//!   connection on the blocking pool. A slow subscriber costs nothing but its cursor.
-//! * **Checkpoints beside the commits.** A PASSIVE WAL checkpoint runs on its own thread and
-//!   connection every [`CHECKPOINT_COMMITS`] group commits or [`CHECKPOINT_BYTES`] of
-//!   messages, so that SQLite's autocheckpoint (the fallback) rarely runs inside a commit.
-//!
-//! The relay assumes it is the only writer of the relay tables (one `static serve` per
-//! database); the Python API writes other tables of the same file (hence `busy_timeout`).
+//!   while the ring still reaches back to it (no store access), else from the store. A slow
+//!   subscriber costs nothing but its cursor.
 
 use std::collections::{HashMap, VecDeque};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::thread::JoinHandle;
 
 use bytes::Bytes;
-use rusqlite::Connection;
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{RelayError, Result};
 use crate::framing::MessageHeader;
 use crate::rules::{check_fence, epoch_after};
-use crate::store;
+use crate::store::{self, ChannelRow, Database, LogReader, LogWriter};
 
 /// Most publishes one group commit takes.
 const MAX_BATCH: usize = 512;
@@ -54,17 +45,11 @@ const MAX_BATCH: usize = 512;
 const RING_ENTRIES: usize = 2048;
 /// ...and this many bytes of messages.
 const RING_BYTES: usize = 8 * 1024 * 1024;
-/// A background WAL checkpoint after this many group commits or message bytes, whichever
-/// first: well under SQLite's autocheckpoint (1,000 pages), which would run inside a commit.
-const CHECKPOINT_COMMITS: u32 = 64;
-const CHECKPOINT_BYTES: usize = 1024 * 1024;
-/// Idle read connections kept for the next read.
-const IDLE_READERS: usize = 4;
 const SHUTTING_DOWN: &str = "relay is shutting down";
 
 pub struct LogSettings {
-    /// The SQLite database file (WAL); its relay tables exist already.
-    pub db_path: PathBuf,
+    /// The database; its relay tables exist already.
+    pub database: Database,
     /// Application messages are accepted at the channel's epoch or this many before it.
     pub application_window: u64,
 }
@@ -119,10 +104,11 @@ pub enum WelcomeKey {
 /// bug or a stopped writer: the service answers INTERNAL / UNAVAILABLE.
 pub type Outcome = oneshot::Receiver<Result<Accepted>>;
 
-/// One channel, loaded: authoritative in memory while the relay runs.
+/// One channel, loaded.
 ///
-/// Head and epoch change only on the writer thread, once a commit holding entries of this
-/// channel is durable; between batches they are also the writer's own view.
+/// Head and epoch only move forward: on the writer thread once a commit holding entries of
+/// this channel is durable, and (PostgreSQL) when another relay's commit is NOTIFYed. On
+/// SQLite they are also the writer's own view between batches.
 pub struct Channel {
     id: i64,
     scope: String,
@@ -134,7 +120,7 @@ pub struct Channel {
 }
 
 impl Channel {
-    fn new(scope: &str, name: &str, row: store::ChannelRow) -> Channel {
+    fn new(scope: &str, name: &str, row: ChannelRow) -> Channel {
         Channel {
             id: row.id,
             scope: scope.to_owned(),
@@ -148,6 +134,11 @@ impl Channel {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The channel's row id in the store.
+    pub(crate) fn id(&self) -> i64 {
+        self.id
     }
 
     /// The scope (account id, or "" for anonymous callers) the channel is named in.
@@ -172,6 +163,32 @@ impl Channel {
     /// committed in between is missed.
     pub fn watch_head(&self) -> watch::Receiver<u64> {
         self.head_tx.subscribe()
+    }
+
+    /// Move head and epoch forward to a commit's (never back), waking the subscribers when
+    /// the head moved.
+    fn advance(&self, head: u64, epoch: u64) {
+        self.move_forward(head, epoch);
+        self.wake();
+    }
+
+    /// Head and epoch forward, without waking anyone yet (see [`Channel::wake`]).
+    fn move_forward(&self, head: u64, epoch: u64) {
+        // Epoch first: whoever sees the new head sees the epoch that goes with it.
+        self.epoch.fetch_max(epoch, Ordering::AcqRel);
+        self.head.fetch_max(head, Ordering::AcqRel);
+    }
+
+    /// Tells the subscribers the head moved (if it did since they last heard).
+    fn wake(&self) {
+        let head = self.head_seq();
+        self.head_tx.send_if_modified(|seen| {
+            let moved = head > *seen;
+            if moved {
+                *seen = head;
+            }
+            moved
+        });
     }
 
     fn ring(&self) -> std::sync::MutexGuard<'_, Ring> {
@@ -213,6 +230,15 @@ struct Ring {
 
 impl Ring {
     fn push(&mut self, entry: Entry) {
+        if self
+            .entries
+            .back()
+            .is_some_and(|last| last.seq + 1 != entry.seq)
+        {
+            // Another relay appended in between (PostgreSQL): start again from here.
+            self.entries.clear();
+            self.bytes = 0;
+        }
         self.bytes += entry.message.len();
         self.entries.push_back(entry);
         while self.entries.len() > RING_ENTRIES || self.bytes > RING_BYTES {
@@ -224,6 +250,95 @@ impl Ring {
     }
 }
 
+/// The loaded channels, by name and by id; shared with the store (PostgreSQL moves their
+/// heads on other relays' commits).
+#[derive(Default)]
+pub(crate) struct Registry {
+    state: Mutex<RegistryState>,
+}
+
+#[derive(Default)]
+struct RegistryState {
+    /// scope -> name -> channel (nested: looked up by `&str`, no key built per lookup).
+    by_name: HashMap<String, HashMap<String, Arc<Channel>>>,
+    by_id: HashMap<i64, Arc<Channel>>,
+    /// Loads in flight (their rows read, their channels not yet here)...
+    loading: usize,
+    /// ...and the heads announced meanwhile for channels not here, so that none is missed
+    /// between reading a row and remembering its channel. Emptied when no load is in flight.
+    announced: HashMap<i64, (u64, u64)>,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, RegistryState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn loaded(&self, scope: &str, name: &str) -> Option<Arc<Channel>> {
+        self.lock().by_name.get(scope)?.get(name).cloned()
+    }
+
+    /// A committed head (and the epoch after it) of channel `id`, from any relay.
+    pub(crate) fn advance(&self, id: i64, head: u64, epoch: u64) {
+        let mut state = self.lock();
+        if let Some(channel) = state.by_id.get(&id) {
+            channel.advance(head, epoch);
+        } else if state.loading > 0 {
+            let seen = state.announced.entry(id).or_insert((head, epoch));
+            *seen = (seen.0.max(head), seen.1.max(epoch));
+        }
+    }
+
+    /// The ids of the loaded channels.
+    pub(crate) fn loaded_ids(&self) -> Vec<i64> {
+        self.lock().by_id.keys().copied().collect()
+    }
+
+    /// Marks a load in flight until the guard is dropped.
+    fn loading(self: &Arc<Self>) -> Loading {
+        self.lock().loading += 1;
+        Loading(Arc::clone(self))
+    }
+
+    /// The channel just loaded or created, unless another load got there first: then that
+    /// one, so that each channel has one `Channel`. Heads announced since its row was read
+    /// are applied.
+    fn remember(&self, scope: &str, name: &str, row: ChannelRow) -> Arc<Channel> {
+        let mut state = self.lock();
+        let existing = state.by_name.get(scope).and_then(|names| names.get(name));
+        let channel = match existing {
+            Some(existing) => Arc::clone(existing),
+            None => {
+                let channel = Arc::new(Channel::new(scope, name, row));
+                state
+                    .by_name
+                    .entry(scope.to_owned())
+                    .or_default()
+                    .insert(name.to_owned(), Arc::clone(&channel));
+                state.by_id.insert(row.id, Arc::clone(&channel));
+                channel
+            }
+        };
+        if let Some((head, epoch)) = state.announced.remove(&row.id) {
+            channel.advance(head, epoch);
+        }
+        channel
+    }
+}
+
+/// A load in flight (see [`Registry::announced`]).
+struct Loading(Arc<Registry>);
+
+impl Drop for Loading {
+    fn drop(&mut self) {
+        let mut state = self.0.lock();
+        state.loading -= 1;
+        if state.loading == 0 {
+            state.announced.clear();
+        }
+    }
+}
+
 /// The relay's channels: load, create, publish (group-committed), read. Cheap to clone.
 #[derive(Clone)]
 pub struct ChannelLog {
@@ -231,15 +346,13 @@ pub struct ChannelLog {
 }
 
 struct Inner {
-    /// scope -> name -> channel (nested: looked up by `&str`, no key built per lookup).
-    channels: Mutex<HashMap<String, HashMap<String, Arc<Channel>>>>,
+    registry: Arc<Registry>,
     queue: Arc<Queue>,
     /// None once the writer thread stopped (closed).
     writer: Arc<Mutex<Option<Writer>>>,
-    readers: Arc<Readers>,
-    /// The checkpointer's state (owned by the writer), read by the tests.
-    #[cfg_attr(not(test), allow(dead_code))]
-    checkpoints: Arc<CheckpointShared>,
+    /// Whether submitters may commit on their own thread (see [`LogWriter::commits_inline`]).
+    commits_inline: bool,
+    reader: Arc<dyn LogReader>,
 }
 
 impl Drop for Inner {
@@ -251,54 +364,49 @@ impl Drop for Inner {
 }
 
 impl ChannelLog {
-    /// Open the database and start the writer (and its background checkpoints).
-    pub fn open(settings: LogSettings) -> Result<ChannelLog> {
-        let path = settings.db_path;
-        let conn = store::open_writer(&path).map_err(RelayError::store)?;
-        let readers = Arc::new(Readers {
-            idle: Mutex::new(vec![store::open_reader(&path).map_err(RelayError::store)?]),
-            path: path.clone(),
-        });
-        let checkpointer =
-            Checkpointer::start(store::open_checkpointer(&path).map_err(RelayError::store)?)?;
-        let checkpoints = Arc::clone(&checkpointer.shared);
+    /// Open the database and start the writer.
+    pub async fn open(settings: LogSettings) -> Result<ChannelLog> {
+        let registry = Arc::new(Registry::default());
+        let opened = store::open(&settings.database, &registry).await?;
         let queue = Arc::new(Queue {
             state: Mutex::new(QueueState::default()),
             wake: Condvar::new(),
             stopped: watch::Sender::new(false),
         });
+        let commits_inline = opened.writer.commits_inline();
         let writer = Arc::new(Mutex::new(Some(Writer {
-            conn,
+            store: opened.writer,
             window: settings.application_window,
-            checkpointer,
-            commits_since_checkpoint: 0,
-            bytes_since_checkpoint: 0,
             publishes: Vec::with_capacity(MAX_BATCH),
             creates: Vec::new(),
         })));
         let (their_queue, their_writer) = (Arc::clone(&queue), Arc::clone(&writer));
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("static-relay-writer".into())
             .spawn(move || {
                 // Declared first, dropped last: signals the stop once the writer (and its
-                // connection and checkpointer) are gone, even if it panicked.
+                // store) are gone, even if it panicked.
                 let _stopped = StopGuard(Arc::clone(&their_queue));
                 run_writer(&their_queue, &their_writer);
-            })
-            .map_err(RelayError::store)?;
+            });
+        if let Err(err) = spawned {
+            opened.reader.close();
+            return Err(RelayError::store(err));
+        }
         Ok(ChannelLog {
             inner: Arc::new(Inner {
-                channels: Mutex::new(HashMap::new()),
+                registry,
                 queue,
                 writer,
-                readers,
-                checkpoints,
+                commits_inline,
+                reader: opened.reader,
             }),
         })
     }
 
     /// Create `name` at epoch 0 in `scope`: AlreadyExists("channel 'NAME' already exists").
     pub async fn create(&self, scope: &str, name: &str) -> Result<Arc<Channel>> {
+        let _loading = self.inner.registry.loading();
         let (tx, rx) = oneshot::channel();
         let job = Job::Create {
             scope: scope.to_owned(),
@@ -309,12 +417,12 @@ impl ChannelLog {
             refused.into_iter().for_each(Job::refuse);
         }
         let id = rx.await.map_err(|_| shutting_down())??;
-        let row = store::ChannelRow {
+        let row = ChannelRow {
             id,
             epoch: 0,
             head_seq: 0,
         };
-        Ok(self.remember(scope, name, row))
+        Ok(self.inner.registry.remember(scope, name, row))
     }
 
     /// The channel `name` of `scope`: NotFound("no channel 'NAME'") when it does not exist.
@@ -322,41 +430,19 @@ impl ChannelLog {
         if let Some(channel) = self.loaded(scope, name) {
             return Ok(channel);
         }
-        let (s, n) = (scope.to_owned(), name.to_owned());
+        let _loading = self.inner.registry.loading();
         let row = self
-            .read(move |conn| store::load_channel(conn, &s, &n))
+            .inner
+            .reader
+            .load_channel(scope, name)
             .await?
             .ok_or_else(|| RelayError::NotFound(format!("no channel '{name}'")))?;
-        Ok(self.remember(scope, name, row))
+        Ok(self.inner.registry.remember(scope, name, row))
     }
 
     /// The channel if it is in memory already (no store access).
     pub fn loaded(&self, scope: &str, name: &str) -> Option<Arc<Channel>> {
-        let channels = self.channels();
-        channels.get(scope)?.get(name).cloned()
-    }
-
-    /// The channel just loaded or created, unless another load got there first: then that
-    /// one, so that each channel has one `Channel` (its row was read when nobody could write
-    /// to it: nothing appends to a channel before it is in this map).
-    fn remember(&self, scope: &str, name: &str, row: store::ChannelRow) -> Arc<Channel> {
-        let mut channels = self.channels();
-        let names = channels.entry(scope.to_owned()).or_default();
-        if let Some(existing) = names.get(name) {
-            return Arc::clone(existing);
-        }
-        let channel = Arc::new(Channel::new(scope, name, row));
-        names.insert(name.to_owned(), Arc::clone(&channel));
-        channel
-    }
-
-    fn channels(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<String, HashMap<String, Arc<Channel>>>> {
-        self.inner
-            .channels
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.inner.registry.loaded(scope, name)
     }
 
     /// Queue publishes (already checked, their channels loaded) for the next group commit,
@@ -388,6 +474,10 @@ impl ChannelLog {
     fn push(&self, jobs: Vec<Job>) -> std::result::Result<(), Vec<Job>> {
         let queue = &self.inner.queue;
         queue.push(jobs)?;
+        if !self.inner.commits_inline {
+            queue.notify_writer();
+            return Ok(());
+        }
         match self.inner.writer.try_lock() {
             Ok(mut writer) => match writer.as_mut() {
                 Some(writer) => {
@@ -424,10 +514,7 @@ impl ChannelLog {
         if let Some(page) = channel.ring_after(cursor, limit) {
             return Ok(page);
         }
-        let id = channel.id;
-        let page = self
-            .read(move |conn| store::read(conn, id, cursor, limit))
-            .await?;
+        let page = self.inner.reader.read(channel.id, cursor, limit).await?;
         if page.is_empty() {
             // Never expected: the head advances only after a commit.
             return Err(RelayError::Unavailable(format!(
@@ -452,11 +539,10 @@ impl ChannelLog {
         if epoch == 0 {
             return Ok(0);
         }
-        let id = channel.id;
-        // Beyond SQLite's integers: no such epoch (rather than a failed conversion).
-        let start = if epoch <= channel.epoch() {
-            self.read(move |conn| store::epoch_start(conn, id, epoch))
-                .await?
+        // Asked of the store even beyond the epoch in memory: on PostgreSQL another relay may
+        // have moved the channel on a moment ago. Beyond the store's integers: no such epoch.
+        let start = if i64::try_from(epoch).is_ok() {
+            self.inner.reader.epoch_start(channel.id, epoch).await?
         } else {
             None
         };
@@ -474,9 +560,7 @@ impl ChannelLog {
         channel: &Channel,
         key: WelcomeKey,
     ) -> Result<Option<WelcomeRecord>> {
-        let id = channel.id;
-        self.read(move |conn| store::fetch_welcome(conn, id, &key))
-            .await
+        self.inner.reader.fetch_welcome(channel.id, key).await
     }
 
     /// Commit everything submitted so far, then stop the writer (shutdown). Publishes and
@@ -486,34 +570,7 @@ impl ChannelLog {
         let mut stopped = self.inner.queue.stopped.subscribe();
         // The sender lives in the queue, which we hold: this only ends once stopped.
         let _ = stopped.wait_for(|stopped| *stopped).await;
-        self.inner
-            .readers
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
-    }
-
-    /// Runs `read` on a read connection, on the blocking pool.
-    async fn read<T, F>(&self, read: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
-    {
-        let readers = Arc::clone(&self.inner.readers);
-        match tokio::task::spawn_blocking(move || readers.run(read)).await {
-            Ok(result) => result.map_err(RelayError::store),
-            Err(err) if err.is_cancelled() => Err(shutting_down()),
-            // A panic in a read: a bug.
-            Err(_) => Err(RelayError::Internal),
-        }
-    }
-
-    /// Background checkpoints run so far (for the tests).
-    #[cfg(test)]
-    fn checkpoints(&self) -> u64 {
-        let (state, _) = &*self.inner.checkpoints;
-        state.lock().unwrap_or_else(PoisonError::into_inner).runs
+        self.inner.reader.close();
     }
 }
 
@@ -535,41 +592,15 @@ fn publish_jobs(items: Vec<(Arc<Channel>, Checked)>) -> (Vec<Job>, Vec<Outcome>)
         .unzip()
 }
 
-fn shutting_down() -> RelayError {
+pub(crate) fn shutting_down() -> RelayError {
     RelayError::Unavailable(SHUTTING_DOWN.to_owned())
-}
-
-/// Read connections, opened when needed and kept (a few) for the next read.
-struct Readers {
-    path: PathBuf,
-    idle: Mutex<Vec<Connection>>,
-}
-
-impl Readers {
-    fn run<T>(&self, read: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> rusqlite::Result<T> {
-        let idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
-        let conn = match idle {
-            Some(conn) => conn,
-            None => store::open_reader(&self.path)?,
-        };
-        let result = read(&conn);
-        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        if idle.len() < IDLE_READERS {
-            idle.push(conn);
-        }
-        result
-    }
 }
 
 // -- the queue --------------------------------------------------------------------------------
 
-struct Publish {
-    channel: Arc<Channel>,
-    checked: Checked,
+pub(crate) struct Publish {
+    pub channel: Arc<Channel>,
+    pub checked: Checked,
     tx: oneshot::Sender<Result<Accepted>>,
 }
 
@@ -690,7 +721,7 @@ impl Drop for StopGuard {
 // -- the writer -------------------------------------------------------------------------------
 
 /// What the writer decided for one publish of a batch.
-enum Decision {
+pub(crate) enum Decision {
     Append {
         seq: u64,
         channel_epoch: u64,
@@ -704,11 +735,13 @@ enum Decision {
 }
 
 /// A channel's head and epoch as a batch would leave them.
-struct Tentative {
+pub(crate) struct Tentative {
     /// A publish of the batch on this channel (for its `Arc<Channel>`).
     index: usize,
-    head: u64,
-    epoch: u64,
+    pub head: u64,
+    pub epoch: u64,
+    /// The batch appends to this channel.
+    appended: bool,
 }
 
 type Create = (String, String, oneshot::Sender<Result<i64>>);
@@ -731,11 +764,8 @@ fn run_writer(queue: &Queue, writer: &Mutex<Option<Writer>>) {
 }
 
 struct Writer {
-    conn: Connection,
+    store: Box<dyn LogWriter>,
     window: u64,
-    checkpointer: Checkpointer,
-    commits_since_checkpoint: u32,
-    bytes_since_checkpoint: usize,
     /// Scratch space of [`Writer::commit`], kept to reuse its allocations.
     publishes: Vec<Publish>,
     creates: Vec<Create>,
@@ -766,46 +796,30 @@ impl Writer {
     }
 
     fn create(&mut self, scope: &str, name: &str) -> Result<i64> {
-        match store::create_channel(&mut self.conn, scope, name) {
-            Ok(Some(id)) => {
-                self.count_commit(0);
-                Ok(id)
-            }
-            Ok(None) => Err(RelayError::AlreadyExists(format!(
-                "channel '{name}' already exists"
-            ))),
-            Err(err) => Err(RelayError::store(err)),
-        }
+        self.store
+            .create_channel(scope, name)?
+            .ok_or_else(|| RelayError::AlreadyExists(format!("channel '{name}' already exists")))
     }
 
-    /// One group commit of `batch` (emptied): decide, store, publish to memory, answer.
+    /// One group commit of `batch` (emptied): decide and store, publish to memory, answer.
     fn publish(&mut self, batch: &mut Vec<Publish>) {
-        let mut looked_up = false;
-        let mut plan = decide(batch, None, self.window);
-        let mut stored = self.store(batch, &plan);
-        if matches!(&stored, Err(err) if store::is_constraint(err)) {
-            // A retried publish hit the unique index: find the batch's keys in the log and
-            // decide again (the failed transaction was rolled back).
-            looked_up = true;
-            stored = self.find_keys(batch).and_then(|found| {
-                plan = decide(batch, Some(&found), self.window);
-                self.store(batch, &plan)
-            });
-        }
-        if let Err(err) = stored {
-            // Nothing was stored and memory is untouched; a duplicate found within the batch
-            // would point at an entry that does not exist, and a refusal may be a retry we
-            // could not look up: the whole batch gets the store's error.
-            let err = RelayError::store(err);
-            for p in batch.drain(..) {
-                let _ = p.tx.send(Err(err.clone()));
+        let plan = match self.store.append(batch, self.window) {
+            Ok(plan) => plan,
+            Err(err) => {
+                // Nothing was stored and memory is untouched.
+                for p in batch.drain(..) {
+                    let _ = p.tx.send(Err(err.clone()));
+                }
+                return;
             }
-            return;
-        }
-        self.committed(batch, &plan);
-        // Answers: publishers, in order; a refusal may be a retry of a message logged before
-        // (possibly now stale), which the optimistic path did not look up: after the others.
-        let mut refused = Vec::new();
+        };
+        committed(batch, &plan);
+        // Answers before wake-ups: what a publisher was told is already readable (heads moved
+        // above), and its answer does not wait behind the deliveries it causes.
+        let changed: Vec<Arc<Channel>> = plan
+            .changed(batch)
+            .map(|(channel, _)| Arc::clone(channel))
+            .collect();
         for (p, decision) in batch.drain(..).zip(plan.decisions) {
             let answer = match decision {
                 Decision::Append {
@@ -820,134 +834,68 @@ impl Writer {
                     epoch: channel_epoch,
                     duplicate: true,
                 }),
-                Decision::Refused(err) if !looked_up => {
-                    refused.push((p, err));
-                    continue;
-                }
                 Decision::Refused(err) => Err(err),
             };
             let _ = p.tx.send(answer);
         }
-        for (p, err) in refused {
-            let answer = match store::find_key(&self.conn, p.channel.id, &p.checked.key) {
-                Ok(Some((seq, channel_epoch))) => Ok(Accepted {
-                    seq,
-                    epoch: channel_epoch,
-                    duplicate: true,
-                }),
-                Ok(None) => Err(err),
-                Err(store_err) => Err(RelayError::store(store_err)),
-            };
-            let _ = p.tx.send(answer);
-        }
-    }
-
-    /// The batch's keys already in the log: per publish, the (seq, channel_epoch) holding it.
-    fn find_keys(&self, batch: &[Publish]) -> rusqlite::Result<Vec<Option<(u64, u64)>>> {
-        batch
-            .iter()
-            .map(|p| store::find_key(&self.conn, p.channel.id, &p.checked.key))
-            .collect()
-    }
-
-    /// Stores the plan's entries and heads in one transaction (none when nothing is appended).
-    fn store(&mut self, batch: &[Publish], plan: &Plan) -> rusqlite::Result<()> {
-        let entries: Vec<store::NewEntry<'_>> = batch
-            .iter()
-            .zip(&plan.decisions)
-            .filter_map(|(p, decision)| match *decision {
-                Decision::Append {
-                    seq,
-                    channel_epoch,
-                    starts_epoch,
-                } => Some(store::NewEntry {
-                    channel_id: p.channel.id,
-                    seq,
-                    epoch: p.checked.header.epoch,
-                    content_type: p.checked.header.content_type as u32,
-                    channel_epoch,
-                    starts_epoch,
-                    key: &p.checked.key,
-                    message: &p.checked.message,
-                    welcome: &p.checked.welcome,
-                    welcome_refs: &p.checked.welcome_refs,
-                }),
-                _ => None,
-            })
-            .collect();
-        if entries.is_empty() {
-            return Ok(());
-        }
-        let heads = plan
-            .changed(batch)
-            .map(|(channel, t)| (channel.id, t.head, t.epoch));
-        store::append(&mut self.conn, &entries, heads)
-    }
-
-    /// The batch is durable: rings, heads and epochs, then the subscribers' wake-ups.
-    fn committed(&mut self, batch: &[Publish], plan: &Plan) {
-        let (mut appended, mut bytes) = (false, 0);
-        for (p, decision) in batch.iter().zip(&plan.decisions) {
-            if let Decision::Append { seq, .. } = *decision {
-                appended = true;
-                bytes += p.checked.message.len();
-                p.channel.ring().push(Entry {
-                    seq,
-                    epoch: p.checked.header.epoch,
-                    content_type: p.checked.header.content_type as u32,
-                    message: p.checked.message.clone(),
-                });
-            }
-        }
-        if !appended {
-            return;
-        }
-        for (channel, t) in plan.changed(batch) {
-            // Epoch first: whoever sees the new head sees the epoch that goes with it.
-            channel.epoch.store(t.epoch, Ordering::Release);
-            channel.head.store(t.head, Ordering::Release);
-            channel.head_tx.send_replace(t.head);
-        }
-        self.count_commit(bytes);
-    }
-
-    fn count_commit(&mut self, bytes: usize) {
-        self.commits_since_checkpoint += 1;
-        self.bytes_since_checkpoint += bytes;
-        if self.commits_since_checkpoint >= CHECKPOINT_COMMITS
-            || self.bytes_since_checkpoint >= CHECKPOINT_BYTES
-        {
-            self.commits_since_checkpoint = 0;
-            self.bytes_since_checkpoint = 0;
-            self.checkpointer.request();
+        for channel in changed {
+            channel.wake();
         }
     }
 }
 
+/// The batch is durable: rings, heads and epochs (the subscribers are woken once the
+/// publishers are answered).
+fn committed(batch: &[Publish], plan: &Plan) {
+    for (p, decision) in batch.iter().zip(&plan.decisions) {
+        if let Decision::Append { seq, .. } = *decision {
+            p.channel.ring().push(Entry {
+                seq,
+                epoch: p.checked.header.epoch,
+                content_type: p.checked.header.content_type as u32,
+                message: p.checked.message.clone(),
+            });
+        }
+    }
+    for (channel, t) in plan.changed(batch) {
+        channel.move_forward(t.head, t.epoch);
+    }
+}
+
 /// The writer's decisions for a batch: per publish, and the channels' tentative heads.
-struct Plan {
-    decisions: Vec<Decision>,
+pub(crate) struct Plan {
+    pub decisions: Vec<Decision>,
     tentative: HashMap<i64, Tentative>,
 }
 
 impl Plan {
     /// The channels the batch appends to, with their new head and epoch.
-    fn changed<'a>(
+    pub(crate) fn changed<'a>(
         &'a self,
         batch: &'a [Publish],
-    ) -> impl Iterator<Item = (&'a Channel, &'a Tentative)> + 'a {
+    ) -> impl Iterator<Item = (&'a Arc<Channel>, &'a Tentative)> + 'a {
         self.tentative.values().filter_map(move |t| {
-            let channel = &*batch.get(t.index)?.channel;
-            (t.head != channel.head_seq()).then_some((channel, t))
+            let channel = &batch.get(t.index)?.channel;
+            t.appended.then_some((channel, t))
         })
+    }
+
+    /// Whether the batch appends anything.
+    pub(crate) fn appends(&self) -> bool {
+        self.tentative.values().any(|t| t.appended)
     }
 }
 
-/// Fence and number `batch` in order, on tentative copies of its channels' heads and epochs.
+/// Fence and number `batch` in order, from each channel's `(head, epoch)` as `base` gives it.
 /// `found`: per publish, where its key already is in the log (None: not looked up). A key
 /// seen earlier in the batch (or found) answers as a duplicate of that entry, before the
 /// fence: a retry is never refused.
-fn decide(batch: &[Publish], found: Option<&[Option<(u64, u64)>]>, window: u64) -> Plan {
+pub(crate) fn decide(
+    batch: &[Publish],
+    base: impl Fn(&Channel) -> (u64, u64),
+    found: Option<&[Option<(u64, u64)>]>,
+    window: u64,
+) -> Plan {
     let mut tentative: HashMap<i64, Tentative> = HashMap::new();
     let mut seen: HashMap<(i64, &[u8]), (u64, u64)> = HashMap::new();
     if let Some(found) = found {
@@ -962,10 +910,14 @@ fn decide(batch: &[Publish], found: Option<&[Option<(u64, u64)>]>, window: u64) 
         .enumerate()
         .map(|(index, p)| {
             let channel = &p.channel;
-            let t = tentative.entry(channel.id).or_insert_with(|| Tentative {
-                index,
-                head: channel.head_seq(),
-                epoch: channel.epoch(),
+            let t = tentative.entry(channel.id).or_insert_with(|| {
+                let (head, epoch) = base(channel);
+                Tentative {
+                    index,
+                    head,
+                    epoch,
+                    appended: false,
+                }
             });
             let key = (channel.id, p.checked.key.as_slice());
             if let Some(&(seq, channel_epoch)) = seen.get(&key) {
@@ -978,6 +930,7 @@ fn decide(batch: &[Publish], found: Option<&[Option<(u64, u64)>]>, window: u64) 
             let starts_epoch = new_epoch != t.epoch;
             t.head += 1;
             t.epoch = new_epoch;
+            t.appended = true;
             seen.insert(key, (t.head, new_epoch));
             Decision::Append {
                 seq: t.head,
@@ -992,83 +945,37 @@ fn decide(batch: &[Publish], found: Option<&[Option<(u64, u64)>]>, window: u64) 
     }
 }
 
-// -- background checkpoints -------------------------------------------------------------------
-
-/// Runs PASSIVE WAL checkpoints on its own thread and connection when the writer asks.
-struct Checkpointer {
-    shared: Arc<CheckpointShared>,
-    thread: Option<JoinHandle<()>>,
+/// A loaded channel at seq 0, epoch 0 (for the stores' tests).
+#[cfg(test)]
+pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
+    let row = ChannelRow {
+        id,
+        epoch: 0,
+        head_seq: 0,
+    };
+    Arc::new(Channel::new("", "org/ns/service", row))
 }
 
-type CheckpointShared = (Mutex<CheckpointState>, Condvar);
-
-#[derive(Default)]
-struct CheckpointState {
-    due: bool,
-    stop: bool,
-    runs: u64,
-}
-
-impl Checkpointer {
-    fn start(conn: Connection) -> Result<Checkpointer> {
-        let shared = Arc::new((Mutex::new(CheckpointState::default()), Condvar::new()));
-        let theirs = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("static-relay-checkpoint".into())
-            .spawn(move || Self::run(&conn, &theirs))
-            .map_err(RelayError::store)?;
-        Ok(Checkpointer {
-            shared,
-            thread: Some(thread),
-        })
-    }
-
-    fn run(conn: &Connection, shared: &CheckpointShared) {
-        let (state, wake) = shared;
-        let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            if guard.stop {
-                return;
-            }
-            if !guard.due {
-                guard = wake.wait(guard).unwrap_or_else(PoisonError::into_inner);
-                continue;
-            }
-            guard.due = false;
-            drop(guard);
-            // Best effort: a failure leaves the WAL to the next run or SQLite's autocheckpoint.
-            let _ = store::checkpoint(conn);
-            guard = state.lock().unwrap_or_else(PoisonError::into_inner);
-            guard.runs += 1;
-        }
-    }
-
-    /// Asks for a checkpoint (one already due or running covers it).
-    fn request(&self) {
-        let (state, wake) = &*self.shared;
-        state.lock().unwrap_or_else(PoisonError::into_inner).due = true;
-        wake.notify_one();
+/// A publish whose answer nobody waits for (for the stores' tests).
+#[cfg(test)]
+pub(crate) fn test_publish(channel: &Arc<Channel>, checked: Checked) -> Publish {
+    let (tx, _) = oneshot::channel();
+    Publish {
+        channel: Arc::clone(channel),
+        checked,
+        tx,
     }
 }
 
-impl Drop for Checkpointer {
-    fn drop(&mut self) {
-        let (state, wake) = &*self.shared;
-        state.lock().unwrap_or_else(PoisonError::into_inner).stop = true;
-        wake.notify_one();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
+#[cfg(test)]
+pub(crate) fn test_committed(batch: &[Publish], plan: &Plan) {
+    committed(batch, plan);
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::framing::ContentType;
-
-    const SCHEMA: &str = include_str!("../../../static/store/migrations/0002_relay.sqlite.sql");
 
     fn entry(seq: u64, size: usize) -> Entry {
         Entry {
@@ -1080,7 +987,7 @@ mod tests {
     }
 
     fn channel() -> Channel {
-        let row = store::ChannelRow {
+        let row = ChannelRow {
             id: 1,
             epoch: 0,
             head_seq: 0,
@@ -1114,48 +1021,5 @@ mod tests {
         assert_eq!((ring.entries.len(), ring.bytes), (0, 0));
         drop(ring);
         assert!(channel.ring_after(3, 10).is_none());
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn checkpoints_run_beside_the_writer() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("static.sqlite3");
-        Connection::open(&path)
-            .unwrap()
-            .execute_batch(SCHEMA)
-            .unwrap();
-        let log = ChannelLog::open(LogSettings {
-            db_path: path,
-            application_window: 0,
-        })
-        .unwrap();
-        let channel = log.create("", "org/ns/service").await.unwrap();
-        assert_eq!(log.checkpoints(), 0);
-        for epoch in 0..u64::from(CHECKPOINT_COMMITS) {
-            let message = Bytes::from(format!("commit {epoch}"));
-            let checked = Checked {
-                header: MessageHeader {
-                    wire_format: 2,
-                    group_id: b"g".to_vec(),
-                    epoch,
-                    content_type: ContentType::Commit,
-                },
-                key: message.to_vec(),
-                message,
-                welcome: Bytes::new(),
-                welcome_refs: Vec::new(),
-            };
-            let outcome = log.submit(vec![(channel.clone(), checked)]);
-            for o in outcome {
-                o.await.unwrap().unwrap();
-            }
-        }
-        // The create and 64 group commits: one checkpoint requested, on its own thread.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while log.checkpoints() == 0 && std::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-        assert_eq!(log.checkpoints(), 1);
-        log.close().await;
     }
 }

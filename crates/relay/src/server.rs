@@ -9,7 +9,6 @@
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -34,6 +33,7 @@ use crate::log::{ChannelLog, LogSettings};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::rules::TokenBucket;
 use crate::service::{self, Drain, Peer, Relay, ServiceSettings};
+use crate::store::Database;
 
 /// How long closing connections may take to flush after their GOAWAY (as in Python).
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -47,7 +47,8 @@ pub struct RelayConfig {
     pub host: String,
     /// 0 picks a free port.
     pub port: u16,
-    pub db_path: PathBuf,
+    /// A SQLite file or a PostgreSQL URL (its relay tables exist already).
+    pub database: Database,
     pub allow_anonymous: bool,
     pub max_message_bytes: usize,
     pub graceful_timeout: Duration,
@@ -62,12 +63,12 @@ pub struct RelayConfig {
 
 impl RelayConfig {
     /// The defaults of `RelaySettings` (and `ServerSettings.relay`: 127.0.0.1:50051) over
-    /// the database at `db_path`.
-    pub fn new(db_path: impl Into<PathBuf>) -> RelayConfig {
+    /// `database`.
+    pub fn new(database: impl Into<Database>) -> RelayConfig {
         RelayConfig {
             host: "127.0.0.1".to_owned(),
             port: 50051,
-            db_path: db_path.into(),
+            database: database.into(),
             allow_anonymous: false,
             max_message_bytes: 1024 * 1024,
             graceful_timeout: Duration::from_secs(5),
@@ -124,9 +125,10 @@ impl RelayServer {
             None => return Err(cannot_listen(&config, &"no address to listen on")),
         };
         let log = ChannelLog::open(LogSettings {
-            db_path: config.db_path.clone(),
+            database: config.database.clone(),
             application_window: config.application_window,
-        })?;
+        })
+        .await?;
         let auth = Authenticator::new(verifier, config.allow_anonymous);
         let drain = Drain::new();
         let settings = ServiceSettings {

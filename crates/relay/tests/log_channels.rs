@@ -36,11 +36,12 @@ fn new_db() -> Db {
     Db { _dir: dir, path }
 }
 
-fn open(path: &Path, application_window: u64) -> ChannelLog {
+async fn open(path: &Path, application_window: u64) -> ChannelLog {
     ChannelLog::open(LogSettings {
-        db_path: path.to_owned(),
+        database: path.into(),
         application_window,
     })
+    .await
     .unwrap()
 }
 
@@ -134,7 +135,7 @@ fn assert_consecutive(entries: &[Entry], first: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn create_load_not_found_already_exists() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     assert!(log.loaded(SCOPE, NAME).is_none());
     let channel = log.create(SCOPE, NAME).await.unwrap();
     assert_eq!(
@@ -172,7 +173,7 @@ async fn create_load_not_found_already_exists() {
     log.close().await;
 
     // Loaded from the store by another log; its epoch 0 row exists.
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     assert!(log.loaded(SCOPE, NAME).is_none());
     let loaded = log.channel(SCOPE, NAME).await.unwrap();
     assert_eq!((loaded.head_seq(), loaded.epoch()), (1, 0));
@@ -187,10 +188,10 @@ async fn create_load_not_found_already_exists() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_first_loads_share_one_channel() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     log.create(SCOPE, NAME).await.unwrap();
     log.close().await;
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let tasks: Vec<_> = (0..16)
         .map(|_| {
             let log = log.clone();
@@ -210,7 +211,7 @@ async fn concurrent_first_loads_share_one_channel() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_submitters_get_gap_free_seqs() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let tasks: Vec<_> = (0..8)
         .map(|task| {
@@ -253,7 +254,7 @@ async fn more_than_one_commit_batch_submitted_at_once_is_all_decided() {
     // A free writer commits one batch on the submitter's thread; the rest must reach the
     // writer thread (it once stayed queued until the next submit woke it).
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let items = (0..1300)
         .map(|i| checked(0, APPLICATION, format!("message {i}").as_bytes()))
@@ -269,7 +270,7 @@ async fn more_than_one_commit_batch_submitted_at_once_is_all_decided() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_lets_one_commit_per_epoch_win() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     // In one batch.
     let answers = publish_all(
@@ -322,7 +323,7 @@ async fn fence_lets_one_commit_per_epoch_win() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn application_messages_within_the_window() {
     let db = new_db();
-    let log = open(&db.path, 2);
+    let log = open(&db.path, 2).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     commit_to(&log, &channel, 3).await;
     assert_eq!(
@@ -351,7 +352,7 @@ async fn application_messages_within_the_window() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_get_their_original_answer() {
     let db = new_db();
-    let log = open(&db.path, 1);
+    let log = open(&db.path, 1).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let first = checked(0, APPLICATION, b"hello");
     assert_eq!(
@@ -428,7 +429,7 @@ async fn retries_get_their_original_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn welcomes_are_kept_with_their_commit() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     publish(&log, &channel, checked(0, APPLICATION, b"before"))
         .await
@@ -485,7 +486,7 @@ async fn welcomes_are_kept_with_their_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn epochs_start_at_their_commit() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     assert_eq!(log.start_of_epoch(&channel, 0).await.unwrap(), 0);
     for body in [b"a", b"b"] {
@@ -515,7 +516,7 @@ async fn epochs_start_at_their_commit() {
     }
     log.close().await;
     // From the store alone.
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.channel(SCOPE, NAME).await.unwrap();
     assert_eq!(log.start_of_epoch(&channel, 2).await.unwrap(), 5);
     log.close().await;
@@ -524,7 +525,7 @@ async fn epochs_start_at_their_commit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_after_from_memory_and_from_the_store() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let items: Vec<_> = (0..5)
         .map(|i| checked(0, APPLICATION, format!("m{i}").as_bytes()))
@@ -544,7 +545,7 @@ async fn read_after_from_memory_and_from_the_store() {
     log.close().await;
 
     // Reopened: nothing in memory, the same entries from the store.
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.channel(SCOPE, NAME).await.unwrap();
     assert_eq!((channel.head_seq(), channel.epoch()), (5, 0));
     assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), from_memory);
@@ -565,7 +566,7 @@ async fn read_after_from_memory_and_from_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_after_past_the_ring() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let total = 2300u64;
     for chunk in 0..(total / 100) {
@@ -599,7 +600,7 @@ async fn read_after_past_the_ring() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn committed_entries_survive_close_and_reopen() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     publish(&log, &channel, checked(0, APPLICATION, b"a"))
         .await
@@ -613,7 +614,7 @@ async fn committed_entries_survive_close_and_reopen() {
     log.close().await;
     drop(log);
 
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.channel(SCOPE, NAME).await.unwrap();
     assert_eq!((channel.head_seq(), channel.epoch()), (3, 1));
     assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), before);
@@ -638,7 +639,7 @@ async fn committed_entries_survive_close_and_reopen() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_head_wakes_a_waiting_reader() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let reader = {
         let (log, channel) = (log.clone(), channel.clone());
@@ -683,7 +684,7 @@ async fn watch_head_wakes_a_waiting_reader() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_answers_everything_submitted_before_it() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let mut outcomes = Vec::new();
     for round in 0..10 {
@@ -716,7 +717,7 @@ async fn close_answers_everything_submitted_before_it() {
     // Closing twice is fine.
     log.close().await;
 
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.channel(SCOPE, NAME).await.unwrap();
     assert_eq!(channel.head_seq(), 500);
     log.close().await;
@@ -734,7 +735,7 @@ async fn a_failed_commit_changes_nothing() {
              BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END;",
         )
         .unwrap();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
     let mut bad = checked(0, COMMIT, b"bad");
     bad.key = idempotency_key(b"refuse-me", &bad.message).unwrap();
@@ -760,14 +761,15 @@ async fn a_failed_commit_changes_nothing() {
     log.close().await;
 }
 
-#[test]
-fn open_needs_the_relay_tables() {
+#[tokio::test]
+async fn open_needs_the_relay_tables() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.sqlite3");
     let err = ChannelLog::open(LogSettings {
-        db_path: missing,
+        database: missing.into(),
         application_window: 4,
     })
+    .await
     .err()
     .unwrap();
     assert!(matches!(&err, RelayError::Unavailable(t) if t.starts_with("store unavailable: ")));
@@ -777,9 +779,10 @@ fn open_needs_the_relay_tables() {
         .execute_batch("CREATE TABLE other (id INTEGER);")
         .unwrap();
     let err = ChannelLog::open(LogSettings {
-        db_path: empty,
+        database: empty.into(),
         application_window: 4,
     })
+    .await
     .err()
     .unwrap();
     assert!(
@@ -791,7 +794,7 @@ fn open_needs_the_relay_tables() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_free_writer_commits_in_the_submitter_a_busy_one_on_its_thread() {
     let db = new_db();
-    let log = open(&db.path, 4);
+    let log = open(&db.path, 4).await;
     let channel = log.create(SCOPE, NAME).await.unwrap();
 
     // Free: committed (and answered) before submit returns.

@@ -51,7 +51,7 @@ impl Relay {
             .unwrap()
             .execute_batch(schema)
             .unwrap();
-        let mut config = RelayConfig::new(&db_path);
+        let mut config = RelayConfig::new(db_path.as_path());
         config.port = 0;
         configure(&mut config);
         let server = RelayServer::start(config, verifier).await.unwrap();

@@ -1,0 +1,155 @@
+//! The log's stores: thin I/O under [`crate::log`], one implementation per database, same
+//! schema (`static/store/migrations/0002_relay.*.sql`, created by the Python store's
+//! migrations before the relay opens the database).
+//!
+//! * [`LogWriter`]: the writer's side, owned by one writer at a time and blocking. It decides
+//!   a group commit (through [`crate::log::decide`]) against the heads it trusts, and stores it
+//!   in one transaction.
+//! * [`LogReader`]: reads, shared and async.
+//!
+//! SQLite ([`sqlite`]) serves one relay per database file: memory is authoritative and the
+//! fence is decided from it. PostgreSQL ([`postgres`]) serves several relays on one database:
+//! each group commit locks its channels' rows and decides from them, and every commit is
+//! NOTIFYed so that the other relays wake their subscribers.
+
+pub(crate) mod postgres;
+pub(crate) mod sqlite;
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::log::{Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
+
+/// Where the relay keeps its logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Database {
+    /// A SQLite database file (WAL): one relay per file.
+    Sqlite(PathBuf),
+    /// A PostgreSQL URL (`postgresql://...`): any number of relays on one database.
+    Postgres(String),
+}
+
+impl Database {
+    /// A `postgresql://` or `postgres://` URL, else a SQLite file path.
+    pub fn parse(database: &str) -> Database {
+        if database.starts_with("postgresql://") || database.starts_with("postgres://") {
+            Database::Postgres(database.to_owned())
+        } else {
+            Database::Sqlite(PathBuf::from(database))
+        }
+    }
+}
+
+impl From<PathBuf> for Database {
+    fn from(path: PathBuf) -> Database {
+        Database::Sqlite(path)
+    }
+}
+
+impl From<&Path> for Database {
+    fn from(path: &Path) -> Database {
+        Database::Sqlite(path.to_owned())
+    }
+}
+
+/// A read's answer, awaited on the relay's runtime.
+pub(crate) type StoreFuture<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
+
+/// A channel's row.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChannelRow {
+    pub id: i64,
+    pub epoch: u64,
+    pub head_seq: u64,
+}
+
+/// The writer's side of a store: one owner at a time (the writer), blocking calls.
+pub(crate) trait LogWriter: Send {
+    /// A tokio worker may run this writer's calls itself (blocking it for one commit). False
+    /// for a writer that drives a runtime of its own, which must not run inside another.
+    fn commits_inline(&self) -> bool;
+
+    /// Create `name` at epoch 0 in `scope` (its epoch-0 row too); None when it exists already.
+    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>>;
+
+    /// Decide `batch` (fence, numbers, duplicates) and store what it appends, in one
+    /// transaction. The plan is final: a refusal in it is not the retry of a logged message.
+    /// On error nothing was stored.
+    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan>;
+}
+
+/// The readers' side of a store: shared, async.
+pub(crate) trait LogReader: Send + Sync {
+    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>>;
+    /// Up to `limit` entries after `after_seq`, in order.
+    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>>;
+    /// The seq after which `epoch` starts, None when the channel never reached it.
+    fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>>;
+    fn fetch_welcome(&self, channel_id: i64, key: WelcomeKey)
+        -> StoreFuture<Option<WelcomeRecord>>;
+    /// Stop background work and drop idle connections (shutdown).
+    fn close(&self);
+}
+
+/// An opened store: its writer and its readers.
+pub(crate) struct Opened {
+    pub writer: Box<dyn LogWriter>,
+    pub reader: Arc<dyn LogReader>,
+}
+
+/// Open `database` for the log whose channels are `registry` (PostgreSQL wakes them on the
+/// other relays' commits).
+pub(crate) async fn open(database: &Database, registry: &Arc<Registry>) -> Result<Opened> {
+    match database {
+        Database::Sqlite(path) => sqlite::open(path),
+        Database::Postgres(url) => postgres::open(url, registry).await,
+    }
+}
+
+/// One entry a group commit appends.
+pub(crate) struct NewEntry<'a> {
+    pub channel_id: i64,
+    pub seq: u64,
+    pub epoch: u64,
+    pub content_type: u32,
+    /// The channel's epoch once this entry is appended.
+    pub channel_epoch: u64,
+    /// A commit that starts `channel_epoch`.
+    pub starts_epoch: bool,
+    pub key: &'a [u8],
+    pub message: &'a [u8],
+    /// Empty, or the Welcome kept with this commit.
+    pub welcome: &'a [u8],
+    pub welcome_refs: &'a [Vec<u8>],
+}
+
+/// The entries `plan` appends, in order.
+pub(crate) fn new_entries<'a>(batch: &'a [Publish], plan: &Plan) -> Vec<NewEntry<'a>> {
+    use crate::log::Decision;
+    batch
+        .iter()
+        .zip(&plan.decisions)
+        .filter_map(|(p, decision)| match *decision {
+            Decision::Append {
+                seq,
+                channel_epoch,
+                starts_epoch,
+            } => Some(NewEntry {
+                channel_id: p.channel.id(),
+                seq,
+                epoch: p.checked.header.epoch,
+                content_type: p.checked.header.content_type as u32,
+                channel_epoch,
+                starts_epoch,
+                key: &p.checked.key,
+                message: &p.checked.message,
+                welcome: &p.checked.welcome,
+                welcome_refs: &p.checked.welcome_refs,
+            }),
+            _ => None,
+        })
+        .collect()
+}

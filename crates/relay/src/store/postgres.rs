@@ -1,0 +1,723 @@
+//! The log on PostgreSQL (`static/store/migrations/0002_relay.postgresql.sql`): any number of
+//! relays (`static serve` processes) on one database serve the same channels.
+//!
+//! * **Exact across relays.** A group commit is one transaction: it locks its channels' rows
+//!   (`SELECT ... FOR UPDATE`, in id order so two relays never deadlock), reads their heads and
+//!   epochs and the batch's idempotency keys already logged, decides from those (the same
+//!   [`decide`] as SQLite), writes the entries, heads, epoch starts and Welcomes, NOTIFYs,
+//!   and commits. Whoever holds a channel's row lock is its only writer until COMMIT, so seqs
+//!   stay gap-free and the epoch fence is exact whichever relay a message arrives at.
+//! * **Two round trips.** Statements are pipelined (tokio-postgres sends every request of a
+//!   join before reading the first answer): BEGIN + lock + key lookup, then the writes +
+//!   NOTIFY + COMMIT. The writer drives its own connection on a current-thread runtime of its
+//!   own, on the writer thread: nothing hops threads in between.
+//! * **Wake-ups.** Each commit NOTIFYs `static_relay` with `"<channel id> <head> <epoch>"` per
+//!   channel it appended to; delivered only once committed. Every relay LISTENs on a
+//!   connection of its own and moves its loaded channels forward, which wakes their
+//!   subscribers; they read what they missed from the database. After (re)connecting the
+//!   listener reads the heads of every loaded channel, so a lost connection loses no wake-up.
+//! * **Reads** are async, on a few pooled connections of the relay's runtime.
+//!
+//! No TLS: the relay reaches PostgreSQL over loopback or a trusted network (as the Python API
+//! does through asyncpg with the same URL).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::{try_join3, try_join_all};
+use sha2::{Digest, Sha256};
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
+
+use crate::error::{RelayError, Result};
+use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
+use crate::store::{new_entries, ChannelRow, LogReader, LogWriter, Opened, StoreFuture};
+
+/// The NOTIFY channel of commits.
+const NOTIFY_CHANNEL: &str = "static_relay";
+/// Read connections (each pipelines concurrent reads).
+const READ_CONNECTIONS: usize = 4;
+/// A group commit that lost a race (deadlock, serialization) is tried again this many times.
+const COMMIT_ATTEMPTS: usize = 3;
+/// The listener's wait before reconnecting.
+const LISTEN_RETRY: Duration = Duration::from_millis(500);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+const LOCK: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1) \
+     ORDER BY id FOR UPDATE";
+const FIND_KEYS: &str = "SELECT e.channel_id, e.idempotency_key, e.seq, e.channel_epoch \
+     FROM UNNEST($1::bigint[], $2::bytea[]) AS k (channel_id, idempotency_key) \
+     JOIN relay_entries e USING (channel_id, idempotency_key)";
+const INSERT_ENTRIES: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
+     channel_epoch, idempotency_key, message) SELECT * FROM UNNEST($1::bigint[], $2::bigint[], \
+     $3::bigint[], $4::smallint[], $5::bigint[], $6::bytea[], $7::bytea[])";
+const UPDATE_HEADS: &str = "UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
+     FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS u (id, head_seq, epoch) \
+     WHERE c.id = u.id";
+const INSERT_EPOCHS: &str = "INSERT INTO relay_epochs (channel_id, epoch, start_seq) \
+     SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[])";
+const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
+     epoch, welcome) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (channel_id, digest) DO NOTHING";
+const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
+     key_package_ref, digest) VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref) \
+     DO UPDATE SET digest = excluded.digest";
+const NOTIFY: &str = "SELECT pg_notify('static_relay', p) FROM UNNEST($1::text[]) AS p";
+const CREATE_CHANNEL: &str = "WITH created AS (INSERT INTO relay_channels (scope, name) \
+     VALUES ($1, $2) ON CONFLICT (scope, name) DO NOTHING RETURNING id) \
+     INSERT INTO relay_epochs (channel_id, epoch, start_seq) SELECT id, 0, 0 FROM created \
+     RETURNING channel_id";
+const LOAD_CHANNEL: &str =
+    "SELECT id, epoch, head_seq FROM relay_channels WHERE scope = $1 AND name = $2";
+const HEADS: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1)";
+const READ: &str = "SELECT seq, epoch, content_type, message FROM relay_entries \
+     WHERE channel_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
+const WELCOME_BY_REF: &str = "SELECT w.welcome, w.commit_seq, w.epoch \
+     FROM relay_welcome_refs r JOIN relay_welcomes w \
+     ON w.channel_id = r.channel_id AND w.digest = r.digest \
+     WHERE r.channel_id = $1 AND r.key_package_ref = $2";
+const WELCOME_BY_DIGEST: &str = "SELECT welcome, commit_seq, epoch FROM relay_welcomes \
+     WHERE channel_id = $1 AND digest = $2";
+
+/// Seqs and epochs are u64 in the relay, BIGINT in the database. Both grow by one per entry
+/// (or commit) from 0, so they never reach i64::MAX; saturate rather than wrap.
+fn to_db(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn from_db(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+/// Opens the listener, the read pool and the writer on the database at `url`.
+pub(crate) async fn open(url: &str, registry: &Arc<Registry>) -> Result<Opened> {
+    let mut config = Config::from_str(url)
+        .map_err(|e| RelayError::store(format!("invalid PostgreSQL URL: {e}")))?;
+    config.application_name("static-relay");
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    let reader = Arc::new(ReadPool {
+        config: config.clone(),
+        slots: (0..READ_CONNECTIONS)
+            .map(|_| tokio::sync::Mutex::new(None))
+            .collect(),
+        next: AtomicUsize::new(0),
+        listener: Mutex::new(None),
+    });
+    // A first read connection now: a wrong URL or a missing schema fails the start.
+    reader.connection().await.map_err(RelayError::store)?;
+    let (ready_tx, ready) = tokio::sync::oneshot::channel();
+    let listener = tokio::spawn(listen(config.clone(), Arc::clone(registry), ready_tx));
+    *reader
+        .listener
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(listener);
+    let listening = ready
+        .await
+        .unwrap_or_else(|_| Err("the listener stopped".into()));
+    let writer = match listening {
+        Ok(()) => tokio::task::spawn_blocking(move || PgWriter::connect(config))
+            .await
+            .unwrap_or_else(|_| Err(RelayError::store("the writer's connection failed"))),
+        Err(err) => Err(RelayError::store(err)),
+    };
+    match writer {
+        Ok(writer) => Ok(Opened {
+            writer: Box::new(writer),
+            reader: Arc::new(PgReader(reader)),
+        }),
+        Err(err) => {
+            PgReader(reader).close();
+            Err(err)
+        }
+    }
+}
+
+// -- the writer -------------------------------------------------------------------------------
+
+struct PgWriter {
+    config: Config,
+    /// Drives the writer's connection, on the writer's thread (a current-thread runtime only
+    /// runs while its owner waits in `block_on`). None once dropped.
+    runtime: Option<Runtime>,
+    /// None after a broken connection: reconnect before the next commit.
+    conn: Option<WriteConnection>,
+}
+
+struct WriteConnection {
+    client: Client,
+    lock: Statement,
+    find_keys: Statement,
+    insert_entries: Statement,
+    update_heads: Statement,
+    insert_epochs: Statement,
+    insert_welcome: Statement,
+    insert_welcome_ref: Statement,
+    notify: Statement,
+    create_channel: Statement,
+}
+
+impl PgWriter {
+    /// Blocking: on a thread that is not a runtime's worker.
+    fn connect(config: Config) -> Result<PgWriter> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(RelayError::store)?;
+        let mut writer = PgWriter {
+            config,
+            runtime: Some(runtime),
+            conn: None,
+        };
+        writer.connected()?;
+        Ok(writer)
+    }
+
+    /// The runtime and a live connection, reconnecting when the last one broke.
+    fn connected(&mut self) -> Result<(&Runtime, &WriteConnection)> {
+        if self.conn.as_ref().is_some_and(|c| c.client.is_closed()) {
+            self.conn = None;
+        }
+        let runtime = self.runtime.as_ref().ok_or(RelayError::Internal)?;
+        if self.conn.is_none() {
+            let config = self.config.clone();
+            let conn = runtime
+                .block_on(async move {
+                    let (client, connection) = config.connect(NoTls).await?;
+                    // Spawned on this runtime: it runs whenever the writer waits on it.
+                    tokio::spawn(async move {
+                        let _ = connection.await;
+                    });
+                    WriteConnection::prepare(client).await
+                })
+                .map_err(RelayError::store)?;
+            self.conn = Some(conn);
+        }
+        let conn = self.conn.as_ref().ok_or(RelayError::Internal)?;
+        Ok((runtime, conn))
+    }
+}
+
+type PgResult<T> = std::result::Result<T, tokio_postgres::Error>;
+
+impl Drop for PgWriter {
+    fn drop(&mut self) {
+        self.conn = None;
+        // Without waiting: the writer may be dropped on a runtime's thread (a failed start).
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+/// A statement failed because of a concurrent transaction: trying again may succeed.
+fn lost_a_race(err: &tokio_postgres::Error) -> bool {
+    matches!(
+        err.code(),
+        Some(code) if *code == SqlState::T_R_DEADLOCK_DETECTED
+            || *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::UNIQUE_VIOLATION
+    )
+}
+
+impl LogWriter for PgWriter {
+    fn commits_inline(&self) -> bool {
+        false
+    }
+
+    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>> {
+        let (runtime, conn) = self.connected()?;
+        let rows = runtime
+            .block_on(conn.client.query(&conn.create_channel, &[&scope, &name]))
+            .map_err(RelayError::store)?;
+        Ok(rows.first().map(|row| row.get(0)))
+    }
+
+    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
+        let mut attempt = 1;
+        loop {
+            // A broken connection is reopened here, for the retry or the next batch.
+            let (runtime, conn) = self.connected()?;
+            match runtime.block_on(conn.append(batch, window)) {
+                Ok(plan) => return Ok(plan),
+                Err(err) if lost_a_race(&err) && attempt < COMMIT_ATTEMPTS => attempt += 1,
+                Err(err) => return Err(RelayError::store(err)),
+            }
+        }
+    }
+}
+
+impl WriteConnection {
+    async fn prepare(client: Client) -> PgResult<WriteConnection> {
+        let (lock, find_keys, insert_entries) = try_join3(
+            client.prepare(LOCK),
+            client.prepare(FIND_KEYS),
+            client.prepare(INSERT_ENTRIES),
+        )
+        .await?;
+        let (update_heads, insert_epochs, insert_welcome) = try_join3(
+            client.prepare(UPDATE_HEADS),
+            client.prepare(INSERT_EPOCHS),
+            client.prepare(INSERT_WELCOME),
+        )
+        .await?;
+        let (insert_welcome_ref, notify, create_channel) = try_join3(
+            client.prepare(INSERT_WELCOME_REF),
+            client.prepare(NOTIFY),
+            client.prepare(CREATE_CHANNEL),
+        )
+        .await?;
+        Ok(WriteConnection {
+            client,
+            lock,
+            find_keys,
+            insert_entries,
+            update_heads,
+            insert_epochs,
+            insert_welcome,
+            insert_welcome_ref,
+            notify,
+            create_channel,
+        })
+    }
+
+    /// One group commit: lock and read, decide, write, NOTIFY, COMMIT (rolled back on error).
+    async fn append(&self, batch: &[Publish], window: u64) -> PgResult<Plan> {
+        let result = self.decide_and_write(batch, window).await;
+        if result.is_err() {
+            // Best effort: a broken connection ends the transaction anyway.
+            let _ = self.client.batch_execute("ROLLBACK").await;
+        }
+        result
+    }
+
+    async fn decide_and_write(&self, batch: &[Publish], window: u64) -> PgResult<Plan> {
+        let mut ids: Vec<i64> = batch.iter().map(|p| p.channel.id()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let key_channels: Vec<i64> = batch.iter().map(|p| p.channel.id()).collect();
+        let keys: Vec<&[u8]> = batch.iter().map(|p| p.checked.key.as_slice()).collect();
+        let (_, locked, logged) = try_join3(
+            self.client.batch_execute("BEGIN"),
+            self.client.query(&self.lock, &[&ids]),
+            self.client.query(&self.find_keys, &[&key_channels, &keys]),
+        )
+        .await?;
+
+        let heads: HashMap<i64, (u64, u64)> = locked
+            .iter()
+            .map(|row| {
+                let (id, head, epoch): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+                (id, (from_db(head), from_db(epoch)))
+            })
+            .collect();
+        let logged: HashMap<(i64, &[u8]), (u64, u64)> = logged
+            .iter()
+            .map(|row| {
+                let (channel, key, seq, epoch): (i64, &[u8], i64, i64) =
+                    (row.get(0), row.get(1), row.get(2), row.get(3));
+                ((channel, key), (from_db(seq), from_db(epoch)))
+            })
+            .collect();
+        let found: Vec<Option<(u64, u64)>> = batch
+            .iter()
+            .map(|p| {
+                logged
+                    .get(&(p.channel.id(), p.checked.key.as_slice()))
+                    .copied()
+            })
+            .collect();
+        // Every channel of the batch has its row (rows are never deleted).
+        let base = |channel: &crate::log::Channel| {
+            heads
+                .get(&channel.id())
+                .copied()
+                .unwrap_or((channel.head_seq(), channel.epoch()))
+        };
+        let plan = decide(batch, base, Some(&found), window);
+        if !plan.appends() {
+            self.client.batch_execute("COMMIT").await?;
+            return Ok(plan);
+        }
+        self.write(batch, &plan).await?;
+        Ok(plan)
+    }
+
+    /// The plan's writes, NOTIFY and COMMIT, pipelined.
+    async fn write(&self, batch: &[Publish], plan: &Plan) -> PgResult<()> {
+        let entries = new_entries(batch, plan);
+        let mut columns = EntryColumns::default();
+        let mut epochs = EpochColumns::default();
+        let mut welcomes = Vec::new();
+        for e in &entries {
+            columns.channel_id.push(e.channel_id);
+            columns.seq.push(to_db(e.seq));
+            columns.epoch.push(to_db(e.epoch));
+            columns
+                .content_type
+                .push(i16::try_from(e.content_type).unwrap_or(i16::MAX));
+            columns.channel_epoch.push(to_db(e.channel_epoch));
+            columns.key.push(e.key);
+            columns.message.push(e.message);
+            if e.starts_epoch {
+                epochs.channel_id.push(e.channel_id);
+                epochs.epoch.push(to_db(e.channel_epoch));
+                epochs.start_seq.push(to_db(e.seq));
+            }
+            if !e.welcome.is_empty() {
+                let digest = Sha256::digest(e.welcome).to_vec();
+                welcomes.push((
+                    e.channel_id,
+                    digest,
+                    to_db(e.seq),
+                    to_db(e.channel_epoch),
+                    e,
+                ));
+            }
+        }
+        let mut heads = HeadColumns::default();
+        let mut notices = Vec::new();
+        for (channel, t) in plan.changed(batch) {
+            heads.channel_id.push(channel.id());
+            heads.head_seq.push(to_db(t.head));
+            heads.epoch.push(to_db(t.epoch));
+            notices.push(format!("{} {} {}", channel.id(), t.head, t.epoch));
+        }
+
+        type Step<'a> = Pin<Box<dyn Future<Output = PgResult<u64>> + 'a>>;
+        let client = &self.client;
+        let mut steps: Vec<Step<'_>> = vec![
+            Box::pin(async {
+                let params: [&(dyn ToSql + Sync); 7] = [
+                    &columns.channel_id,
+                    &columns.seq,
+                    &columns.epoch,
+                    &columns.content_type,
+                    &columns.channel_epoch,
+                    &columns.key,
+                    &columns.message,
+                ];
+                client.execute(&self.insert_entries, &params).await
+            }),
+            Box::pin(async {
+                let params: [&(dyn ToSql + Sync); 3] =
+                    [&heads.channel_id, &heads.head_seq, &heads.epoch];
+                client.execute(&self.update_heads, &params).await
+            }),
+        ];
+        if !epochs.channel_id.is_empty() {
+            steps.push(Box::pin(async {
+                let params: [&(dyn ToSql + Sync); 3] =
+                    [&epochs.channel_id, &epochs.epoch, &epochs.start_seq];
+                client.execute(&self.insert_epochs, &params).await
+            }));
+        }
+        for (channel_id, digest, seq, epoch, e) in &welcomes {
+            steps.push(Box::pin(async move {
+                let params: [&(dyn ToSql + Sync); 5] = [channel_id, digest, seq, epoch, &e.welcome];
+                client.execute(&self.insert_welcome, &params).await
+            }));
+            for r in e.welcome_refs {
+                steps.push(Box::pin(async move {
+                    let params: [&(dyn ToSql + Sync); 3] = [channel_id, r, digest];
+                    client.execute(&self.insert_welcome_ref, &params).await
+                }));
+            }
+        }
+        steps.push(Box::pin(async {
+            client.query(&self.notify, &[&notices]).await.map(|_| 0)
+        }));
+        steps.push(Box::pin(async {
+            client.batch_execute("COMMIT").await.map(|()| 0)
+        }));
+        try_join_all(steps).await.map(|_| ())
+    }
+}
+
+#[derive(Default)]
+struct EntryColumns<'a> {
+    channel_id: Vec<i64>,
+    seq: Vec<i64>,
+    epoch: Vec<i64>,
+    content_type: Vec<i16>,
+    channel_epoch: Vec<i64>,
+    key: Vec<&'a [u8]>,
+    message: Vec<&'a [u8]>,
+}
+
+#[derive(Default)]
+struct EpochColumns {
+    channel_id: Vec<i64>,
+    epoch: Vec<i64>,
+    start_seq: Vec<i64>,
+}
+
+#[derive(Default)]
+struct HeadColumns {
+    channel_id: Vec<i64>,
+    head_seq: Vec<i64>,
+    epoch: Vec<i64>,
+}
+
+// -- reads ------------------------------------------------------------------------------------
+
+struct PgReader(Arc<ReadPool>);
+
+/// A few connections on the relay's runtime, opened when first needed, reopened when broken.
+struct ReadPool {
+    config: Config,
+    slots: Vec<tokio::sync::Mutex<Option<Arc<ReadConnection>>>>,
+    next: AtomicUsize,
+    /// The LISTEN task, stopped at close.
+    listener: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct ReadConnection {
+    client: Client,
+    load_channel: Statement,
+    read: Statement,
+    epoch_start: Statement,
+    welcome_by_ref: Statement,
+    welcome_by_digest: Statement,
+}
+
+impl ReadPool {
+    /// The next connection in turn (concurrent reads share it, pipelined).
+    async fn connection(&self) -> PgResult<Arc<ReadConnection>> {
+        let index = self.next.fetch_add(1, Ordering::Relaxed) % READ_CONNECTIONS;
+        let mut slot = self.slots[index].lock().await;
+        if let Some(conn) = slot.as_ref().filter(|c| !c.client.is_closed()) {
+            return Ok(Arc::clone(conn));
+        }
+        let (client, connection) = self.config.connect(NoTls).await?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let (load_channel, read, epoch_start) = try_join3(
+            client.prepare(LOAD_CHANNEL),
+            client.prepare(READ),
+            client.prepare(EPOCH_START),
+        )
+        .await?;
+        let (welcome_by_ref, welcome_by_digest) = futures_util::future::try_join(
+            client.prepare(WELCOME_BY_REF),
+            client.prepare(WELCOME_BY_DIGEST),
+        )
+        .await?;
+        let conn = Arc::new(ReadConnection {
+            client,
+            load_channel,
+            read,
+            epoch_start,
+            welcome_by_ref,
+            welcome_by_digest,
+        });
+        *slot = Some(Arc::clone(&conn));
+        Ok(conn)
+    }
+}
+
+impl PgReader {
+    /// Runs `read` on a pooled connection.
+    fn run<T, F, Fut>(&self, read: F) -> StoreFuture<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<ReadConnection>) -> Fut + Send + 'static,
+        Fut: Future<Output = PgResult<T>> + Send,
+    {
+        let pool = Arc::clone(&self.0);
+        Box::pin(async move {
+            let conn = pool.connection().await.map_err(RelayError::store)?;
+            read(conn).await.map_err(RelayError::store)
+        })
+    }
+}
+
+fn welcome_record(row: &tokio_postgres::Row) -> WelcomeRecord {
+    WelcomeRecord {
+        welcome: Bytes::from(row.get::<_, Vec<u8>>(0)),
+        commit_seq: from_db(row.get(1)),
+        epoch: from_db(row.get(2)),
+    }
+}
+
+impl LogReader for PgReader {
+    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
+        let (scope, name) = (scope.to_owned(), name.to_owned());
+        self.run(move |conn| async move {
+            let row = conn
+                .client
+                .query_opt(&conn.load_channel, &[&scope, &name])
+                .await?;
+            Ok(row.map(|row| ChannelRow {
+                id: row.get(0),
+                epoch: from_db(row.get(1)),
+                head_seq: from_db(row.get(2)),
+            }))
+        })
+    }
+
+    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| async move {
+            let rows = conn
+                .client
+                .query(&conn.read, &[&channel_id, &to_db(after_seq), &limit])
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|row| Entry {
+                    seq: from_db(row.get(0)),
+                    epoch: from_db(row.get(1)),
+                    content_type: u32::try_from(row.get::<_, i16>(2)).unwrap_or(0),
+                    message: Bytes::from(row.get::<_, Vec<u8>>(3)),
+                })
+                .collect())
+        })
+    }
+
+    fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>> {
+        self.run(move |conn| async move {
+            let row = conn
+                .client
+                .query_opt(&conn.epoch_start, &[&channel_id, &to_db(epoch)])
+                .await?;
+            Ok(row.map(|row| from_db(row.get(0))))
+        })
+    }
+
+    fn fetch_welcome(
+        &self,
+        channel_id: i64,
+        key: WelcomeKey,
+    ) -> StoreFuture<Option<WelcomeRecord>> {
+        self.run(move |conn| async move {
+            let row = match &key {
+                WelcomeKey::Digest(digest) => {
+                    conn.client
+                        .query_opt(&conn.welcome_by_digest, &[&channel_id, digest])
+                        .await?
+                }
+                WelcomeKey::KeyPackageRef(key_package_ref) => {
+                    conn.client
+                        .query_opt(&conn.welcome_by_ref, &[&channel_id, key_package_ref])
+                        .await?
+                }
+            };
+            Ok(row.as_ref().map(welcome_record))
+        })
+    }
+
+    fn close(&self) {
+        if let Some(listener) = self
+            .0
+            .listener
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            listener.abort();
+        }
+        // Dropping the clients ends their connections' tasks.
+        for slot in &self.0.slots {
+            if let Ok(mut slot) = slot.try_lock() {
+                slot.take();
+            }
+        }
+    }
+}
+
+// -- wake-ups ---------------------------------------------------------------------------------
+
+/// LISTENs for commits (of every relay on the database) and moves the loaded channels
+/// forward; reconnects for as long as the relay runs. `ready` hears how the first LISTEN went.
+async fn listen(
+    config: Config,
+    registry: Arc<Registry>,
+    ready: tokio::sync::oneshot::Sender<std::result::Result<(), String>>,
+) {
+    let mut ready = Some(ready);
+    loop {
+        let outcome = listen_once(&config, &registry, &mut ready).await;
+        if let Some(ready) = ready.take() {
+            // The first connection failed: the start fails.
+            let _ = ready.send(Err(match outcome {
+                Err(err) => err.to_string(),
+                Ok(()) => "the listener's connection closed".to_owned(),
+            }));
+            return;
+        }
+        if let Err(err) = outcome {
+            eprintln!("relay: the PostgreSQL listener reconnects: {err}");
+        }
+        tokio::time::sleep(LISTEN_RETRY).await;
+    }
+}
+
+/// One connection's worth of LISTEN: until it breaks.
+async fn listen_once(
+    config: &Config,
+    registry: &Registry,
+    ready: &mut Option<tokio::sync::oneshot::Sender<std::result::Result<(), String>>>,
+) -> PgResult<()> {
+    let (client, mut connection) = config.connect(NoTls).await?;
+    let (notices, mut received) = tokio::sync::mpsc::unbounded_channel();
+    // The connection delivers notifications only while polled: its own task.
+    let driver = tokio::spawn(async move {
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(n))) => {
+                    if notices.send(n.payload().to_owned()).is_err() {
+                        return Ok(());
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(err)) => return Err(err),
+                None => return Ok(()),
+            }
+        }
+    });
+    let listening = async {
+        client
+            .batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}"))
+            .await?;
+        // Whatever was committed before LISTEN took effect: read it.
+        let ids = registry.loaded_ids();
+        if !ids.is_empty() {
+            for row in client.query(HEADS, &[&ids]).await? {
+                registry.advance(row.get(0), from_db(row.get(1)), from_db(row.get(2)));
+            }
+        }
+        PgResult::Ok(())
+    };
+    if let Err(err) = listening.await {
+        driver.abort();
+        return Err(err);
+    }
+    if let Some(ready) = ready.take() {
+        let _ = ready.send(Ok(()));
+    }
+    while let Some(payload) = received.recv().await {
+        let mut fields = payload.split(' ').map(str::parse::<u64>);
+        if let (Some(Ok(id)), Some(Ok(head)), Some(Ok(epoch))) =
+            (fields.next(), fields.next(), fields.next())
+        {
+            registry.advance(to_db(id), head, epoch);
+        }
+    }
+    drop(client);
+    match driver.await {
+        Ok(result) => result,
+        Err(_) => Ok(()),
+    }
+}

@@ -1,0 +1,637 @@
+//! The log on SQLite (`static/store/migrations/0002_relay.sqlite.sql`): one relay per
+//! database file, so memory is authoritative. The writer decides a batch from the channels'
+//! heads in memory and stores it in one transaction (WAL, `synchronous=FULL`); idempotency is
+//! optimistic: the unique index (channel_id, idempotency_key) refuses a retry, and only then
+//! are the batch's keys looked up and the batch decided again. A publish refused by the fence
+//! may still be the retry of a logged message: only those are looked up, after the commit.
+//!
+//! Reads run on read-only connections on the blocking pool. A PASSIVE WAL checkpoint runs on
+//! its own thread and connection every [`CHECKPOINT_COMMITS`] group commits or
+//! [`CHECKPOINT_BYTES`] of messages, so that SQLite's autocheckpoint (the fallback) rarely
+//! runs inside a commit. The Python API writes other tables of the same file (hence
+//! `busy_timeout`). Every statement goes through the connection's statement cache.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, TransactionBehavior};
+use sha2::{Digest, Sha256};
+
+use crate::error::{RelayError, Result};
+use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
+use crate::store::{new_entries, ChannelRow, LogReader, LogWriter, NewEntry, Opened, StoreFuture};
+
+/// A background WAL checkpoint after this many group commits or message bytes, whichever
+/// first: well under SQLite's autocheckpoint (1,000 pages), which would run inside a commit.
+const CHECKPOINT_COMMITS: u32 = 64;
+const CHECKPOINT_BYTES: usize = 1024 * 1024;
+/// Idle read connections kept for the next read.
+const IDLE_READERS: usize = 4;
+
+/// The Python API writes accounts and keys into the same database file: wait for it.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+const STATEMENT_CACHE: usize = 32;
+
+const INSERT_ENTRY: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
+     channel_epoch, idempotency_key, message) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+const UPDATE_HEAD: &str = "UPDATE relay_channels SET head_seq = ?2, epoch = ?3 WHERE id = ?1";
+const INSERT_EPOCH: &str =
+    "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES (?1, ?2, ?3)";
+const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
+     epoch, welcome) VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (channel_id, digest) DO NOTHING";
+const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
+     key_package_ref, digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, key_package_ref) \
+     DO UPDATE SET digest = excluded.digest";
+const FIND_KEY: &str = "SELECT seq, channel_epoch FROM relay_entries \
+     WHERE channel_id = ?1 AND idempotency_key = ?2";
+const CREATE_CHANNEL: &str =
+    "INSERT INTO relay_channels (scope, name) VALUES (?1, ?2) RETURNING id";
+const LOAD_CHANNEL: &str =
+    "SELECT id, epoch, head_seq FROM relay_channels WHERE scope = ?1 AND name = ?2";
+const READ: &str = "SELECT seq, epoch, content_type, message FROM relay_entries \
+     WHERE channel_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3";
+const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = ?1 AND epoch = ?2";
+const WELCOME_BY_REF: &str = "SELECT digest FROM relay_welcome_refs \
+     WHERE channel_id = ?1 AND key_package_ref = ?2";
+const WELCOME_BY_DIGEST: &str = "SELECT welcome, commit_seq, epoch FROM relay_welcomes \
+     WHERE channel_id = ?1 AND digest = ?2";
+
+/// The writer's connection: WAL, and `synchronous=FULL` so that a commit is on disk (the WAL
+/// synced) before anything is answered. The database must exist (with its relay tables).
+fn open_writer(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = open_connection(path, OpenFlags::SQLITE_OPEN_READ_WRITE)?;
+    conn.execute_batch(
+        "PRAGMA journal_mode=WAL;
+         PRAGMA synchronous=FULL;",
+    )?;
+    // Fail at open rather than at the first publish when the tables are missing.
+    for sql in [
+        INSERT_ENTRY,
+        UPDATE_HEAD,
+        INSERT_EPOCH,
+        INSERT_WELCOME,
+        INSERT_WELCOME_REF,
+        FIND_KEY,
+        CREATE_CHANNEL,
+    ] {
+        conn.prepare_cached(sql)?;
+    }
+    Ok(conn)
+}
+
+/// A connection for reads (a read-only handle: it never takes the write lock).
+fn open_reader(path: &Path) -> rusqlite::Result<Connection> {
+    open_connection(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
+}
+
+/// The background checkpoints' connection. The checkpoint syncs the database file before the
+/// WAL may be reused (`synchronous=FULL`).
+fn open_checkpointer(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = open_connection(path, OpenFlags::SQLITE_OPEN_READ_WRITE)?;
+    conn.execute_batch("PRAGMA synchronous=FULL;")?;
+    Ok(conn)
+}
+
+fn open_connection(path: &Path, access: OpenFlags) -> rusqlite::Result<Connection> {
+    // No CREATE: the Python store's migrations made the file; a wrong path fails here.
+    let flags = access | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+    conn.execute_batch("PRAGMA foreign_keys=ON;")?;
+    Ok(conn)
+}
+
+/// A PASSIVE checkpoint: neither waits for nor blocks the writer.
+fn checkpoint(conn: &Connection) -> rusqlite::Result<()> {
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+}
+
+/// A constraint refused the statement (for the log: a unique index; for a channel: its name).
+fn is_constraint(err: &rusqlite::Error) -> bool {
+    matches!(err, rusqlite::Error::SqliteFailure(e, _) if e.code == ErrorCode::ConstraintViolation)
+}
+
+/// Create `name` at epoch 0 in `scope` (its epoch-0 row too); None when it exists already.
+fn create_channel(conn: &mut Connection, scope: &str, name: &str) -> rusqlite::Result<Option<i64>> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let inserted = tx
+        .prepare_cached(CREATE_CHANNEL)?
+        .query_row(params![scope, name], |row| row.get::<_, i64>(0));
+    let id = match inserted {
+        Ok(id) => id,
+        // Dropping `tx` rolls back.
+        Err(err) if is_constraint(&err) => return Ok(None),
+        Err(err) => return Err(err),
+    };
+    tx.prepare_cached(INSERT_EPOCH)?
+        .execute(params![id, 0i64, 0i64])?;
+    tx.commit()?;
+    Ok(Some(id))
+}
+
+fn load_channel(
+    conn: &Connection,
+    scope: &str,
+    name: &str,
+) -> rusqlite::Result<Option<ChannelRow>> {
+    conn.prepare_cached(LOAD_CHANNEL)?
+        .query_row(params![scope, name], |row| {
+            Ok(ChannelRow {
+                id: row.get(0)?,
+                epoch: row.get(1)?,
+                head_seq: row.get(2)?,
+            })
+        })
+        .optional()
+}
+
+/// One group commit in one transaction: the entries (with their epoch starts and Welcomes),
+/// then each channel's new `(id, head_seq, epoch)`.
+fn append(
+    conn: &mut Connection,
+    entries: &[NewEntry<'_>],
+    heads: impl Iterator<Item = (i64, u64, u64)>,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    {
+        let mut insert = tx.prepare_cached(INSERT_ENTRY)?;
+        for e in entries {
+            insert.execute(params![
+                e.channel_id,
+                e.seq,
+                e.epoch,
+                e.content_type,
+                e.channel_epoch,
+                e.key,
+                e.message
+            ])?;
+            if e.starts_epoch {
+                tx.prepare_cached(INSERT_EPOCH)?.execute(params![
+                    e.channel_id,
+                    e.channel_epoch,
+                    e.seq
+                ])?;
+            }
+            if !e.welcome.is_empty() {
+                let digest = Sha256::digest(e.welcome);
+                let digest = digest.as_slice();
+                tx.prepare_cached(INSERT_WELCOME)?.execute(params![
+                    e.channel_id,
+                    digest,
+                    e.seq,
+                    e.channel_epoch,
+                    e.welcome
+                ])?;
+                let mut insert_ref = tx.prepare_cached(INSERT_WELCOME_REF)?;
+                for r in e.welcome_refs {
+                    insert_ref.execute(params![e.channel_id, r, digest])?;
+                }
+            }
+        }
+        let mut update = tx.prepare_cached(UPDATE_HEAD)?;
+        for (id, head_seq, epoch) in heads {
+            update.execute(params![id, head_seq, epoch])?;
+        }
+    }
+    tx.commit()
+}
+
+/// The entry holding `key` in the channel's log: its (seq, channel_epoch).
+fn find_key(
+    conn: &Connection,
+    channel_id: i64,
+    key: &[u8],
+) -> rusqlite::Result<Option<(u64, u64)>> {
+    conn.prepare_cached(FIND_KEY)?
+        .query_row(params![channel_id, key], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })
+        .optional()
+}
+
+/// Up to `limit` entries after `after_seq`, in order.
+fn read(
+    conn: &Connection,
+    channel_id: i64,
+    after_seq: u64,
+    limit: usize,
+) -> rusqlite::Result<Vec<Entry>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(READ)?;
+    let rows = stmt.query_map(params![channel_id, after_seq, limit], |row| {
+        Ok(Entry {
+            seq: row.get(0)?,
+            epoch: row.get(1)?,
+            content_type: row.get(2)?,
+            message: Bytes::from(row.get::<_, Vec<u8>>(3)?),
+        })
+    })?;
+    rows.collect()
+}
+
+/// The seq after which `epoch` starts, None when the channel never reached it.
+fn epoch_start(conn: &Connection, channel_id: i64, epoch: u64) -> rusqlite::Result<Option<u64>> {
+    conn.prepare_cached(EPOCH_START)?
+        .query_row(params![channel_id, epoch], |row| row.get(0))
+        .optional()
+}
+
+fn fetch_welcome(
+    conn: &Connection,
+    channel_id: i64,
+    key: &WelcomeKey,
+) -> rusqlite::Result<Option<WelcomeRecord>> {
+    let digest = match key {
+        WelcomeKey::Digest(digest) => digest.clone(),
+        WelcomeKey::KeyPackageRef(key_package_ref) => {
+            let found = conn
+                .prepare_cached(WELCOME_BY_REF)?
+                .query_row(params![channel_id, key_package_ref], |row| {
+                    row.get::<_, Vec<u8>>(0)
+                })
+                .optional()?;
+            match found {
+                Some(digest) => digest,
+                None => return Ok(None),
+            }
+        }
+    };
+    conn.prepare_cached(WELCOME_BY_DIGEST)?
+        .query_row(params![channel_id, digest], |row| {
+            Ok(WelcomeRecord {
+                welcome: Bytes::from(row.get::<_, Vec<u8>>(0)?),
+                commit_seq: row.get(1)?,
+                epoch: row.get(2)?,
+            })
+        })
+        .optional()
+}
+
+/// Opens the writer, a first reader and the checkpointer on the database file `path`.
+pub(crate) fn open(path: &Path) -> Result<Opened> {
+    let conn = open_writer(path).map_err(RelayError::store)?;
+    let reader = SqliteReader(Arc::new(ReadPool {
+        idle: Mutex::new(vec![open_reader(path).map_err(RelayError::store)?]),
+        path: path.to_owned(),
+    }));
+    let checkpointer = Checkpointer::start(open_checkpointer(path).map_err(RelayError::store)?)?;
+    Ok(Opened {
+        writer: Box::new(SqliteWriter {
+            conn,
+            checkpointer,
+            commits_since_checkpoint: 0,
+            bytes_since_checkpoint: 0,
+        }),
+        reader: Arc::new(reader),
+    })
+}
+
+struct SqliteWriter {
+    conn: Connection,
+    checkpointer: Checkpointer,
+    commits_since_checkpoint: u32,
+    bytes_since_checkpoint: usize,
+}
+
+/// The heads the SQLite writer decides from: memory's.
+fn in_memory(channel: &crate::log::Channel) -> (u64, u64) {
+    (channel.head_seq(), channel.epoch())
+}
+
+impl LogWriter for SqliteWriter {
+    fn commits_inline(&self) -> bool {
+        true
+    }
+
+    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>> {
+        let id = create_channel(&mut self.conn, scope, name).map_err(RelayError::store)?;
+        if id.is_some() {
+            self.count_commit(0);
+        }
+        Ok(id)
+    }
+
+    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
+        let mut looked_up = false;
+        let mut plan = decide(batch, in_memory, None, window);
+        let mut stored = self.store(batch, &plan);
+        if matches!(&stored, Err(err) if is_constraint(err)) {
+            // A retried publish hit the unique index: find the batch's keys in the log and
+            // decide again (the failed transaction was rolled back).
+            looked_up = true;
+            stored = self.find_keys(batch).and_then(|found| {
+                plan = decide(batch, in_memory, Some(&found), window);
+                self.store(batch, &plan)
+            });
+        }
+        // On error a duplicate found within the batch would point at an entry that does not
+        // exist, and a refusal may be a retry we could not look up: the whole batch fails.
+        stored.map_err(RelayError::store)?;
+        if plan.appends() {
+            let bytes = new_entries(batch, &plan)
+                .iter()
+                .map(|e| e.message.len())
+                .sum();
+            self.count_commit(bytes);
+        }
+        if !looked_up {
+            // A refusal may be a retry of a message logged before (possibly now stale).
+            for (p, decision) in batch.iter().zip(plan.decisions.iter_mut()) {
+                if matches!(decision, Decision::Refused(_)) {
+                    match find_key(&self.conn, p.channel.id(), &p.checked.key) {
+                        Ok(Some((seq, channel_epoch))) => {
+                            *decision = Decision::Duplicate { seq, channel_epoch };
+                        }
+                        Ok(None) => {}
+                        Err(err) => *decision = Decision::Refused(RelayError::store(err)),
+                    }
+                }
+            }
+        }
+        Ok(plan)
+    }
+}
+
+impl SqliteWriter {
+    /// The batch's keys already in the log: per publish, the (seq, channel_epoch) holding it.
+    fn find_keys(&self, batch: &[Publish]) -> rusqlite::Result<Vec<Option<(u64, u64)>>> {
+        batch
+            .iter()
+            .map(|p| find_key(&self.conn, p.channel.id(), &p.checked.key))
+            .collect()
+    }
+
+    /// Stores the plan's entries and heads in one transaction (none when nothing is appended).
+    fn store(&mut self, batch: &[Publish], plan: &Plan) -> rusqlite::Result<()> {
+        let entries = new_entries(batch, plan);
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let heads = plan
+            .changed(batch)
+            .map(|(channel, t)| (channel.id(), t.head, t.epoch));
+        append(&mut self.conn, &entries, heads)
+    }
+
+    fn count_commit(&mut self, bytes: usize) {
+        self.commits_since_checkpoint += 1;
+        self.bytes_since_checkpoint += bytes;
+        if self.commits_since_checkpoint >= CHECKPOINT_COMMITS
+            || self.bytes_since_checkpoint >= CHECKPOINT_BYTES
+        {
+            self.commits_since_checkpoint = 0;
+            self.bytes_since_checkpoint = 0;
+            self.checkpointer.request();
+        }
+    }
+}
+
+/// The reads, on the blocking pool.
+struct SqliteReader(Arc<ReadPool>);
+
+/// Read connections, opened when needed and kept (a few) for the next read.
+struct ReadPool {
+    path: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl ReadPool {
+    fn run<T>(&self, read: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> rusqlite::Result<T> {
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let conn = match idle {
+            Some(conn) => conn,
+            None => open_reader(&self.path)?,
+        };
+        let result = read(&conn);
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() < IDLE_READERS {
+            idle.push(conn);
+        }
+        result
+    }
+}
+
+/// Runs `read` on a read connection of `reader`, on the blocking pool.
+fn on_pool<T, F>(reader: &SqliteReader, read: F) -> StoreFuture<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+{
+    let reader = Arc::clone(&reader.0);
+    Box::pin(async move {
+        match tokio::task::spawn_blocking(move || reader.run(read)).await {
+            Ok(result) => result.map_err(RelayError::store),
+            Err(err) if err.is_cancelled() => Err(crate::log::shutting_down()),
+            // A panic in a read: a bug.
+            Err(_) => Err(RelayError::Internal),
+        }
+    })
+}
+
+impl LogReader for SqliteReader {
+    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
+        let (scope, name) = (scope.to_owned(), name.to_owned());
+        on_pool(self, move |conn| load_channel(conn, &scope, &name))
+    }
+
+    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>> {
+        on_pool(self, move |conn| read(conn, channel_id, after_seq, limit))
+    }
+
+    fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>> {
+        on_pool(self, move |conn| epoch_start(conn, channel_id, epoch))
+    }
+
+    fn fetch_welcome(
+        &self,
+        channel_id: i64,
+        key: WelcomeKey,
+    ) -> StoreFuture<Option<WelcomeRecord>> {
+        on_pool(self, move |conn| fetch_welcome(conn, channel_id, &key))
+    }
+
+    fn close(&self) {
+        self.0
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+}
+
+// -- background checkpoints -------------------------------------------------------------------
+
+/// Runs PASSIVE WAL checkpoints on its own thread and connection when the writer asks.
+struct Checkpointer {
+    shared: Arc<CheckpointShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+type CheckpointShared = (Mutex<CheckpointState>, Condvar);
+
+#[derive(Default)]
+struct CheckpointState {
+    due: bool,
+    stop: bool,
+    runs: u64,
+}
+
+impl Checkpointer {
+    fn start(conn: Connection) -> Result<Checkpointer> {
+        let shared = Arc::new((Mutex::new(CheckpointState::default()), Condvar::new()));
+        let theirs = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("static-relay-checkpoint".into())
+            .spawn(move || Self::run(&conn, &theirs))
+            .map_err(RelayError::store)?;
+        Ok(Checkpointer {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    fn run(conn: &Connection, shared: &CheckpointShared) {
+        let (state, wake) = shared;
+        let mut guard = state.lock().unwrap_or_else(PoisonError::into_inner);
+        loop {
+            if guard.stop {
+                return;
+            }
+            if !guard.due {
+                guard = wake.wait(guard).unwrap_or_else(PoisonError::into_inner);
+                continue;
+            }
+            guard.due = false;
+            drop(guard);
+            // Best effort: a failure leaves the WAL to the next run or SQLite's autocheckpoint.
+            let _ = checkpoint(conn);
+            guard = state.lock().unwrap_or_else(PoisonError::into_inner);
+            guard.runs += 1;
+        }
+    }
+
+    /// Asks for a checkpoint (one already due or running covers it).
+    fn request(&self) {
+        let (state, wake) = &*self.shared;
+        state.lock().unwrap_or_else(PoisonError::into_inner).due = true;
+        wake.notify_one();
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        let (state, wake) = &*self.shared;
+        state.lock().unwrap_or_else(PoisonError::into_inner).stop = true;
+        wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    const SCHEMA: &str = include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql");
+
+    fn pragma(conn: &Connection, name: &str) -> String {
+        conn.query_row(&format!("PRAGMA {name}"), [], |row| {
+            row.get::<_, rusqlite::types::Value>(0)
+        })
+        .map(|v| match v {
+            rusqlite::types::Value::Integer(i) => i.to_string(),
+            rusqlite::types::Value::Text(t) => t,
+            other => format!("{other:?}"),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn connections_are_durable_and_patient() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("static.sqlite3");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA)
+            .unwrap();
+        let writer = open_writer(&path).unwrap();
+        assert_eq!(pragma(&writer, "journal_mode"), "wal");
+        // FULL = 2: the WAL is synced at every commit.
+        assert_eq!(pragma(&writer, "synchronous"), "2");
+        assert_eq!(pragma(&writer, "foreign_keys"), "1");
+        assert_eq!(pragma(&writer, "busy_timeout"), "10000");
+        let reader = open_reader(&path).unwrap();
+        assert_eq!(pragma(&reader, "busy_timeout"), "10000");
+        assert!(reader
+            .execute(
+                "INSERT INTO relay_channels (scope, name) VALUES ('', 'x')",
+                []
+            )
+            .is_err());
+        let checkpointer = open_checkpointer(&path).unwrap();
+        assert_eq!(pragma(&checkpointer, "synchronous"), "2");
+        checkpoint(&checkpointer).unwrap();
+    }
+
+    #[test]
+    fn checkpoints_run_beside_the_writer() {
+        use crate::framing::{ContentType, MessageHeader};
+        use crate::log::{test_channel, test_publish, Checked};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("static.sqlite3");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(SCHEMA)
+            .unwrap();
+        let mut writer = SqliteWriter {
+            conn: open_writer(&path).unwrap(),
+            checkpointer: Checkpointer::start(open_checkpointer(&path).unwrap()).unwrap(),
+            commits_since_checkpoint: 0,
+            bytes_since_checkpoint: 0,
+        };
+        let id = writer
+            .create_channel("", "org/ns/service")
+            .unwrap()
+            .unwrap();
+        let channel = test_channel(id);
+        let shared = Arc::clone(&writer.checkpointer.shared);
+        let runs = || shared.0.lock().unwrap().runs;
+        assert_eq!(runs(), 0);
+        for epoch in 0..u64::from(CHECKPOINT_COMMITS) - 1 {
+            let message = Bytes::from(format!("commit {epoch}"));
+            let checked = Checked {
+                header: MessageHeader {
+                    wire_format: 2,
+                    group_id: b"g".to_vec(),
+                    epoch,
+                    content_type: ContentType::Commit,
+                },
+                key: message.to_vec(),
+                message,
+                welcome: Bytes::new(),
+                welcome_refs: Vec::new(),
+            };
+            let batch = [test_publish(&channel, checked)];
+            let plan = writer.append(&batch, 0).unwrap();
+            crate::log::test_committed(&batch, &plan);
+        }
+        // The create and 63 group commits: one checkpoint requested, on its own thread.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while runs() == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(runs(), 1);
+        assert_eq!(channel.head_seq(), u64::from(CHECKPOINT_COMMITS) - 1);
+    }
+}

@@ -1,0 +1,229 @@
+"""Scale-out: several ``static serve`` processes on one PostgreSQL database serve the same
+channels. A subscriber on one relay gets what was published on another, in one order, with no
+gap and no duplicate; the epoch fence is exact across relays; a relay killed mid-stream loses
+nothing (its publishers retry elsewhere with the same idempotency keys, its subscribers resume
+elsewhere from their cursor)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests.relay import mls_vectors as mls
+from tests.relay.client import Relay, Subscription, pb, status_of
+from tests.support.postgres import PostgresCluster
+from tests.support.server import ServerProcess
+
+CHANNEL = "acme/agents/fleet"
+NODES = 3
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, postgres_cluster: PostgresCluster) -> Iterator[list[ServerProcess]]:
+    """Three relays on one fresh database (started one after the other: the first migrates)."""
+    url = postgres_cluster.create_database()
+    started: list[ServerProcess] = []
+    try:
+        for n in range(NODES):
+            server = ServerProcess(tmp_path / f"node{n}", url, ["--allow-anonymous"])
+            started.append(server.start())
+        yield started
+    finally:
+        for server in started:
+            server.kill()
+
+
+def _retrying(urls: list[str], start: int, call: Callable[[Relay], object]) -> object:
+    """``call`` on the relay at ``urls[start]``, moving on to the next relay while one is
+    unreachable (as a client with several relay addresses would)."""
+    deadline = time.monotonic() + 30
+    index = start
+    while True:
+        with Relay(urls[index % len(urls)]) as relay:
+            try:
+                return call(relay)
+            except grpc.RpcError as exc:
+                code = status_of(exc)[0]
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+        index += 1
+
+
+def _publish(relay: Relay, *, message: bytes, key: bytes) -> object:
+    return relay.publish(CHANNEL, message, key=key)
+
+
+def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
+    nodes: list[ServerProcess],
+) -> None:
+    a, b, c = (Relay(n.relay_url) for n in nodes)
+    try:
+        assert a.create(CHANNEL).epoch == 0
+        with pytest.raises(grpc.RpcError) as exists:
+            c.create(CHANNEL)  # one channel, whichever relay is asked
+        assert status_of(exists.value)[0] == grpc.StatusCode.ALREADY_EXISTS
+        on_b = b.subscribe(CHANNEL, after_seq=0)
+        on_c = c.subscribe(CHANNEL, after_seq=0, max_batch=16)
+        on_b.wait_keepalives(1)
+        on_c.wait_keepalives(1)
+        sent = []
+        for i in range(30):
+            relay = (a, b, c)[i % 3]
+            message = mls.application(CHANNEL, 0, f"m{i}".encode())
+            answer = relay.publish(CHANNEL, message)
+            assert (answer.seq, answer.duplicate) == (i + 1, False)
+            sent.append(message)
+        for sub in (on_b, on_c):
+            entries = sub.wait_for(30)
+            assert [e.seq for e in entries] == list(range(1, 31))
+            assert [e.message for e in entries] == sent
+        # A retry on another relay is a duplicate of the original entry.
+        again = c.publish(CHANNEL, sent[4])
+        assert (again.seq, again.duplicate) == (5, True)
+        # A Welcome kept with a commit on one relay is fetched on another.
+        ref = b"\x07" * 32
+        welcome = mls.welcome([ref])
+        commit = a.publish(CHANNEL, mls.commit(CHANNEL, 0, b"add"), welcome=welcome)
+        assert (commit.seq, commit.epoch) == (31, 1)
+        by_ref = c.stub.FetchWelcome(
+            pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=ref), timeout=10
+        )
+        assert (by_ref.welcome, by_ref.commit_seq, by_ref.epoch) == (welcome, 31, 1)
+        by_digest = b.stub.FetchWelcome(
+            pb.FetchWelcomeRequest(
+                channel=CHANNEL, welcome_sha256=hashlib.sha256(welcome).digest()
+            ),
+            timeout=10,
+        )
+        assert by_digest.commit_seq == 31
+        # The epoch it started is known everywhere: a joiner reads from there.
+        from_epoch = c.subscribe(CHANNEL, from_epoch=1)
+        b.publish(CHANNEL, mls.application(CHANNEL, 1, b"welcome aboard"))
+        assert [e.seq for e in from_epoch.wait_for(1)] == [32]
+        for sub in (on_b, on_c, from_epoch):
+            sub.cancel()
+    finally:
+        for relay in (a, b, c):
+            relay.close()
+
+
+def test_the_epoch_fence_is_exact_across_relays(nodes: list[ServerProcess]) -> None:
+    urls = [n.relay_url for n in nodes]
+    with Relay(urls[0]) as first:
+        first.create(CHANNEL)
+    for epoch in range(3):
+        barrier = threading.Barrier(2 * NODES)
+        outcomes: list[object] = []
+
+        def commit(
+            n: int,
+            epoch: int = epoch,
+            barrier: threading.Barrier = barrier,
+            outcomes: list[object] = outcomes,
+        ) -> None:
+            with Relay(urls[n % NODES]) as own:
+                barrier.wait(10)
+                try:
+                    outcomes.append(
+                        own.publish(CHANNEL, mls.commit(CHANNEL, epoch, f"{epoch}:{n}".encode()))
+                    )
+                except grpc.RpcError as exc:
+                    outcomes.append(status_of(exc))
+
+        threads = [threading.Thread(target=commit, args=(n,)) for n in range(2 * NODES)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        won = [o for o in outcomes if isinstance(o, pb.PublishResponse)]
+        lost = [o for o in outcomes if isinstance(o, tuple)]
+        assert len(won) == 1, outcomes
+        assert len(lost) == 2 * NODES - 1
+        assert (won[0].seq, won[0].epoch) == (epoch + 1, epoch + 1)
+        for code, _, trailers in lost:
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert trailers["static-current-epoch"] == str(epoch + 1)
+    # Every relay fences at the epoch another relay moved the channel to.
+    for url in urls:
+        with Relay(url) as relay, pytest.raises(grpc.RpcError) as stale:
+            relay.publish(CHANNEL, mls.commit(CHANNEL, 1, b"late"))
+        assert status_of(stale.value)[2]["static-current-epoch"] == "3"
+
+
+def test_a_relay_killed_mid_stream_loses_nothing(nodes: list[ServerProcess]) -> None:
+    urls = [n.relay_url for n in nodes]
+    with Relay(urls[0]) as first:
+        first.create(CHANNEL)
+    per_publisher = 150
+    publishers = NODES
+    total = publishers * per_publisher
+
+    # Subscribers on every relay; the one on the killed relay resumes elsewhere.
+    subscriptions: dict[int, list[Subscription]] = {}
+    clients: list[Relay] = []
+    for n, url in enumerate(urls):
+        relay = Relay(url)
+        clients.append(relay)
+        subscriptions[n] = [relay.subscribe(CHANNEL, after_seq=0, timeout=120)]
+
+    progress = [0] * publishers
+    errors: list[BaseException] = []
+
+    def publish(n: int) -> None:
+        try:
+            for i in range(per_publisher):
+                message = mls.application(CHANNEL, 0, f"{n}:{i}".encode())
+                key = f"key-{n}-{i}".encode()
+                _retrying(urls, n, partial(_publish, message=message, key=key))
+                progress[n] = i + 1
+        except (grpc.RpcError, AssertionError) as exc:  # reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(publishers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while min(progress) < per_publisher // 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    nodes[0].kill()  # mid-stream: its publisher moves on, its subscriber ends
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert progress == [per_publisher] * publishers
+
+    # The subscriber of the killed relay ended; it resumes on the next relay from its cursor.
+    dead = subscriptions[0][0]
+    assert dead.wait_end(10) is not None
+    cursor = dead.entries[-1].seq if dead.entries else 0
+    with Relay(urls[1]) as resumed_on:
+        resumed = resumed_on.subscribe(CHANNEL, after_seq=cursor, timeout=60)
+        rest = resumed.wait_for(total - cursor, timeout=30)
+        combined = [*dead.entries, *rest]
+        resumed.cancel()
+    everyone = [combined, *(subscriptions[n][0].wait_for(total, timeout=30) for n in (1, 2))]
+    expected = {
+        mls.application(CHANNEL, 0, f"{n}:{i}".encode())
+        for n in range(3)
+        for i in range(per_publisher)
+    }
+    for entries in everyone:
+        assert [e.seq for e in entries] == list(range(1, total + 1))  # no gap, no duplicate
+        messages = [e.message for e in entries]
+        assert set(messages) == expected and len(messages) == total
+        for n in range(publishers):  # each publisher's messages in the order it sent them
+            own = [mls.application(CHANNEL, 0, f"{n}:{i}".encode()) for i in range(per_publisher)]
+            assert [m for m in messages if m in own] == own
+    assert [e.message for e in everyone[1]] == [e.message for e in everyone[2]]
+    for n in (1, 2):
+        subscriptions[n][0].cancel()
+    for relay in clients:
+        relay.close()
