@@ -375,7 +375,8 @@ def main() -> None:
                         "postgresql: skipped (no PostgreSQL binaries; scripts/ensure-postgres.sh)"
                     )
                     continue
-                cluster = PostgresCluster(bindir)
+                # Durable like SQLite's synchronous=FULL: each commit is flushed to disk.
+                cluster = PostgresCluster(bindir, fsync=True)
                 cluster.start()
                 try:
                     results[store] = measure(cluster.create_database(), args, f"{tmp}/{store}")
