@@ -187,9 +187,10 @@ class Waker:
     def fileno(self) -> int: ...
     def drain(self) -> None: ...
 
-#: proto/relay.proto compiled (a serialized FileDescriptorSet): the Python relay's messages.
+#: proto/relay.proto compiled (a serialized FileDescriptorSet). Nothing in Python reads it any
+#: more; the extension still exports it.
 RELAY_PROTO_DESCRIPTOR: Final[bytes]
-#: Trailers of refusals, shared by both relays and the SDK (static-proto).
+#: Trailers of refusals, shared by the relay and the SDK (static-proto).
 CURRENT_EPOCH_TRAILER: Final[str]
 RETRY_AFTER_TRAILER: Final[str]
 
@@ -199,8 +200,10 @@ class RelayServer:
 
     ``verify(token)`` is called from a thread of the relay's runtime, once per call carrying a
     token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None), or refuses
-    with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). Construction
-    raises ``OSError`` when the relay cannot start (address in use, database unreadable).
+    with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). ``database`` is a
+    SQLite file or a ``postgresql://`` URL (several relays may share one PostgreSQL database).
+    Construction raises ``OSError`` when the relay cannot start (address in use, database
+    unreachable or without the relay's tables).
     """
 
     def __init__(
@@ -208,7 +211,7 @@ class RelayServer:
         *,
         host: str,
         port: int,
-        db_path: str,
+        database: str,
         verify: Callable[[str], tuple[str, str, float | None] | tuple[int, str]] | None,
         allow_anonymous: bool,
         max_message_bytes: int,

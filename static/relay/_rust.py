@@ -1,8 +1,9 @@
-"""``serve_rust_relay``: the relay's data plane in Rust (``static._native.RelayServer``), on SQLite.
+"""``serve_rust_relay``: the relay's data plane in Rust (``static._native.RelayServer``).
 
 The gRPC service, the channel logs and their group-committing writer run on a tokio runtime of
-the extension, in this process, on the same database file as the HTTP API; no message crosses
-into Python. What stays here is what is not per message: tokens are checked by the server's
+the extension, in this process, on the same database as the HTTP API (the SQLite file, or the
+PostgreSQL database, which the extension connects to itself); no message crosses into Python.
+What stays here is what is not per message: tokens are checked by the server's
 :class:`~static.auth.TokenVerifier` once per call (the extension calls ``verify`` from one of its
 threads, which waits for the trio thread), the keys behind live streams are re-checked for
 revocation every ``revocation_check_seconds``, and shutdown is decided here.
@@ -33,8 +34,8 @@ _Verified = tuple[str, str, float | None] | tuple[int, str]
 def _verify_in_trio(
     verifier: TokenVerifier, trio_token: trio.lowlevel.TrioToken
 ) -> Callable[[str], _Verified]:
-    """``verify(token)`` for the extension's threads: the principal, or a (code, text) refusal
-    with the texts of the Python relay."""
+    """``verify(token)`` for the extension's threads: the principal, or a (code, text)
+    refusal."""
 
     def verify(token: str) -> _Verified:
         try:
@@ -64,15 +65,16 @@ async def _revocation_checks(server: RelayServer, verifier: TokenVerifier, every
 
 
 async def serve_rust_relay(
-    db_path: str,
+    database: str,
     settings: ServerSettings,
     verifier: TokenVerifier | None,
     shutdown: trio.Event,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the relay on ``settings.relay`` over the SQLite file ``db_path`` (already migrated)
-    until ``shutdown`` is set; report ``grpc://HOST:PORT``.
+    """Serve the relay on ``settings.relay`` over ``database`` (already migrated: a SQLite file's
+    path, or the ``postgresql://`` URL the store connected with) until ``shutdown`` is set;
+    report ``grpc://HOST:PORT``.
 
     Binds only the configured host, without SO_REUSEPORT. On shutdown: stop accepting, end live
     subscriptions (UNAVAILABLE), let in-flight calls finish within the graceful timeout, close
@@ -86,7 +88,7 @@ async def serve_rust_relay(
         RelayServer,
         host=settings.relay.host,
         port=settings.relay.port,
-        db_path=db_path,
+        database=database,
         verify=verify,
         allow_anonymous=relay.allow_anonymous,
         max_message_bytes=relay.max_message_bytes,
