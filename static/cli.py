@@ -183,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from static.store import DatabaseError
 
-    # The relay's group commits run in worker threads, which need the GIL back to report (and
-    # between SQLite calls): with CPython's default 5 ms switch interval a worker can wait that
-    # long behind a busy event loop, which shows in every publish's tail latency.
+    # Threads that call back into Python need the GIL: the SQLite store's worker threads (to
+    # report, and between SQLite calls) and the relay's threads asking for token checks. With
+    # CPython's default 5 ms switch interval one can wait that long behind a busy event loop.
     sys.setswitchinterval(0.0005)
     # The modules loaded by now (some 40,000 objects) live as long as the process: out of the
     # collector's sight, a full collection no longer stalls every connection for ~10 ms.
