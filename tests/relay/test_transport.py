@@ -551,6 +551,7 @@ def _frame(kind: int, stream_id: int, payload: bytes, flags: int = 0) -> bytes:
 _DATA, _END_STREAM = 0, 0x1
 #: What the relay may answer by ending the whole connection; the others end one call at most.
 _CONNECTION_ERRORS = {
+    "over the windows",
     "over the frame size",
     "unknown stream",
     "stream zero",
@@ -561,7 +562,7 @@ _CONNECTION_ERRORS = {
 @pytest.mark.parametrize(
     "case",
     [
-        "over the stream window",
+        "over the windows",
         "over the frame size",
         "unknown stream",
         "stream zero",
@@ -585,10 +586,13 @@ def test_what_a_client_should_not_send_ends_at_most_its_connection(
     calls = [raw.start("PublishBatches", request, end=False) for _ in range(2)]
     assert raw.pump(0.3)
     message = _grpc_frames([request])
-    if case == "over the stream window":
+    if case == "over the windows":
+        # One message larger than the windows the relay granted, all of it in one write: more
+        # than it allowed, unless it consumed and granted more in between.
+        size = raw.conn.remote_settings.initial_window_size + 32000
+        body = struct.pack(">?I", False, size - 5) + bytes(size - 5)
         frames = b"".join(
-            _frame(_DATA, calls[0], struct.pack(">?I", False, 16000) + bytes(16000))
-            for _ in range(5)
+            _frame(_DATA, calls[0], body[at : at + 16000]) for at in range(0, size, 16000)
         )
     elif case == "over the frame size":
         frames = _frame(_DATA, calls[0], struct.pack(">?I", False, 17000) + bytes(17000))
