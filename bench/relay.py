@@ -1,22 +1,26 @@
 """Relay benchmark: prints figures, asserts nothing.
 
-    .venv/bin/python bench/relay.py [--messages N]
+    .venv/bin/python bench/relay.py [--messages N] [--idle N] [--only-new]
+                                    [--stores sqlite,postgresql]
 
-Starts a real ``static serve`` (SQLite, so the Rust relay; durable: synchronous=FULL) and, as a
-yardstick of the Python stack, a bare purerpc echo server (same process model, same 1 KiB
-messages); this process and its subscriber processes are the load generator (grpcio). Measures,
-on loopback:
+Starts a real ``static serve`` on each store in turn (durable both: SQLite with
+synchronous=FULL; PostgreSQL a throwaway cluster of Debian's binaries with fsync on) and
+measures the relay, the same Rust relay on both; this process and its subscriber processes are
+the load generator (grpcio, with the tests' stubs of proto/relay.proto). Measures, on loopback:
 
-* 1 publisher -> 1 subscriber throughput (PublishStream, durable);
-* 1 -> 10 fan-out deliveries per second;
-* publish -> deliver latency p50/p99 at 1,000 msg/s;
-* server RSS per idle subscriber with 5,000 of them;
-* the echo ceiling: a bare purerpc stream-stream echo, 1 KiB each way;
 * what the SDK does: 1 -> 1 throughput through PublishBatches (batches of 64, pipelined) to one
   batched subscriber (Subscribe max_batch 256), and the relay's CPU time per message meanwhile;
 * the latency of ONE message at low load through an open PublishBatches call: publish -> ack
   and publish -> delivery to a live batched subscriber;
-* unary Publish latency (commits and add_member use it).
+* unary Publish latency (commits and add_member use it);
+* 1 publisher -> 1 subscriber throughput (PublishStream, durable);
+* 1 -> 10 fan-out deliveries per second;
+* publish -> deliver latency p50/p99 at 1,000 msg/s;
+* server RSS per idle subscriber with 5,000 of them.
+
+The relay's CPU is the ``static serve`` process's; on PostgreSQL the database server's own
+processes come on top. Each store's figures print as soon as they are measured; at the end a
+table puts the stores side by side, with the PostgreSQL/SQLite ratio of each figure.
 """
 
 from __future__ import annotations
@@ -36,16 +40,16 @@ import asyncio
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from static.relay import _proto as pb
+from tests.relay._generated import relay_pb2 as pb
+from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
@@ -361,66 +365,6 @@ def idle_rss(target: str, pid: int, channel: str, n: int) -> tuple[float, float]
     return (after - before) / n, after / 1024
 
 
-# -- the echo ceiling --------------------------------------------------------------------------
-
-
-def echo_server(port_file: str) -> None:
-    """A bare purerpc server: stream-stream echo of 1 KiB messages."""
-    import purerpc
-    import trio
-    from purerpc.rpc import Cardinality, RPCSignature
-
-    async def echo(messages: Any) -> Any:
-        async for message in messages:
-            yield message
-
-    service = purerpc.Service("bench.Echo")
-    service.add_method(
-        "Echo",
-        echo,
-        RPCSignature(Cardinality.STREAM_STREAM, pb.SubscribeResponse, pb.SubscribeResponse),
-    )
-    server = purerpc.Server(port=0)
-    server.add_service(service)
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(server.serve_async)
-            Path(port_file).write_text(str(port))  # noqa: ASYNC240  (tiny, once)
-
-    trio.run(main)
-
-
-def echo_ceiling(target: str, count: int) -> tuple[float, float]:
-    """(messages/s through a bare purerpc echo stream, p50 ms of a ping-pong round trip)."""
-    channel = grpc.insecure_channel(target, options=_OPTIONS)
-    call = channel.stream_stream(
-        "/bench.Echo/Echo",
-        request_serializer=pb.SubscribeResponse.SerializeToString,
-        response_deserializer=pb.SubscribeResponse.FromString,
-    )
-    message = pb.SubscribeResponse(entry=pb.Entry(seq=1, message=b"x" * PAYLOAD))
-    started = time.monotonic()
-    received = sum(1 for _ in call(iter([message] * count), timeout=600))
-    throughput = received / (time.monotonic() - started)
-    # Ping-pong: one message in flight at a time.
-    requests: list[Any] = []
-    gate = threading.Semaphore(0)
-
-    def paced() -> Iterator[Any]:
-        for _ in range(2000):
-            requests.append(time.monotonic_ns())
-            yield message
-            gate.acquire()
-
-    rtts = []
-    for _ in call(paced(), timeout=600):
-        rtts.append((time.monotonic_ns() - requests[-1]) / 1e6)
-        gate.release()
-    channel.close()
-    return throughput, statistics.median(rtts)
-
-
 def commit_cost(directory: str) -> float:
     """p50 ms of one SQLite commit with the store's pragmas (WAL, synchronous=FULL): the
     disk's fsync, the floor of a durable publish's latency."""
@@ -444,94 +388,145 @@ def commit_cost(directory: str) -> float:
 # -- main --------------------------------------------------------------------------------------
 
 
-def _start_static(data_dir: str) -> ServerProcess:
+def _start_static(data_dir: str, database_url: str | None) -> ServerProcess:
     """A real ``static serve`` (anonymous relay, no publish rate limit) on loopback."""
     return ServerProcess(
-        Path(data_dir), extra_args=["--allow-anonymous", "--relay-publish-rate", "0"]
+        Path(data_dir),
+        database_url,
+        extra_args=["--allow-anonymous", "--relay-publish-rate", "0"],
     ).start()
 
 
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure: what it is, its unit, and what it is held against."""
+
+    label: str
+    unit: str
+    note: str = ""
+
+
+def measure(database_url: str | None, args: argparse.Namespace, tmp: str) -> dict[Figure, float]:
+    """Every figure, against one ``static serve`` on ``database_url`` (None: embedded SQLite)."""
+    server = _start_static(tmp, database_url)
+    target = server.relay_url.removeprefix("grpc://")
+    assert server.proc is not None
+    pid = server.proc.pid
+    n = args.messages
+    figures: dict[Figure, float] = {}
+    try:
+        rate, cpu_us = batched(target, pid, "bench/batch/one", n)
+        figures[Figure("1 -> 1 batched (64/batch, max_batch 256)", "msg/s")] = rate
+        figures[Figure("  relay CPU meanwhile", "us/msg", "target <= 40")] = cpu_us
+        ack, delivery, single_cpu_us = single_latency(target, pid, "bench/single/one", 1000)
+        note = "PublishBatches, 1 item, every 5 ms"
+        figures[Figure("one message: publish -> ack p50", "ms", note)] = ack[0]
+        figures[Figure("one message: publish -> ack p99", "ms", note)] = ack[1]
+        figures[Figure("one message: publish -> delivery p50", "ms", "target 0.3")] = delivery[0]
+        figures[Figure("one message: publish -> delivery p99", "ms", "target 1")] = delivery[1]
+        note = "including keep-alives"
+        figures[Figure("one message: relay CPU", "us/msg", note)] = single_cpu_us
+        unary = unary_latency(target, "bench/unary/one", 2000)
+        figures[Figure("unary Publish p50", "ms", "target <= 0.5")] = unary[0]
+        figures[Figure("unary Publish p99", "ms")] = unary[1]
+        if not args.only_new:
+            one = fan_out(target, "bench/one/one", n, 1)
+            figures[Figure("1 -> 1 durable (PublishStream)", "msg/s", "target >= 5,000")] = one
+            ten = fan_out(target, "bench/fan/out", n // 4, 10)
+            figures[Figure("1 -> 10 fan-out", "deliveries/s", "target >= 20,000")] = ten
+            p50, p99 = latency(target, "bench/lat/ency", 1000.0, 5.0)
+            figures[Figure("latency at 1,000 msg/s p50", "ms", "target 1")] = p50
+            figures[Figure("latency at 1,000 msg/s p99", "ms", "target 5")] = p99
+            per_idle, total_mib = idle_rss(target, pid, "bench/idle/subs", args.idle)
+            note = "target <= 100"
+            figures[Figure(f"{args.idle:,} idle subscribers, each", "KiB", note)] = per_idle
+            figures[Figure(f"{args.idle:,} idle subscribers, server RSS", "MiB")] = total_mib
+    finally:
+        server.stop(30)
+    return figures
+
+
+def _value(value: float) -> str:
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
+def report(store: str, figures: dict[Figure, float]) -> None:
+    print(f"relay benchmark, store: {store} (1 KiB messages, loopback)", flush=True)
+    for figure, value in figures.items():
+        note = f"   ({figure.note})" if figure.note else ""
+        print(f"  {figure.label:<44} {_value(value):>10} {figure.unit}{note}", flush=True)
+
+
+def compare(results: dict[str, dict[Figure, float]]) -> None:
+    """Every figure of every store side by side; PostgreSQL / SQLite when both ran."""
+    stores = list(results)
+    both = "sqlite" in results and "postgresql" in results
+    labels: list[Figure] = []
+    for figures in results.values():
+        labels += [f for f in figures if f not in labels]
+    header = f"  {'figure':<44} {'unit':<13}" + "".join(f" {s:>12}" for s in stores)
+    print("relay benchmark: all stores" + (", PostgreSQL / SQLite" if both else ""))
+    print(header + (f" {'pg/sqlite':>10}" if both else ""))
+    for figure in labels:
+        values = [results[s].get(figure) for s in stores]
+        row = f"  {figure.label:<44} {figure.unit:<13}" + "".join(
+            f" {'-' if v is None else _value(v):>12}" for v in values
+        )
+        if both:
+            pg, lite = results["postgresql"].get(figure), results["sqlite"].get(figure)
+            row += f" {pg / lite:>9.2f}x" if pg is not None and lite else f" {'-':>10}"
+        print(row)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--messages", type=int, default=20_000)
     parser.add_argument("--idle", type=int, default=5_000)
     parser.add_argument(
         "--only-new", action="store_true", help="only the batched, single-message and unary figures"
     )
-    parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stores",
+        default="sqlite,postgresql",
+        help="comma-separated stores to run against, in one run (default both; PostgreSQL is a"
+        " throwaway cluster of Debian's binaries, skipped when they are missing)",
+    )
     args = parser.parse_args()
-    if args.echo_server:
-        echo_server(args.echo_server)
-        return
+    stores = [s.strip() for s in args.stores.split(",") if s.strip()]
+    for store in stores:
+        if store not in ("sqlite", "postgresql"):
+            parser.error(f"unknown store {store!r}: sqlite or postgresql")
+
+    results: dict[str, dict[Figure, float]] = {}
     with tempfile.TemporaryDirectory(prefix="static-bench-") as tmp:
-        port_file = os.path.join(tmp, "echo.port")
-        echo = subprocess.Popen([sys.executable, __file__, "--echo-server", port_file])
-        server = _start_static(os.path.join(tmp, "data"))
-        target = server.relay_url.removeprefix("grpc://")
-        assert server.proc is not None
-        server_pid = server.proc.pid
-        try:
-            while not os.path.exists(port_file) or not Path(port_file).read_text():
-                time.sleep(0.05)
-            echo_target = f"127.0.0.1:{Path(port_file).read_text()}"
-            n = args.messages
-            fsync_ms = commit_cost(tmp)
-            ceiling, echo_rtt = echo_ceiling(echo_target, n)
-            batched_rate, cpu_us = batched(target, server_pid, "bench/batch/one", n)
-            ack, delivery, single_cpu_us = single_latency(
-                target, server_pid, "bench/single/one", 1000
-            )
-            unary = unary_latency(target, "bench/unary/one", 2000)
-            if not args.only_new:
-                one = fan_out(target, "bench/one/one", n, 1)
-                ten = fan_out(target, "bench/fan/out", n // 4, 10)
-                p50, p99 = latency(target, "bench/lat/ency", 1000.0, 5.0)
-                per_idle, total_mib = idle_rss(target, server_pid, "bench/idle/subs", args.idle)
-        finally:
-            server.stop(30)
-            echo.kill()
-            echo.wait(10)
-    rows = [
-        (
-            "echo ceiling (bare purerpc stream)",
-            f"{ceiling:,.0f} msg/s, ping-pong p50 {echo_rtt:.3f} ms",
-        ),
-        ("one durable commit (the floor)", f"p50 {fsync_ms:.3f} ms (SQLite, synchronous=FULL)"),
-        (
-            "1 -> 1 batched (64/batch, max_batch 256)",
-            f"{batched_rate:,.0f} msg/s, relay CPU {cpu_us:.1f} us/msg (target <= 40)",
-        ),
-        (
-            "one message: publish -> ack",
-            f"p50 {ack[0]:.3f} ms, p99 {ack[1]:.3f} ms (PublishBatches, 1 item, every 5 ms)",
-        ),
-        (
-            "one message: publish -> delivery",
-            f"p50 {delivery[0]:.3f} ms, p99 {delivery[1]:.3f} ms (targets 0.3 / 1 ms)",
-        ),
-        ("one message: relay CPU", f"{single_cpu_us:.0f} us/msg (including keep-alives)"),
-        ("unary Publish", f"p50 {unary[0]:.3f} ms, p99 {unary[1]:.3f} ms (target p50 <= 0.5 ms)"),
-    ]
-    if not args.only_new:
-        rows += [
-            ("1 -> 1 durable", f"{one:,.0f} msg/s = {one / ceiling:.0%} of echo (target >= 5,000)"),
-            (
-                "1 -> 10 fan-out",
-                f"{ten:,.0f} deliveries/s = {ten / ceiling:.0%} of echo (target >= 20,000)",
-            ),
-            (
-                "latency at 1,000 msg/s",
-                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms = {p50 / echo_rtt:.1f}x /"
-                f" {p99 / echo_rtt:.1f}x the echo round trip (targets 1 / 5 ms)",
-            ),
-            (
-                f"{args.idle:,} idle subscribers",
-                f"{per_idle:,.1f} KiB each, server RSS {total_mib:,.0f} MiB (target <= 100 KiB)",
-            ),
-        ]
-    print("relay benchmark: 1 KiB messages, loopback, SQLite synchronous=FULL")
-    for name, figure in rows:
-        print(f"  {name:<42} {figure}")
+        fsync_ms = commit_cost(tmp)
+        print(
+            f"one durable SQLite commit (the floor of a durable publish): p50 {fsync_ms:.3f} ms\n",
+            flush=True,
+        )
+        for store in stores:
+            if store == "sqlite":
+                results[store] = measure(None, args, f"{tmp}/{store}")
+            else:
+                bindir = find_postgres_bin()
+                if bindir is None:
+                    print(
+                        "postgresql: skipped (no PostgreSQL binaries: scripts/ensure-postgres.sh)"
+                    )
+                    continue
+                # Durable like the SQLite store (synchronous=FULL): fsync on.
+                cluster = PostgresCluster(bindir, fsync=True)
+                cluster.start()
+                try:
+                    results[store] = measure(cluster.create_database(), args, f"{tmp}/{store}")
+                finally:
+                    cluster.stop()
+            report(store, results[store])
+            print(flush=True)
+    if results:
+        compare(results)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 # Generates the tests' relay stubs from proto/relay.proto (never committed, never hand-edited):
 #   tests/relay/_generated/   protobuf messages + grpcio stubs (the tests' client: another gRPC
 #                             implementation than the server's)
-# The server needs nothing generated: it builds its messages from the descriptor compiled into
-# the native extension (static/relay/_proto.py). grpc_tools comes with the 'dev' extra (it ships
-# protoc); without it (a server-only setup) there is nothing to do.
+# The server needs nothing generated: the relay is the native extension's, compiled from
+# proto/relay.proto by the Rust build (crates/proto). bench/relay.py uses these stubs too.
+# grpc_tools comes with the 'dev' extra (it ships protoc); without it (a server-only setup)
+# there is nothing to do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=".venv/bin/python"

@@ -1,5 +1,5 @@
 """Channel names: ``org/namespace/service``. One rule, the MLS crate's (``static-mls``), shared by
-the SDK and both relays through the native extension."""
+the SDK and the relay through the native extension."""
 
 from typing import Final
 

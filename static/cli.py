@@ -13,6 +13,7 @@ from pathlib import Path
 import trio
 
 from static._settings import Address, ApiSettings, RateLimit, RelaySettings, ServerSettings
+from static.store import database_location
 
 __all__ = ["main"]
 
@@ -127,7 +128,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         raise ValueError("--relay-publish-rate must be >= 0")
     if not 1 <= args.relay_max_streams <= 10000:
         raise ValueError("--relay-max-streams must be between 1 and 10000")
-    return ServerSettings(
+    settings = ServerSettings(
         http=args.http,
         relay=args.relay,
         data_dir=args.data_dir,
@@ -144,6 +145,10 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
             max_streams_per_connection=args.relay_max_streams,
         ),
     )
+    # The relay opens the database itself: one it cannot share (SQLite in memory) is refused
+    # here, as a configuration error, not once the HTTP API is already up.
+    database_location(settings.resolved_database_url)
+    return settings
 
 
 async def _run(settings: ServerSettings) -> None:
@@ -178,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from static.store import DatabaseError
 
-    # The relay's group commits run in worker threads, which need the GIL back to report (and
-    # between SQLite calls): with CPython's default 5 ms switch interval a worker can wait that
-    # long behind a busy event loop, which shows in every publish's tail latency.
+    # Threads that call back into Python need the GIL: the SQLite store's worker threads (to
+    # report, and between SQLite calls) and the relay's threads asking for token checks. With
+    # CPython's default 5 ms switch interval one can wait that long behind a busy event loop.
     sys.setswitchinterval(0.0005)
     # The modules loaded by now (some 40,000 objects) live as long as the process: out of the
     # collector's sight, a full collection no longer stalls every connection for ~10 ms.

@@ -48,5 +48,5 @@ async def serve(
         trio.open_nursery() as nursery,
     ):
         http_url: str = await nursery.start(serve_http, db, settings, authority, shutdown)
-        relay_url: str = await nursery.start(serve_relay, db, settings, authority, shutdown)
+        relay_url: str = await nursery.start(serve_relay, settings, authority, shutdown)
         task_status.started(BoundServer(http_url=http_url, relay_url=relay_url))

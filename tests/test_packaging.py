@@ -1,7 +1,7 @@
 """A built wheel, installed as a user would (not editable, outside the source tree): the SDK
 alone installs without the server's dependencies, and ``pip install '<wheel>[server]'`` gives a
-``static serve`` that serves, on both stores (the relay in Rust on SQLite, in Python on
-PostgreSQL), with an SDK round trip through it."""
+``static serve`` that serves, on both stores (one relay, in Rust, in the extension), with an SDK
+round trip through it."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ ROUND_TRIP = textwrap.dedent(
     """
 )
 
+NO_GRPC_STACK = textwrap.dedent(
+    """
+    import importlib.util
+
+    for name in ("purerpc", "grpc", "google.protobuf"):
+        try:
+            found = importlib.util.find_spec(name)
+        except ModuleNotFoundError:  # its parent package is missing too
+            found = None
+        assert found is None, name
+    """
+)
+
 
 def _run(*args: str | Path, cwd: Path, timeout: float = 1200) -> str:
     result = subprocess.run(
@@ -61,11 +74,13 @@ def wheel_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         python,
         "-c",
         "import static_sdk, sys, importlib.util as u; "
-        "assert u.find_spec('quart_trio') is None and u.find_spec('purerpc') is None; "
+        "assert u.find_spec('quart_trio') is None and u.find_spec('hypercorn') is None; "
         "assert not any(m.startswith(('quart', 'hypercorn', 'static.api')) for m in sys.modules)",
         cwd=work,
     )
     _run(*pip, f"{wheel}[server]", cwd=work)
+    # The relay is the extension's: the server brings no gRPC or protobuf package of its own.
+    _run(python, "-c", NO_GRPC_STACK, cwd=work)
     yield python
 
 

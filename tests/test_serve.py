@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.server import ServerProcess
 
@@ -42,3 +44,41 @@ def test_bad_arguments_exit_2() -> None:
     )
     assert result.returncode == 2
     assert "HOST:PORT" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("database", "says"),
+    [
+        ("sqlite:///:memory:", "cannot be shared"),
+        ("sqlite:///", "cannot be shared"),
+        ("mysql://localhost/static", "unsupported database URL"),
+    ],
+)
+def test_a_database_the_relay_cannot_open_is_a_config_error(
+    tmp_path: Path, database: str, says: str
+) -> None:
+    # The relay opens the store's database itself: a SQLite database in memory would be another
+    # (empty) one there. Refused before anything listens, like any other bad argument.
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "static",
+            "serve",
+            "--database",
+            database,
+            "--data-dir",
+            str(tmp_path),
+            "--http",
+            "127.0.0.1:0",
+            "--relay",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("static: ") and says in line and repr(database) in line

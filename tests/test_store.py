@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import trio
 import trio.lowlevel
 
 from static.store import Database, IntegrityError, open_database
 from static.store._migrations import load_migrations, migrate
-from static.store._sqlite import SQLiteDatabase, SyncWriter
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS t_items (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE)"
 
@@ -90,33 +87,3 @@ async def test_migrations_apply_once(database_url: str, backend: str) -> None:
         assert await migrate(db) == []
         versions = [r["version"] for r in await db.fetch("SELECT version FROM schema_migrations")]
         assert sorted(versions) == expected
-
-
-async def test_sqlite_writer_jobs_wait_for_an_open_transaction(tmp_path: Path) -> None:
-    """A job posted to SQLite's writer thread (the relay's group commits) shares the writer
-    connection with the trio side: it must not run inside a transaction the trio side holds
-    open between its statements, only after it ended (here: rolled back, so the job's row
-    stays and the transaction's does not)."""
-    async with open_database(f"sqlite:///{tmp_path / 'db' / 'static.db'}") as db:
-        assert isinstance(db, SQLiteDatabase)
-        await _db_with_table(db)
-        token = trio.lowlevel.current_trio_token()
-        ran = trio.Event()
-        seen: list[bool] = []
-
-        def job(writer: SyncWriter) -> None:
-            seen.append(db._writer_thread.conn.in_transaction)
-            writer.transact([("INSERT INTO t_items (id, name) VALUES ($1, $2)", [(2, "job")])])
-            token.run_sync_soon(ran.set)
-
-        with pytest.raises(ZeroDivisionError):
-            async with db.transaction() as tx:
-                await tx.execute("INSERT INTO t_items (id, name) VALUES ($1, $2)", 1, "tx")
-                db.post_write(job)
-                await trio.sleep(0.05)
-                assert not ran.is_set()
-                raise ZeroDivisionError
-        with trio.fail_after(5):
-            await ran.wait()
-        assert seen == [False]
-        assert [r["name"] for r in await db.fetch("SELECT name FROM t_items")] == ["job"]

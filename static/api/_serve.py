@@ -53,11 +53,12 @@ async def serve_http(
 class _ShieldFinalSend:
     """ASGI middleware: the last ``send`` of an HTTP response runs shielded from cancellation.
 
-    hypercorn 0.17.3 recycles a keep-alive connection (and starts its idle timer) inside that
-    last ``send``, which tells the app the stream is over; Quart-Trio reacts by cancelling its
-    request nursery, which cancels the recycling half-way. The connection then never gets an
-    idle timer: idle keep-alive connections live forever, and a shutdown waits the whole
-    graceful timeout for them. Shielding is safe: hypercorn shields its socket writes already.
+    hypercorn (0.17.3, still 0.18.0) recycles a keep-alive connection (and starts its idle
+    timer) inside that last ``send``, which tells the app the stream is over; Quart-Trio reacts
+    by cancelling its request nursery, which cancels the recycling half-way. The connection then
+    never gets an idle timer: idle keep-alive connections live forever, and a shutdown waits the
+    whole graceful timeout for them. Shielding is safe: hypercorn shields its socket writes
+    already.
     """
 
     def __init__(self, app: Any) -> None:
@@ -81,10 +82,10 @@ class _ShieldFinalSend:
 def _contain_connection_errors() -> None:
     """Make a failing connection handler end its connection, not the whole server.
 
-    hypercorn 0.17.3 runs every connection in the server's nursery, so an exception in one
-    kills the process. One is reachable by any client: an HTTP/2 (h2c) request answered
-    before its body arrived (a 401, a 413) makes the next DATA frame raise ``KeyError`` in
-    ``H2Protocol._handle_events``. Idempotent; trio.Cancelled passes through.
+    hypercorn (0.17.3, still 0.18.0) runs every connection in the server's nursery, so an
+    exception in one kills the process. One is reachable by any client: an HTTP/2 (h2c) request
+    answered before its body arrived (a 401, a 413) makes the next DATA frame raise
+    ``KeyError`` in ``H2Protocol._handle_events``. Idempotent; trio.Cancelled passes through.
     """
     if getattr(TCPServer.run, "_static_contained", False):
         return
@@ -125,5 +126,4 @@ async def _hypercorn(
     *,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    # hypercorn types task_status as _TaskStatus[None] but reports its binds through it.
-    await serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)  # type: ignore[arg-type]
+    await serve(app, config, shutdown_trigger=shutdown.wait, task_status=task_status)

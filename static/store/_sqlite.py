@@ -2,9 +2,9 @@
 
 One writer connection, owned by a long-lived thread of its own fed by a plain queue (serialised
 by a lock on the trio side, transactions use ``BEGIN IMMEDIATE``), and a small pool of reader
-connections used through trio's worker threads; WAL lets the readers run while the writer writes.
-``synchronous=FULL`` so that a committed transaction survives a power cut, not only a process
-crash.
+connections used through trio's worker threads; WAL lets the readers run while the writer writes
+(and the relay, which opens the same file with connections of its own). ``synchronous=FULL`` so
+that a committed transaction survives a power cut, not only a process crash.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import trio
 
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 
-__all__ = ["SQLiteDatabase", "SyncWriter", "open_sqlite"]
+__all__ = ["SQLiteDatabase", "open_sqlite"]
 
 _logger = logging.getLogger("static.store")
 _T = TypeVar("_T")
@@ -70,31 +70,19 @@ def _connect(path: str) -> sqlite3.Connection:
 async def _in_thread(
     fn: Callable[[sqlite3.Connection], _T],
     conn: sqlite3.Connection,
-    on_success: Callable[[], None] | None = None,
     spawn: _Spawn = trio.lowlevel.start_thread_soon,
 ) -> _T:
     """``trio.to_thread.run_sync(fn, conn)`` without its scheduling round before the thread
     starts (the capacity limiter's checkpoint: the calling task goes to the back of the run
     queue first). Threads are bounded here by the handles, one use of each at a time. Like
     ``run_sync``'s default, not abandoned on cancellation: a cancelled caller waits for the
-    thread, and is not started when already cancelled.
-
-    ``on_success`` runs in the trio thread as soon as ``fn`` returned, before the caller is
-    rescheduled (one scheduling round earlier than the caller could run it)."""
+    thread, and is not started when already cancelled."""
     await trio.lowlevel.checkpoint_if_cancelled()
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
 
-    def resume(result: outcome.Outcome[_T]) -> None:
-        if on_success is not None and not isinstance(result, outcome.Error):
-            try:
-                on_success()
-            except Exception as exc:  # noqa: BLE001  (a bug: the caller raises it)
-                result = outcome.Error(exc)
-        trio.lowlevel.reschedule(task, result)
-
     def deliver(result: outcome.Outcome[_T]) -> None:
-        token.run_sync_soon(resume, result)
+        token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
     spawn(functools.partial(fn, conn), deliver)
 
@@ -105,65 +93,20 @@ async def _in_thread(
     return result
 
 
-class SyncWriter:
-    """The writer connection as a job posted with :meth:`SQLiteDatabase.post_write` sees it
-    (in the writer's thread, outside any transaction); raises the store's errors."""
-
-    __slots__ = ("_conn",)
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def transact(self, operations: Sequence[tuple[str, Sequence[Sequence[Any]]]]) -> None:
-        """As :meth:`SQLiteDatabase.transact`: every ``(statement, rows)``, one transaction."""
-        try:
-            _transact(operations)(self._conn)
-        except sqlite3.IntegrityError as exc:
-            raise IntegrityError(str(exc)) from exc
-        except sqlite3.Error as exc:
-            raise DatabaseError(str(exc)) from exc
-
-    def fetch(self, sql: str, *args: Any) -> list[Row]:
-        try:
-            return _fetch(sql, args)(self._conn)
-        except sqlite3.Error as exc:
-            raise DatabaseError(str(exc)) from exc
-
-
 class _WriterThread:
     """The thread that owns the writer connection: it runs, in order, what is put on its queue.
 
-    A long-lived thread fed by a ``SimpleQueue`` rather than trio's worker threads: a job posted
-    from synchronous code (the relay's publish path) starts at once, with no trio scheduling
-    round first. Jobs posted with ``outside_transaction`` (the relay's group commits, which open
-    their own transaction) wait while a trio-side transaction is open on the connection between
-    its statements."""
+    A long-lived thread fed by a ``SimpleQueue`` rather than trio's worker threads: a write
+    starts at once, with no trio scheduling round first, and always on the same thread."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self.conn = conn
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
-        # Jobs put (by the trio thread, the only one that posts) and finished (by this thread
-        # only): equal when this thread is idle. One writer each, so no lock is needed.
-        self._put = 0
-        self._finished = 0
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="static-sqlite-writer", daemon=True)
         self._thread.start()
 
     def spawn(self, fn: Callable[[], Any], deliver: Callable[[outcome.Outcome[Any]], None]) -> None:
-        self._put += 1
-        self._jobs.put((lambda: deliver(outcome.capture(fn)), False))
-
-    def post(self, job: Callable[[], None]) -> None:
-        self._put += 1
-        self._jobs.put((job, True))
-
-    def run_if_idle(self, job: Callable[[], None]) -> bool:
-        """Run ``job`` at once in the calling (posting) thread if this thread has nothing to do
-        and no transaction is open on the connection; ``False`` otherwise."""
-        if self._put != self._finished or self.conn.in_transaction:
-            return False
-        _run_job(job)
-        return True
+        self._jobs.put(lambda: deliver(outcome.capture(fn)))
 
     def stop(self) -> None:
         """Run what is queued, then end the thread (waits for it)."""
@@ -171,21 +114,7 @@ class _WriterThread:
         self._thread.join()
 
     def _run(self) -> None:
-        deferred: list[Callable[[], None]] = []
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                break
-            job, outside_transaction = item
-            if outside_transaction and self.conn.in_transaction:
-                deferred.append(job)
-                continue
-            _run_job(job)
-            self._finished += 1
-            while deferred and not self.conn.in_transaction:
-                _run_job(deferred.pop(0))
-                self._finished += 1
-        for job in deferred:
+        while (job := self._jobs.get()) is not None:
             _run_job(job)
 
 
@@ -207,8 +136,7 @@ class _Handle:
     @asynccontextmanager
     async def locked(self) -> AsyncIterator[None]:
         """``async with self.lock``, without a scheduling round when the lock is free (trio's
-        ``acquire`` always yields first; the relay's writer would wait behind every runnable
-        task before each group commit)."""
+        ``acquire`` always yields first: a write would wait behind every runnable task)."""
         try:
             self.lock.acquire_nowait()
         except trio.WouldBlock:
@@ -218,11 +146,9 @@ class _Handle:
         finally:
             self.lock.release()
 
-    async def run(
-        self, fn: Callable[[sqlite3.Connection], _T], on_success: Callable[[], None] | None = None
-    ) -> _T:
+    async def run(self, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         try:
-            return await _in_thread(fn, self.conn, on_success, self._spawn)
+            return await _in_thread(fn, self.conn, self._spawn)
         except sqlite3.IntegrityError as exc:
             raise IntegrityError(str(exc)) from exc
         except sqlite3.Error as exc:
@@ -254,25 +180,6 @@ def _fetchrow(sql: str, args: Sequence[Any]) -> Callable[[sqlite3.Connection], R
 def _executemany(sql: str, rows: Sequence[Sequence[Any]]) -> Callable[[sqlite3.Connection], None]:
     def run(conn: sqlite3.Connection) -> None:
         conn.executemany(_to_sqlite(sql), [tuple(r) for r in rows])
-
-    return run
-
-
-def _transact(
-    operations: Sequence[tuple[str, Sequence[Sequence[Any]]]],
-) -> Callable[[sqlite3.Connection], None]:
-    def run(conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for sql, rows in operations:
-                if rows:
-                    conn.executemany(_to_sqlite(sql), [tuple(r) for r in rows])
-            conn.execute("COMMIT")
-        except BaseException:
-            # Also after a failed COMMIT: the next writer must not find the transaction open.
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
 
     return run
 
@@ -354,42 +261,6 @@ class SQLiteDatabase(Database):
     async def execute_script(self, sql: str) -> None:
         async with self.transaction() as tx:
             await tx.execute_script(sql)
-
-    async def transact(
-        self,
-        operations: Sequence[tuple[str, Sequence[Sequence[Any]]]],
-        on_commit: Callable[[], None] | None = None,
-    ) -> None:
-        """Run each ``(statement, rows)`` for every row of its rows, all in one transaction, in
-        ONE worker-thread hop (BEGIN IMMEDIATE .. COMMIT included), where :meth:`transaction`
-        pays a hop per statement; rolled back if any statement (or the COMMIT) fails.
-        ``on_commit`` runs (in the trio thread) as soon as the transaction committed."""
-        async with self._writer.locked():
-            # Shielded: the thread runs to its end anyway; the lock must be held until then.
-            with trio.CancelScope(shield=True):
-                await self._writer.run(_transact(operations), on_commit)
-
-    def write_now_if_idle(self, job: Callable[[SyncWriter], None]) -> bool:
-        """Run ``job`` at once in the calling (trio) thread if the writer's thread is idle and
-        no transaction is open; ``False`` (nothing done) otherwise. At low load this saves the
-        two thread hand-offs of :meth:`post_write` (~0.2 ms per publish measured on a 2-core
-        machine) at the price of blocking the event loop for one commit."""
-        writer = SyncWriter(self._writer_thread.conn)
-        return self._writer_thread.run_if_idle(lambda: job(writer))
-
-    def post_write(self, job: Callable[[SyncWriter], None]) -> None:
-        """Run ``job`` in the writer's thread as soon as the writer connection is free and
-        outside a transaction; callable from synchronous code. ``job`` handles its own errors
-        and reports back by itself (e.g. through a trio token)."""
-        writer = SyncWriter(self._writer_thread.conn)
-        self._writer_thread.post(lambda: job(writer))
-
-    async def checkpoint(self) -> None:
-        """Copy the WAL's committed pages into the database file (a PASSIVE checkpoint: it
-        neither waits for nor blocks the writer), on a reader connection. Run off the commit
-        path, it keeps the WAL under the writer's autocheckpoint threshold, so that a commit
-        rarely has to checkpoint (several ms) before its caller hears back."""
-        await self._read(_execute("PRAGMA wal_checkpoint(PASSIVE)", ()))
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Connection]:

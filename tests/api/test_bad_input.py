@@ -251,8 +251,8 @@ def test_no_html_anywhere(api: Api) -> None:
 
 
 def test_http2_request_answered_before_its_body_does_not_kill_the_server(api: Api) -> None:
-    # Regression (hypercorn 0.17.3): DATA for a stream already answered raised KeyError in the
-    # connection handler, which ended the whole server process.
+    # Regression (hypercorn 0.17.3, still 0.18.0): DATA for a stream already answered raises
+    # KeyError in the connection handler, which would end the whole server process.
     with httpx.Client(http1=False, http2=True, base_url=api.base_url, timeout=10) as h2:
         assert h2.get("/healthz").http_version == "HTTP/2"
         try:

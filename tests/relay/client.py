@@ -1,4 +1,4 @@
-"""A grpcio client for the relay tests: another gRPC implementation than the server's purerpc."""
+"""A grpcio client for the relay tests: another gRPC implementation than the server's (tonic)."""
 
 from __future__ import annotations
 

@@ -108,3 +108,32 @@ def test_an_expired_token_ends_the_stream(start_server: Start) -> None:
     with Relay(server.relay_url, api.token(owner.key)) as relay:
         assert relay.publish(CHANNEL, mls.application(CHANNEL, 0)).seq == 1
     api.close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        lambda token: [("authorization", f"Basic {token}")],
+        lambda token: [("authorization", "Bearer")],
+        lambda token: [("authorization", f"Bearer {token} {token}")],
+        lambda token: [("authorization", f"Bearer {token}" + "x" * 9000)],
+        lambda token: [("authorization", f"Bearer {token}")] * 2,
+    ],
+    ids=["basic", "no-token", "two-tokens", "oversized", "two-headers"],
+)
+def test_malformed_authorization_is_refused(
+    start_server: Start, header: Callable[[str], list[tuple[str, str]]]
+) -> None:
+    # Each is refused, even around a valid token; the token alone is accepted.
+    server = start_server()
+    api = Api(server.http_url)
+    token = api.token(api.signup().key)
+    with Relay(server.relay_url) as relay:
+        with pytest.raises(grpc.RpcError) as refused:
+            relay.stub.CreateChannel(
+                pb.CreateChannelRequest(channel=CHANNEL), timeout=5, metadata=header(token)
+            )
+        assert status_of(refused.value)[0] == grpc.StatusCode.UNAUTHENTICATED
+    with Relay(server.relay_url, token) as relay:
+        assert relay.create(CHANNEL).epoch == 0
+    api.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -402,3 +403,121 @@ def test_streaming_calls_send_headers_before_any_request(relay: Relay, method: s
     sent.set()
     assert got, "no response headers before the first request"
     assert list(call) == []
+
+
+def _refusals(relay: Relay, items: list[Any]) -> list[Any]:
+    """The outcome of each PublishRequest of ``items``, sent as one PublishBatches request."""
+    [response] = relay.publish_batches([items])
+    return list(response.results)
+
+
+def test_every_sender_type_and_a_long_group_id_are_read(relay: Relay) -> None:
+    # A group id whose length takes a two-byte varint (over 63 bytes).
+    long_name = "/".join(["a" * 40, "b" * 40, "c" * 40])
+    relay.create(long_name)
+    assert relay.publish(long_name, mls.application(long_name, 0, b"x" * 20000)).seq == 1
+    relay.create(CHANNEL)
+    # member, external, new_member_proposal, new_member_commit: senders of 4, 4, 0, 0 bytes.
+    for sender_type in (1, 2, 3, 4):
+        proposal = mls.public_message(CHANNEL, 0, mls.PROPOSAL, sender_type=sender_type)
+        assert relay.publish(CHANNEL, proposal).seq == sender_type
+    answer = relay.publish(CHANNEL, mls.public_message(CHANNEL, 0, mls.COMMIT, sender_type=4))
+    assert (answer.seq, answer.epoch) == (5, 1)
+
+
+def test_every_truncation_of_a_message_is_refused(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    private, public = mls.application(CHANNEL, 0), mls.commit(CHANNEL, 0)
+    # The relay reads a public message's header only, up to its content (the last 24 bytes of
+    # these vectors are content, signature and tag): every cut before that is refused.
+    cuts = [private[:cut] for cut in range(len(private))]
+    cuts += [public[:cut] for cut in range(len(public) - 24)]
+    results = _refusals(relay, [pb.PublishRequest(channel=CHANNEL, message=m) for m in cuts])
+    assert [r.WhichOneof("outcome") for r in results] == ["refused"] * len(cuts)
+    assert {r.refused.code for r in results} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+    # Nothing was appended, and the channel is still at epoch 0.
+    assert relay.publish(CHANNEL, public) == pb.PublishResponse(seq=1, epoch=1)
+
+
+def test_garbage_is_refused_with_a_reason(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    cases = [
+        (b"\x00\x02\x00\x02" + b"\x00" * 40, "version"),
+        (b"\x00\x01\x00\x09" + b"\x00" * 40, "wire format"),
+        (mls.welcome([b"ref"]), "cannot be published"),
+        (b"\x00\x01\x00\x05" + b"\x00" * 40, "cannot be published"),  # a key package
+        (b"\x00\x01\x00\x02\xc0" + b"\x00" * 40, "variable-length"),
+        (mls.private_message(CHANNEL, 1, 9), "content type"),
+        (mls.public_message(CHANNEL, 1, 1, sender_type=7), "sender type"),
+        (mls.private_message(CHANNEL, 0, 1) + b"junk", "trailing"),
+        (mls.private_message(CHANNEL, 2**64 - 1, 1), "epoch"),
+    ]
+    results = _refusals(
+        relay, [pb.PublishRequest(channel=CHANNEL, message=data) for data, _ in cases]
+    )
+    for (_, why), result in zip(cases, results, strict=True):
+        assert result.refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], why
+        assert "malformed MLS message" in result.refused.message, result.refused.message
+        assert why in result.refused.message, result.refused.message
+
+
+def test_a_commit_with_a_malformed_welcome_is_refused_whole(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    commit = mls.commit(CHANNEL, 0)
+    whole = mls.welcome([b"ref"])
+    bad_welcomes = [mls.welcome([]), commit, *(whole[:cut] for cut in range(1, len(whole)))]
+    results = _refusals(
+        relay,
+        [pb.PublishRequest(channel=CHANNEL, message=commit, welcome=w) for w in bad_welcomes],
+    )
+    assert [r.WhichOneof("outcome") for r in results] == ["refused"] * len(bad_welcomes)
+    assert {r.refused.code for r in results} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+    assert all("malformed welcome" in r.refused.message for r in results)
+    # None of those commits was appended: the channel is still at epoch 0. A Welcome names its
+    # key packages by refs of any length, and any cipher suite.
+    long_ref = b"ref-two" * 20
+    welcome = mls.welcome([b"ref-one", long_ref], cipher_suite=3)
+    assert relay.publish(CHANNEL, commit, welcome=welcome) == pb.PublishResponse(seq=1, epoch=1)
+    fetched = relay.stub.FetchWelcome(
+        pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=long_ref), timeout=5
+    )
+    assert (fetched.welcome, fetched.commit_seq, fetched.epoch) == (welcome, 1, 1)
+
+
+def test_idempotency_keys_are_at_most_64_bytes(relay: Relay) -> None:
+    relay.create(CHANNEL)
+    assert relay.publish(CHANNEL, mls.application(CHANNEL, 0), key=b"k" * 64).seq == 1
+    with pytest.raises(grpc.RpcError) as refused:
+        relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"other"), key=b"k" * 65)
+    code, details, _ = status_of(refused.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "longer than 64 bytes" in details
+
+
+def test_retries_and_the_epoch_fence_hold_across_a_restart(anon: ServerProcess) -> None:
+    message, keyed, commit = (
+        mls.application(CHANNEL, 0, b"once"),
+        mls.application(CHANNEL, 0, b"keyed"),
+        mls.commit(CHANNEL, 0),
+    )
+    with Relay(anon.relay_url) as relay:
+        relay.create(CHANNEL)
+        first = relay.publish(CHANNEL, message)
+        by_key = relay.publish(CHANNEL, keyed, key=b"id-1")
+        won = relay.publish(CHANNEL, commit)
+    anon.restart()
+    with Relay(anon.relay_url) as relay:
+        # A retry gets its original answer (the epoch it was appended at, here 0).
+        assert relay.publish(CHANNEL, message) == pb.PublishResponse(
+            seq=first.seq, epoch=first.epoch, duplicate=True
+        )
+        again = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"keyed 2"), key=b"id-1")
+        assert (again.seq, again.duplicate) == (by_key.seq, True)
+        assert relay.publish(CHANNEL, commit) == pb.PublishResponse(
+            seq=won.seq, epoch=1, duplicate=True
+        )
+        with pytest.raises(grpc.RpcError) as stale:
+            relay.publish(CHANNEL, mls.commit(CHANNEL, 0, b"late"))
+        code, _, trailers = status_of(stale.value)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert trailers["static-current-epoch"] == "1"
+        assert relay.publish(CHANNEL, mls.application(CHANNEL, 1)).seq == 4

@@ -31,10 +31,14 @@ def find_postgres_bin() -> Path | None:
 
 
 class PostgresCluster:
-    """One cluster; :meth:`create_database` hands out a fresh database per test server."""
+    """One cluster; :meth:`create_database` hands out a fresh database per test server.
 
-    def __init__(self, bindir: Path) -> None:
+    Without ``fsync`` (the tests) the cluster does not wait for the disk: fast, not durable.
+    """
+
+    def __init__(self, bindir: Path, *, fsync: bool = False) -> None:
         self._bindir = bindir
+        self._fsync = fsync
         self._root = Path(tempfile.mkdtemp(prefix="static-pg-"))
         self._data = self._root / "data"
         self.port = free_port()
@@ -66,7 +70,7 @@ class PostgresCluster:
         )
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-            f"-c unix_socket_directories={self._root} -c fsync=off "
+            f"-c unix_socket_directories={self._root} -c fsync={'on' if self._fsync else 'off'} "
             "-c max_connections=200 -c shared_buffers=64MB"
         )
         self._run(

@@ -1,6 +1,6 @@
 //! The relay protocol, `proto/relay.proto` compiled once: the SDK's client (`static-client`) and
-//! the relay (`static-relay`) use these types, and the Python relay builds its messages from
-//! [`PROTO_DESCRIPTOR`]. The constants here are the ones both sides must agree on.
+//! the relay (`static-relay`) use these types; [`PROTO_DESCRIPTOR`] is the compiled descriptor.
+//! The constants here are the ones both sides must agree on.
 
 /// The generated protobuf messages, tonic client and server of `static.relay.v1`.
 #[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]

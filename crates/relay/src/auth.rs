@@ -48,7 +48,7 @@ pub struct Caller {
 }
 
 /// The token of the `authorization` metadata, None when absent; checks the header value
-/// (the same rules and texts as `static/relay/_rules.py::bearer_token`).
+/// (the rules and texts of `tests/relay/test_auth.py`).
 pub fn bearer_token(metadata: &MetadataMap) -> Result<Option<String>> {
     let values: Vec<_> = metadata.get_all("authorization").iter().collect();
     let value = match values.as_slice() {

@@ -1,6 +1,6 @@
 //! The relay's one error type, mapped to a gRPC status (and its trailers) in one place,
-//! [`RelayError::to_status`]. Messages are the same texts as the Python relay's
-//! (`static/relay/_errors.py`, `_service.py`): clients and tests read them.
+//! [`RelayError::to_status`]. Clients and tests read the messages: their texts are part of the
+//! protocol's behaviour (`tests/relay/`).
 
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
@@ -46,7 +46,7 @@ impl RelayError {
         }
     }
 
-    /// A store failure, as the Python relay words it.
+    /// A store failure, worded for clients.
     pub fn store(err: impl std::fmt::Display) -> Self {
         RelayError::Unavailable(format!("store unavailable: {err}"))
     }

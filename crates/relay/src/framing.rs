@@ -1,12 +1,11 @@
 //! The cleartext header of RFC 9420 `MLSMessage`s: what the relay reads, and nothing more.
-//! A port of `static/relay/_framing.py` (same rules, same texts in [`Malformed`]).
+//! The texts of [`Malformed`] say why (`tests/relay/test_relay.py` reads them).
 //!
 //! Pure functions over bytes, no I/O, no copies beyond the group id and the KeyPackageRefs.
 //! Wire format (RFC 9420 §6): `MLSMessage` is `version` (u16, 1 = mls10), `wire_format` (u16),
 //! then the body. Variable-length vectors (`opaque x<V>`) carry a QUIC-style variable-length
-//! integer (RFC 9000 §16, as RFC 9420 §2.1.2 uses it) giving their length. Python has a fast
-//! path for private messages because its general reader is slow; this reader is plain indexing
-//! already, so one path reads everything.
+//! integer (RFC 9000 §16, as RFC 9420 §2.1.2 uses it) giving their length. The reader is plain
+//! indexing, so one path reads everything.
 
 /// `mls10`, the only protocol version.
 const MLS10: u64 = 1;
@@ -52,7 +51,7 @@ pub struct WelcomeHeader {
     pub key_package_refs: Vec<Vec<u8>>,
 }
 
-/// The bytes are not an MLSMessage the relay accepts; the text says why (as in Python).
+/// The bytes are not an MLSMessage the relay accepts; the text says why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct Malformed(pub String);

@@ -1,5 +1,5 @@
 //! Pure rules of the relay: the epoch fence, idempotency keys, rate limits.
-//! A port of `static/relay/_rules.py` (bearer tokens: `auth.rs`).
+//! (Bearer tokens: `auth.rs`.)
 
 use std::time::{Duration, Instant};
 

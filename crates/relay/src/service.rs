@@ -1,5 +1,5 @@
 //! The Relay service: the six RPCs of `proto/relay.proto` over the channel log.
-//! A port of `static/relay/_service.py` (same checks, same status codes and texts).
+//! Status codes and texts are the protocol's (`proto/relay.proto`, `tests/relay/`).
 //!
 //! Every call's work runs in the task that serves its HTTP/2 stream: a unary call in its
 //! handler, a streaming call in a driver future polled by its own response body ([`Driven`]).
@@ -100,8 +100,8 @@ pub(crate) fn shutting_down() -> RelayError {
 #[derive(Debug, Clone)]
 pub(crate) struct Peer(pub Arc<str>);
 
-/// The statuses tonic produces itself while reading a request, worded as the Python relay
-/// words them (clients and tests read these texts). None: leave the status as it is.
+/// The statuses tonic produces itself while reading a request, worded as the relay words its
+/// own (clients and tests read these texts). None: leave the status as it is.
 pub(crate) fn transport_error(status: &Status, limit: usize) -> Option<RelayError> {
     let message = status.message();
     match status.code() {

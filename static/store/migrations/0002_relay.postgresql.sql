@@ -1,4 +1,5 @@
--- The relay's channel logs (static/store/_channels.py). Channels are unique per scope: the
+-- The relay's channel logs (read and written by the Rust relay: crates/relay/src/store/postgres.rs;
+-- created here, by the Python store's migrations). Channels are unique per scope: the
 -- account that created them, or '' for anonymous callers.
 CREATE TABLE relay_channels (
     id BIGSERIAL PRIMARY KEY,
