@@ -1,16 +1,20 @@
 //! The log on PostgreSQL (`static/store/migrations/0002_relay.postgresql.sql`): any number of
 //! relays (`static serve` processes) on one database serve the same channels.
 //!
-//! * **Exact across relays.** A group commit is one transaction: it locks its channels' rows
-//!   (`SELECT ... FOR UPDATE`, in id order so two relays never deadlock), reads their heads and
-//!   epochs and the batch's idempotency keys already logged, decides from those (the same
-//!   [`decide`] as SQLite), writes the entries, heads, epoch starts and Welcomes, NOTIFYs,
-//!   and commits. Whoever holds a channel's row lock is its only writer until COMMIT, so seqs
-//!   stay gap-free and the epoch fence is exact whichever relay a message arrives at.
-//! * **Two round trips.** Statements are pipelined (tokio-postgres sends every request of a
-//!   join before reading the first answer): BEGIN + lock + key lookup, then the writes +
-//!   NOTIFY + COMMIT. The writer drives its own connection on a current-thread runtime of its
-//!   own, on the writer thread: nothing hops threads in between.
+//! * **Exact across relays, in one round trip when nobody else writes.** A group commit is one
+//!   transaction, its statements pipelined (tokio-postgres sends every request of a join before
+//!   reading the first answer). First try: decide from the heads in memory (the same [`decide`]
+//!   as SQLite) and send BEGIN, the entries, heads, epoch starts, Welcomes, NOTIFY and COMMIT
+//!   at once. If another relay appended meanwhile, memory was behind and the INSERT hits the
+//!   primary key (channel, seq); a retry hits the idempotency index: the transaction aborts,
+//!   its COMMIT rolls back, nothing is stored. Then (and for any batch the fence would refuse
+//!   in part, since memory may be behind) the locked path: lock the channels' rows (`SELECT
+//!   ... FOR UPDATE`, in id order so two relays never deadlock), read their heads and the
+//!   batch's keys already logged, decide from those, write and commit: a second round trip.
+//!   Whoever holds a channel's row lock (or inserted its next seq) is its only writer until
+//!   COMMIT, so seqs stay gap-free and the epoch fence is exact whichever relay a message
+//!   arrives at. The writer drives its own connection on a current-thread runtime of its own,
+//!   on the writer thread: nothing hops threads in between.
 //! * **Wake-ups.** Each commit NOTIFYs `static_relay` with `"<channel id> <head> <epoch>"` per
 //!   channel it appended to; delivered only once committed. Every relay LISTENs on a
 //!   connection of its own and moves its loaded channels forward, which wakes their
@@ -79,6 +83,16 @@ const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      key_package_ref, digest) VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref) \
      DO UPDATE SET digest = excluded.digest";
 const NOTIFY: &str = "SELECT pg_notify('static_relay', p) FROM UNNEST($1::text[]) AS p";
+/// A plain batch in one statement (its own transaction): entries, heads, NOTIFY. A failed
+/// INSERT fails it whole.
+const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_id, seq, \
+     epoch, content_type, channel_epoch, idempotency_key, message) SELECT * FROM \
+     UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], \
+     $6::bytea[], $7::bytea[])), \
+     heads AS (UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
+     FROM UNNEST($8::bigint[], $9::bigint[], $10::bigint[]) AS u (id, head_seq, epoch) \
+     WHERE c.id = u.id) \
+     SELECT pg_notify('static_relay', p) FROM UNNEST($11::text[]) AS p";
 const CREATE_CHANNEL: &str = "WITH created AS (INSERT INTO relay_channels (scope, name) \
      VALUES ($1, $2) ON CONFLICT (scope, name) DO NOTHING RETURNING id) \
      INSERT INTO relay_epochs (channel_id, epoch, start_seq) SELECT id, 0, 0 FROM created \
@@ -172,6 +186,7 @@ struct WriteConnection {
     insert_welcome: Statement,
     insert_welcome_ref: Statement,
     notify: Statement,
+    append_plain: Statement,
     create_channel: Statement,
 }
 
@@ -252,6 +267,14 @@ impl LogWriter for PgWriter {
     }
 
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
+        let (runtime, conn) = self.connected()?;
+        match runtime.block_on(conn.append_optimistically(batch, window)) {
+            Ok(Some(plan)) => return Ok(plan),
+            // Not for the fast path, or another relay (or a retry) got in the way.
+            Ok(None) => {}
+            Err(err) if lost_a_race(&err) => {}
+            Err(err) => return Err(RelayError::store(err)),
+        }
         let mut attempt = 1;
         loop {
             // A broken connection is reopened here, for the retry or the next batch.
@@ -286,6 +309,7 @@ impl WriteConnection {
             client.prepare(CREATE_CHANNEL),
         )
         .await?;
+        let append_plain = client.prepare(APPEND_PLAIN).await?;
         Ok(WriteConnection {
             client,
             lock,
@@ -296,11 +320,41 @@ impl WriteConnection {
             insert_welcome,
             insert_welcome_ref,
             notify,
+            append_plain,
             create_channel,
         })
     }
 
-    /// One group commit: lock and read, decide, write, NOTIFY, COMMIT (rolled back on error).
+    /// The fast path, one round trip: decide from the heads in memory and write, trusting the
+    /// log's unique indexes to refuse the transaction when that was wrong. A seq taken
+    /// meanwhile (by another relay: memory was behind) or a key already logged (a retry) fails
+    /// the INSERT, which aborts everything pipelined after it, COMMIT included: nothing is
+    /// stored, and the locked path decides again. None (nothing sent) when the plan refuses
+    /// anything, since a refusal decided from memory may be wrong when memory is behind, or
+    /// when it appends nothing.
+    async fn append_optimistically(
+        &self,
+        batch: &[Publish],
+        window: u64,
+    ) -> PgResult<Option<Plan>> {
+        let in_memory = |channel: &crate::log::Channel| (channel.head_seq(), channel.epoch());
+        let plan = decide(batch, in_memory, None, window);
+        let refuses = plan
+            .decisions
+            .iter()
+            .any(|d| matches!(d, crate::log::Decision::Refused(_)));
+        if refuses || !plan.appends() {
+            return Ok(None);
+        }
+        if let Err(err) = self.write(batch, &plan, Transaction::Begin).await {
+            // The COMMIT, if it ran, rolled back; this only ends a transaction still open.
+            let _ = self.client.batch_execute("ROLLBACK").await;
+            return Err(err);
+        }
+        Ok(Some(plan))
+    }
+
+    /// The locked path: lock and read, decide, write, NOTIFY, COMMIT (rolled back on error).
     async fn append(&self, batch: &[Publish], window: u64) -> PgResult<Plan> {
         let result = self.decide_and_write(batch, window).await;
         if result.is_err() {
@@ -358,12 +412,18 @@ impl WriteConnection {
             self.client.batch_execute("COMMIT").await?;
             return Ok(plan);
         }
-        self.write(batch, &plan).await?;
+        self.write(batch, &plan, Transaction::Open).await?;
         Ok(plan)
     }
 
-    /// The plan's writes, NOTIFY and COMMIT, pipelined.
-    async fn write(&self, batch: &[Publish], plan: &Plan) -> PgResult<()> {
+    /// The plan's writes, NOTIFY and COMMIT, pipelined. A plain batch (no epoch starts, no
+    /// Welcomes: most batches) outside a transaction is one statement, its own transaction.
+    async fn write(
+        &self,
+        batch: &[Publish],
+        plan: &Plan,
+        transaction: Transaction,
+    ) -> PgResult<()> {
         let entries = new_entries(batch, plan);
         let mut columns = EntryColumns::default();
         let mut epochs = EpochColumns::default();
@@ -396,16 +456,42 @@ impl WriteConnection {
         }
         let mut heads = HeadColumns::default();
         let mut notices = Vec::new();
-        for (channel, t) in plan.changed(batch) {
+        let mut changed: Vec<_> = plan.changed(batch).collect();
+        // Rows locked in id order, as the locked path does: two relays never deadlock.
+        changed.sort_unstable_by_key(|(channel, _)| channel.id());
+        for (channel, t) in changed {
             heads.channel_id.push(channel.id());
             heads.head_seq.push(to_db(t.head));
             heads.epoch.push(to_db(t.epoch));
             notices.push(format!("{} {} {}", channel.id(), t.head, t.epoch));
         }
 
-        type Step<'a> = Pin<Box<dyn Future<Output = PgResult<u64>> + 'a>>;
         let client = &self.client;
-        let mut steps: Vec<Step<'_>> = vec![
+        if transaction == Transaction::Begin && epochs.channel_id.is_empty() && welcomes.is_empty()
+        {
+            let params: [&(dyn ToSql + Sync); 11] = [
+                &columns.channel_id,
+                &columns.seq,
+                &columns.epoch,
+                &columns.content_type,
+                &columns.channel_epoch,
+                &columns.key,
+                &columns.message,
+                &heads.channel_id,
+                &heads.head_seq,
+                &heads.epoch,
+                &notices,
+            ];
+            return client.query(&self.append_plain, &params).await.map(|_| ());
+        }
+        type Step<'a> = Pin<Box<dyn Future<Output = PgResult<u64>> + 'a>>;
+        let mut steps: Vec<Step<'_>> = Vec::new();
+        if transaction == Transaction::Begin {
+            steps.push(Box::pin(async {
+                client.batch_execute("BEGIN").await.map(|()| 0)
+            }));
+        }
+        steps.extend::<[Step<'_>; 2]>([
             Box::pin(async {
                 let params: [&(dyn ToSql + Sync); 7] = [
                     &columns.channel_id,
@@ -423,7 +509,7 @@ impl WriteConnection {
                     [&heads.channel_id, &heads.head_seq, &heads.epoch];
                 client.execute(&self.update_heads, &params).await
             }),
-        ];
+        ]);
         if !epochs.channel_id.is_empty() {
             steps.push(Box::pin(async {
                 let params: [&(dyn ToSql + Sync); 3] =
@@ -451,6 +537,13 @@ impl WriteConnection {
         }));
         try_join_all(steps).await.map(|_| ())
     }
+}
+
+/// Whether [`WriteConnection::write`] runs in a transaction already open or begins its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transaction {
+    Open,
+    Begin,
 }
 
 #[derive(Default)]
