@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from tests.support.postgres import PostgresCluster, find_postgres_bin
+from tests.support.postgres import durable_database
 from tests.support.server import ServerProcess
 
 PAYLOAD = 1024
@@ -369,19 +369,9 @@ def main() -> None:
             if store == "sqlite":
                 results[store] = measure(None, args, f"{tmp}/{store}")
             elif store == "postgresql":
-                bindir = find_postgres_bin()
-                if bindir is None:
-                    print(
-                        "postgresql: skipped (no PostgreSQL binaries; scripts/ensure-postgres.sh)"
-                    )
-                    continue
-                # Durable like SQLite's synchronous=FULL: each commit is flushed to disk.
-                cluster = PostgresCluster(bindir, fsync=True)
-                cluster.start()
-                try:
-                    results[store] = measure(cluster.create_database(), args, f"{tmp}/{store}")
-                finally:
-                    cluster.stop()
+                with durable_database() as url:
+                    if url is not None:
+                        results[store] = measure(url, args, f"{tmp}/{store}")
             else:
                 parser.error(f"unknown store {store!r}: sqlite or postgresql")
         durable_write = _durable_write_latency(tmp)

@@ -49,7 +49,7 @@ from typing import Any
 import grpc
 
 from tests.relay._generated import relay_pb2 as pb
-from tests.support.postgres import PostgresCluster, find_postgres_bin
+from tests.support.postgres import durable_database
 from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
@@ -510,19 +510,10 @@ def main() -> None:
             if store == "sqlite":
                 results[store] = measure(None, args, f"{tmp}/{store}")
             else:
-                bindir = find_postgres_bin()
-                if bindir is None:
-                    print(
-                        "postgresql: skipped (no PostgreSQL binaries: scripts/ensure-postgres.sh)"
-                    )
-                    continue
-                # Durable like the SQLite store (synchronous=FULL): fsync on.
-                cluster = PostgresCluster(bindir, fsync=True)
-                cluster.start()
-                try:
-                    results[store] = measure(cluster.create_database(), args, f"{tmp}/{store}")
-                finally:
-                    cluster.stop()
+                with durable_database() as url:
+                    if url is None:
+                        continue
+                    results[store] = measure(url, args, f"{tmp}/{store}")
             report(store, results[store])
             print(flush=True)
     if results:

@@ -13,12 +13,13 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support.server import free_port
 
-__all__ = ["PostgresCluster", "find_postgres_bin"]
+__all__ = ["PostgresCluster", "durable_database", "find_postgres_bin"]
 
 
 def find_postgres_bin() -> Path | None:
@@ -117,3 +118,21 @@ class PostgresCluster:
             ]
         )
         return self.url(name)
+
+
+@contextmanager
+def durable_database() -> Iterator[str | None]:
+    """For the benchmarks: a fresh database on a cluster of its own that flushes each commit to
+    disk (as SQLite's ``synchronous=FULL`` does), stopped on exit; None when PostgreSQL is not
+    installed (after saying so)."""
+    bindir = find_postgres_bin()
+    if bindir is None:
+        print("postgresql: skipped (no PostgreSQL binaries: scripts/ensure-postgres.sh)")
+        yield None
+        return
+    cluster = PostgresCluster(bindir, fsync=True)
+    cluster.start()
+    try:
+        yield cluster.create_database()
+    finally:
+        cluster.stop()

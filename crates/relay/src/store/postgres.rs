@@ -165,6 +165,19 @@ pub(crate) async fn open(url: &str, registry: &Arc<Registry>) -> Result<Opened> 
     }
 }
 
+/// A connection for statements (not notifications), its task spawned on the current runtime,
+/// its session set up.
+async fn connect(config: &Config) -> PgResult<Client> {
+    let (client, connection) = config.connect(NoTls).await?;
+    tokio::spawn(async move {
+        // Ends when the client is dropped, or with the connection's error, which the client's
+        // next statement reports.
+        let _ = connection.await;
+    });
+    client.batch_execute(SESSION).await?;
+    Ok(client)
+}
+
 // -- the writer -------------------------------------------------------------------------------
 
 struct PgWriter {
@@ -215,14 +228,9 @@ impl PgWriter {
         if self.conn.is_none() {
             let config = self.config.clone();
             let conn = runtime
-                .block_on(async move {
-                    let (client, connection) = config.connect(NoTls).await?;
-                    // Spawned on this runtime: it runs whenever the writer waits on it.
-                    tokio::spawn(async move {
-                        let _ = connection.await;
-                    });
-                    WriteConnection::prepare(client).await
-                })
+                // The connection's task is spawned on this runtime: it runs whenever the writer
+                // waits on it.
+                .block_on(async move { WriteConnection::prepare(connect(&config).await?).await })
                 .map_err(RelayError::store)?;
             self.conn = Some(conn);
         }
@@ -290,7 +298,6 @@ impl LogWriter for PgWriter {
 
 impl WriteConnection {
     async fn prepare(client: Client) -> PgResult<WriteConnection> {
-        client.batch_execute(SESSION).await?;
         let (lock, find_keys, insert_entries) = try_join3(
             client.prepare(LOCK),
             client.prepare(FIND_KEYS),
@@ -601,11 +608,7 @@ impl ReadPool {
         if let Some(conn) = slot.as_ref().filter(|c| !c.client.is_closed()) {
             return Ok(Arc::clone(conn));
         }
-        let (client, connection) = self.config.connect(NoTls).await?;
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
-        client.batch_execute(SESSION).await?;
+        let client = connect(&self.config).await?;
         let (load_channel, read, epoch_start) = try_join3(
             client.prepare(LOAD_CHANNEL),
             client.prepare(READ),

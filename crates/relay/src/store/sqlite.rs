@@ -556,14 +556,20 @@ mod tests {
         .unwrap()
     }
 
-    #[test]
-    fn connections_are_durable_and_patient() {
+    /// A database file with the relay's tables, in a directory removed when dropped.
+    fn database() -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("static.sqlite3");
         Connection::open(&path)
             .unwrap()
             .execute_batch(SCHEMA)
             .unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn connections_are_durable_and_patient() {
+        let (_dir, path) = database();
         let writer = open_writer(&path).unwrap();
         assert_eq!(pragma(&writer, "journal_mode"), "wal");
         // FULL = 2: the WAL is synced at every commit.
@@ -588,12 +594,7 @@ mod tests {
         use crate::framing::{ContentType, MessageHeader};
         use crate::log::{test_channel, test_publish, Checked};
 
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("static.sqlite3");
-        Connection::open(&path)
-            .unwrap()
-            .execute_batch(SCHEMA)
-            .unwrap();
+        let (_dir, path) = database();
         let mut writer = SqliteWriter {
             conn: open_writer(&path).unwrap(),
             checkpointer: Checkpointer::start(open_checkpointer(&path).unwrap()).unwrap(),
