@@ -196,7 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, DatabaseError) as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # Raised inside the server's nurseries (a port taken, a database unreachable): the same
+        # one line per cause, unless something else (a bug) is in the group too.
+        expected, rest = group.split((OSError, DatabaseError))
+        if expected is None or rest is not None:
+            raise
+        for cause in _leaves(expected):
+            print(f"static: {cause}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions in ``group`` and its nested groups."""
+    leaves: list[BaseException] = []
+    for exc in group.exceptions:
+        leaves.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return leaves
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ exit)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,33 @@ def test_a_database_the_relay_cannot_open_is_a_config_error(
     assert result.stdout == ""
     [line] = result.stderr.splitlines()
     assert line.startswith("static: ") and says in line and repr(database) in line
+
+
+def test_a_relay_port_taken_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "static",
+                "serve",
+                "--data-dir",
+                str(tmp_path),
+                "--http",
+                "127.0.0.1:0",
+                "--relay",
+                f"127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "[INFO]" not in line]
+    assert errors == [
+        f"static: cannot start the relay: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use (os error 98)"
+    ], result.stderr
