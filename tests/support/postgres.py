@@ -13,6 +13,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,9 @@ class PostgresCluster:
                 "UTF8",
             ]
         )
+        self._start_server()
+
+    def _start_server(self) -> None:
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
             f"-c unix_socket_directories={self._root} -c fsync={'on' if self._fsync else 'off'} "
@@ -87,6 +91,13 @@ class PostgresCluster:
                 "start",
             ]
         )
+
+    def restart(self, down_for: float) -> None:
+        """An outage: stop the server (fast: every connection is cut), stay down ``down_for``
+        seconds, start it again on the same data and port."""
+        self._run([str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "fast", "-w", "stop"])
+        time.sleep(down_for)
+        self._start_server()
 
     def stop(self) -> None:
         try:

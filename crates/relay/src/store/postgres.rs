@@ -137,7 +137,7 @@ pub(crate) async fn open(url: &str, registry: &Arc<Registry>) -> Result<Opened> 
         listener: Mutex::new(None),
     });
     // A first read connection now: a wrong URL or a missing schema fails the start.
-    reader.connection().await.map_err(RelayError::store)?;
+    reader.connection().await.map_err(store_error)?;
     let (ready_tx, ready) = tokio::sync::oneshot::channel();
     let listener = tokio::spawn(listen(config.clone(), Arc::clone(registry), ready_tx));
     *reader
@@ -231,7 +231,7 @@ impl PgWriter {
                 // The connection's task is spawned on this runtime: it runs whenever the writer
                 // waits on it.
                 .block_on(async move { WriteConnection::prepare(connect(&config).await?).await })
-                .map_err(RelayError::store)?;
+                .map_err(store_error)?;
             self.conn = Some(conn);
         }
         let conn = self.conn.as_ref().ok_or(RelayError::Internal)?;
@@ -240,6 +240,23 @@ impl PgWriter {
 }
 
 type PgResult<T> = std::result::Result<T, tokio_postgres::Error>;
+
+/// What went wrong, in PostgreSQL's words where it has some (tokio-postgres's own text is
+/// only "db error" or "error connecting to server", the detail being its source).
+fn describe(err: &tokio_postgres::Error) -> String {
+    if let Some(db) = err.as_db_error() {
+        return format!("{}: {}", db.severity(), db.message());
+    }
+    match std::error::Error::source(err) {
+        Some(source) => format!("{err}: {source}"),
+        None => err.to_string(),
+    }
+}
+
+/// A store failure, as the relay answers it.
+fn store_error(err: tokio_postgres::Error) -> RelayError {
+    RelayError::store(describe(&err))
+}
 
 impl Drop for PgWriter {
     fn drop(&mut self) {
@@ -270,7 +287,7 @@ impl LogWriter for PgWriter {
         let (runtime, conn) = self.connected()?;
         let rows = runtime
             .block_on(conn.client.query(&conn.create_channel, &[&scope, &name]))
-            .map_err(RelayError::store)?;
+            .map_err(store_error)?;
         Ok(rows.first().map(|row| row.get(0)))
     }
 
@@ -281,7 +298,7 @@ impl LogWriter for PgWriter {
             // Not for the fast path, or another relay (or a retry) got in the way.
             Ok(None) => {}
             Err(err) if lost_a_race(&err) => {}
-            Err(err) => return Err(RelayError::store(err)),
+            Err(err) => return Err(store_error(err)),
         }
         let mut attempt = 1;
         loop {
@@ -290,7 +307,7 @@ impl LogWriter for PgWriter {
             match runtime.block_on(conn.append(batch, window)) {
                 Ok(plan) => return Ok(plan),
                 Err(err) if lost_a_race(&err) && attempt < COMMIT_ATTEMPTS => attempt += 1,
-                Err(err) => return Err(RelayError::store(err)),
+                Err(err) => return Err(store_error(err)),
             }
         }
     }
@@ -635,16 +652,24 @@ impl ReadPool {
 
 impl PgReader {
     /// Runs `read` on a pooled connection.
+    /// Runs `read` on a pooled connection; once more on a new one when that connection was
+    /// found broken (PostgreSQL restarted: the first read after it must not fail a stream).
     fn run<T, F, Fut>(&self, read: F) -> StoreFuture<T>
     where
         T: Send + 'static,
-        F: FnOnce(Arc<ReadConnection>) -> Fut + Send + 'static,
+        F: Fn(Arc<ReadConnection>) -> Fut + Send + 'static,
         Fut: Future<Output = PgResult<T>> + Send,
     {
         let pool = Arc::clone(&self.0);
         Box::pin(async move {
-            let conn = pool.connection().await.map_err(RelayError::store)?;
-            read(conn).await.map_err(RelayError::store)
+            let conn = pool.connection().await.map_err(store_error)?;
+            match read(Arc::clone(&conn)).await {
+                Err(_) if conn.client.is_closed() => {
+                    let conn = pool.connection().await.map_err(store_error)?;
+                    read(conn).await.map_err(store_error)
+                }
+                result => result.map_err(store_error),
+            }
         })
     }
 }
@@ -660,16 +685,19 @@ fn welcome_record(row: &tokio_postgres::Row) -> WelcomeRecord {
 impl LogReader for PgReader {
     fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
         let (scope, name) = (scope.to_owned(), name.to_owned());
-        self.run(move |conn| async move {
-            let row = conn
-                .client
-                .query_opt(&conn.load_channel, &[&scope, &name])
-                .await?;
-            Ok(row.map(|row| ChannelRow {
-                id: row.get(0),
-                epoch: from_db(row.get(1)),
-                head_seq: from_db(row.get(2)),
-            }))
+        self.run(move |conn| {
+            let (scope, name) = (scope.clone(), name.clone());
+            async move {
+                let row = conn
+                    .client
+                    .query_opt(&conn.load_channel, &[&scope, &name])
+                    .await?;
+                Ok(row.map(|row| ChannelRow {
+                    id: row.get(0),
+                    epoch: from_db(row.get(1)),
+                    head_seq: from_db(row.get(2)),
+                }))
+            }
         })
     }
 
@@ -707,20 +735,24 @@ impl LogReader for PgReader {
         channel_id: i64,
         key: WelcomeKey,
     ) -> StoreFuture<Option<WelcomeRecord>> {
-        self.run(move |conn| async move {
-            let row = match &key {
-                WelcomeKey::Digest(digest) => {
-                    conn.client
-                        .query_opt(&conn.welcome_by_digest, &[&channel_id, digest])
-                        .await?
-                }
-                WelcomeKey::KeyPackageRef(key_package_ref) => {
-                    conn.client
-                        .query_opt(&conn.welcome_by_ref, &[&channel_id, key_package_ref])
-                        .await?
-                }
-            };
-            Ok(row.as_ref().map(welcome_record))
+        let key = Arc::new(key);
+        self.run(move |conn| {
+            let key = Arc::clone(&key);
+            async move {
+                let row = match &*key {
+                    WelcomeKey::Digest(digest) => {
+                        conn.client
+                            .query_opt(&conn.welcome_by_digest, &[&channel_id, digest])
+                            .await?
+                    }
+                    WelcomeKey::KeyPackageRef(key_package_ref) => {
+                        conn.client
+                            .query_opt(&conn.welcome_by_ref, &[&channel_id, key_package_ref])
+                            .await?
+                    }
+                };
+                Ok(row.as_ref().map(welcome_record))
+            }
         })
     }
 
@@ -753,18 +785,25 @@ async fn listen(
     ready: tokio::sync::oneshot::Sender<std::result::Result<(), String>>,
 ) {
     let mut ready = Some(ready);
+    // Said once per outage, not at every attempt.
+    let mut down = false;
     loop {
-        let outcome = listen_once(&config, &registry, &mut ready).await;
+        let outcome = listen_once(&config, &registry, &mut ready, &mut down).await;
         if let Some(ready) = ready.take() {
             // The first connection failed: the start fails.
             let _ = ready.send(Err(match outcome {
-                Err(err) => err.to_string(),
+                Err(err) => describe(&err),
                 Ok(()) => "the listener's connection closed".to_owned(),
             }));
             return;
         }
-        if let Err(err) = outcome {
-            eprintln!("relay: the PostgreSQL listener reconnects: {err}");
+        if !down {
+            down = true;
+            let why = match outcome {
+                Err(err) => describe(&err),
+                Ok(()) => "the connection closed".to_owned(),
+            };
+            eprintln!("relay: lost PostgreSQL ({why}); reconnecting");
         }
         tokio::time::sleep(LISTEN_RETRY).await;
     }
@@ -775,6 +814,7 @@ async fn listen_once(
     config: &Config,
     registry: &Registry,
     ready: &mut Option<tokio::sync::oneshot::Sender<std::result::Result<(), String>>>,
+    down: &mut bool,
 ) -> PgResult<()> {
     let (client, mut connection) = config.connect(NoTls).await?;
     let (notices, mut received) = tokio::sync::mpsc::unbounded_channel();
@@ -812,6 +852,9 @@ async fn listen_once(
     }
     if let Some(ready) = ready.take() {
         let _ = ready.send(Ok(()));
+    }
+    if std::mem::replace(down, false) {
+        eprintln!("relay: PostgreSQL is back");
     }
     while let Some(payload) = received.recv().await {
         let mut fields = payload.split(' ').map(str::parse::<u64>);
