@@ -187,13 +187,6 @@ class Waker:
     def fileno(self) -> int: ...
     def drain(self) -> None: ...
 
-#: proto/relay.proto compiled (a serialized FileDescriptorSet). Nothing in Python reads it any
-#: more; the extension still exports it.
-RELAY_PROTO_DESCRIPTOR: Final[bytes]
-#: Trailers of refusals, shared by the relay and the SDK (static-proto).
-CURRENT_EPOCH_TRAILER: Final[str]
-RETRY_AFTER_TRAILER: Final[str]
-
 @final
 class RelayServer:
     """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.

@@ -198,17 +198,5 @@ impl RelayServer {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RelayServer>()?;
-    m.add(
-        "RELAY_PROTO_DESCRIPTOR",
-        pyo3::types::PyBytes::new(m.py(), static_relay::PROTO_DESCRIPTOR),
-    )?;
-    m.add(
-        "CURRENT_EPOCH_TRAILER",
-        static_relay::error::CURRENT_EPOCH_TRAILER,
-    )?;
-    m.add(
-        "RETRY_AFTER_TRAILER",
-        static_relay::error::RETRY_AFTER_TRAILER,
-    )?;
     Ok(())
 }
