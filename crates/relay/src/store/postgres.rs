@@ -493,19 +493,13 @@ impl WriteConnection {
         let client = &self.client;
         if transaction == Transaction::Begin && epochs.channel_id.is_empty() && welcomes.is_empty()
         {
-            let params: [&(dyn ToSql + Sync); 11] = [
-                &columns.channel_id,
-                &columns.seq,
-                &columns.epoch,
-                &columns.content_type,
-                &columns.channel_epoch,
-                &columns.key,
-                &columns.message,
+            let mut params = columns.params().to_vec();
+            params.extend::<[&(dyn ToSql + Sync); 4]>([
                 &heads.channel_id,
                 &heads.head_seq,
                 &heads.epoch,
                 &notices,
-            ];
+            ]);
             return client.query(&self.append_plain, &params).await.map(|_| ());
         }
         type Step<'a> = Pin<Box<dyn Future<Output = PgResult<u64>> + 'a>>;
@@ -517,16 +511,9 @@ impl WriteConnection {
         }
         steps.extend::<[Step<'_>; 2]>([
             Box::pin(async {
-                let params: [&(dyn ToSql + Sync); 7] = [
-                    &columns.channel_id,
-                    &columns.seq,
-                    &columns.epoch,
-                    &columns.content_type,
-                    &columns.channel_epoch,
-                    &columns.key,
-                    &columns.message,
-                ];
-                client.execute(&self.insert_entries, &params).await
+                client
+                    .execute(&self.insert_entries, &columns.params())
+                    .await
             }),
             Box::pin(async {
                 let params: [&(dyn ToSql + Sync); 3] =
@@ -579,6 +566,21 @@ struct EntryColumns<'a> {
     channel_epoch: Vec<i64>,
     key: Vec<&'a [u8]>,
     message: Vec<&'a [u8]>,
+}
+
+impl EntryColumns<'_> {
+    /// The parameters of the entries' UNNEST, in column order.
+    fn params(&self) -> [&(dyn ToSql + Sync); 7] {
+        [
+            &self.channel_id,
+            &self.seq,
+            &self.epoch,
+            &self.content_type,
+            &self.channel_epoch,
+            &self.key,
+            &self.message,
+        ]
+    }
 }
 
 #[derive(Default)]
