@@ -967,6 +967,17 @@ pub(crate) fn test_publish(channel: &Arc<Channel>, checked: Checked) -> Publish 
     }
 }
 
+/// An application entry of `size` zero bytes at epoch 0 (for the tests).
+#[cfg(test)]
+pub(crate) fn test_entry(seq: u64, size: usize) -> Entry {
+    Entry {
+        seq,
+        epoch: 0,
+        content_type: 1,
+        message: Bytes::from(vec![0u8; size]),
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn test_committed(batch: &[Publish], plan: &Plan) {
     committed(batch, plan);
@@ -975,16 +986,8 @@ pub(crate) fn test_committed(batch: &[Publish], plan: &Plan) {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use super::test_entry as entry;
     use super::*;
-
-    fn entry(seq: u64, size: usize) -> Entry {
-        Entry {
-            seq,
-            epoch: 0,
-            content_type: 1,
-            message: Bytes::from(vec![0u8; size]),
-        }
-    }
 
     fn channel() -> Channel {
         let row = ChannelRow {

@@ -153,6 +153,25 @@ impl Relay {
             drain,
         }))
     }
+
+    /// A client-streaming call: its caller checked, then driven by `run` over its requests.
+    /// Returned at once: the response headers leave before any request is read.
+    async fn driven<R, T, Fut>(
+        &self,
+        request: Request<Streaming<R>>,
+        run: impl FnOnce(Arc<Inner>, Caller, Streaming<R>, mpsc::Sender<Result<T, Status>>) -> Fut,
+    ) -> Result<Response<Driven<Result<T, Status>>>, Status>
+    where
+        T: Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (metadata, extensions, requests) = request.into_parts();
+        let caller = self.0.caller(&metadata, &extensions).await?;
+        let inner = Arc::clone(&self.0);
+        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
+            run(inner, caller, requests, tx)
+        })))
+    }
 }
 
 impl Inner {
@@ -724,13 +743,7 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<Streaming<pb::PublishRequest>>,
     ) -> Result<Response<Self::PublishStreamStream>, Status> {
-        let (metadata, extensions, requests) = request.into_parts();
-        let caller = self.0.caller(&metadata, &extensions).await?;
-        let inner = Arc::clone(&self.0);
-        // Returned at once: the response headers leave before any request is read.
-        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
-            inner.publish_stream(caller, requests, tx)
-        })))
+        self.driven(request, Inner::publish_stream).await
     }
 
     type PublishBatchesStream = Driven<Result<pb::PublishBatchResponse, Status>>;
@@ -739,12 +752,7 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<Streaming<pb::PublishBatchRequest>>,
     ) -> Result<Response<Self::PublishBatchesStream>, Status> {
-        let (metadata, extensions, requests) = request.into_parts();
-        let caller = self.0.caller(&metadata, &extensions).await?;
-        let inner = Arc::clone(&self.0);
-        Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
-            inner.publish_batches(caller, requests, tx)
-        })))
+        self.driven(request, Inner::publish_batches).await
     }
 
     type SubscribeStream = Driven<Result<pb::SubscribeResponse, Status>>;
@@ -884,16 +892,7 @@ impl<T> Lookahead<T> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
-
-    fn entry(seq: u64, size: usize) -> Entry {
-        Entry {
-            seq,
-            epoch: 0,
-            content_type: 1,
-            message: Bytes::from(vec![0u8; size]),
-        }
-    }
+    use crate::log::test_entry as entry;
 
     fn batch_sizes(responses: &[pb::SubscribeResponse]) -> Vec<usize> {
         responses

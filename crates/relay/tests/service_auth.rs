@@ -24,10 +24,10 @@ async fn calls_need_a_token_without_allow_anonymous() {
         channel: CHANNEL.into(),
     };
     let missing = client.create_channel(create.clone()).await.unwrap_err();
-    assert_eq!(missing.code(), Code::Unauthenticated);
-    assert_eq!(
-        missing.message(),
-        "missing authorization metadata ('Bearer <token>')"
+    assert_status(
+        &missing,
+        Code::Unauthenticated,
+        "missing authorization metadata ('Bearer <token>')",
     );
     let stream = client
         .subscribe(subscribe_request(CHANNEL, 0))

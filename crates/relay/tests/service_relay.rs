@@ -23,10 +23,10 @@ async fn create_publish_subscribe_round_trip() {
         })
         .await
         .unwrap_err();
-    assert_eq!(exists.code(), Code::AlreadyExists);
-    assert_eq!(
-        exists.message(),
-        "channel 'acme/agents/chat' already exists"
+    assert_status(
+        &exists,
+        Code::AlreadyExists,
+        "channel 'acme/agents/chat' already exists",
     );
 
     let first = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"one"))
@@ -401,20 +401,20 @@ async fn malformed_oversized_and_misaddressed_messages() {
     );
     let other = "acme/agents/other";
     let misaddressed = refused(publish(&mut client, CHANNEL, application(other, 0, b"x")).await);
-    assert_eq!(misaddressed.code(), Code::InvalidArgument);
-    assert_eq!(
-        misaddressed.message(),
-        "the message belongs to another group than channel 'acme/agents/chat'"
+    assert_status(
+        &misaddressed,
+        Code::InvalidArgument,
+        "the message belongs to another group than channel 'acme/agents/chat'",
     );
     let not_commit = pb::PublishRequest {
         welcome: welcome(&[b"r"]),
         ..request(CHANNEL, application(CHANNEL, 0, b"x"))
     };
     let not_commit = client.publish(not_commit).await.unwrap_err();
-    assert_eq!(not_commit.code(), Code::InvalidArgument);
-    assert_eq!(
-        not_commit.message(),
-        "a welcome can only be published with a commit"
+    assert_status(
+        &not_commit,
+        Code::InvalidArgument,
+        "a welcome can only be published with a commit",
     );
     let a_welcome = refused(publish(&mut client, CHANNEL, welcome(&[b"r"])).await);
     assert_eq!(a_welcome.code(), Code::InvalidArgument);
@@ -448,17 +448,20 @@ async fn malformed_oversized_and_misaddressed_messages() {
         .max_encoding_message_size(16 * 1024 * 1024);
     let big = application(CHANNEL, 0, &vec![b'x'; 1024 * 1024]);
     let too_big = refused(publish(&mut big_client, CHANNEL, big).await);
-    assert_eq!(too_big.code(), Code::ResourceExhausted);
-    assert_eq!(too_big.message(), "message larger than 1048576 bytes");
+    assert_status(
+        &too_big,
+        Code::ResourceExhausted,
+        "message larger than 1048576 bytes",
+    );
     let huge = application(CHANNEL, 0, &vec![b'x'; 5 * 1024 * 1024]);
     let too_huge = refused(publish(&mut big_client, CHANNEL, huge).await);
-    assert_eq!(too_huge.code(), Code::ResourceExhausted);
-    assert_eq!(
-        too_huge.message(),
-        format!(
+    assert_status(
+        &too_huge,
+        Code::ResourceExhausted,
+        &format!(
             "request larger than the transport limit of {} bytes",
             2 * 1024 * 1024 + 64 * 1024
-        )
+        ),
     );
     // Not a protobuf message at all (a raw body through a bytes codec).
     let mut grpc = tonic::client::Grpc::new(relay.connect().await);
@@ -693,8 +696,11 @@ async fn publish_batches_refuses_oversized_batches() {
         .unwrap()
         .into_inner();
     let status = answers.message().await.unwrap_err();
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert_eq!(status.message(), "1025 requests in one batch; at most 1024");
+    assert_status(
+        &status,
+        Code::InvalidArgument,
+        "1025 requests in one batch; at most 1024",
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -719,10 +725,10 @@ async fn publish_rate_limit_per_agent() {
     }
     assert!(outcomes[..5].iter().all(Result::is_ok));
     let refused = outcomes.into_iter().find_map(Result::err).unwrap();
-    assert_eq!(refused.code(), Code::ResourceExhausted);
-    assert_eq!(
-        refused.message(),
-        "publish rate limit of 5 messages/s per agent exceeded"
+    assert_status(
+        &refused,
+        Code::ResourceExhausted,
+        "publish rate limit of 5 messages/s per agent exceeded",
     );
     let retry_after: u64 = trailer(&refused, "static-retry-after-ms")
         .unwrap()

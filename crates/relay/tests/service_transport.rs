@@ -55,10 +55,10 @@ async fn streams_per_connection_are_capped() {
     let refused = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"x"))
         .await
         .unwrap_err();
-    assert_eq!(refused.code(), Code::ResourceExhausted);
-    assert_eq!(
-        refused.message(),
-        "too many concurrent streams on this connection (limit 3)"
+    assert_status(
+        &refused,
+        Code::ResourceExhausted,
+        "too many concurrent streams on this connection (limit 3)",
     );
     // Another connection is not affected.
     let mut other = relay.client().await;

@@ -327,6 +327,13 @@ impl Verify for FakeVerify {
     }
 }
 
+/// The call was refused with `code` and exactly `message`.
+#[track_caller]
+pub fn assert_status(status: &Status, code: Code, message: &str) {
+    assert_eq!(status.code(), code, "{status:?}");
+    assert_eq!(status.message(), message);
+}
+
 pub fn trailer(status: &Status, name: &str) -> Option<String> {
     status
         .metadata()
