@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -11,7 +11,7 @@ import grpc
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay._generated import relay_pb2_grpc as pb_grpc
 
-__all__ = ["Relay", "Subscription", "pb", "status_of"]
+__all__ = ["Relay", "Subscription", "pb", "race", "status_of"]
 
 TIMEOUT = 10.0
 
@@ -20,6 +20,34 @@ def status_of(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
     """(code, details, trailers) of a failed call (a ``grpc.RpcError``)."""
     trailers = {k: v for k, v in (call.trailing_metadata() or ()) if isinstance(v, str)}
     return call.code(), call.details() or "", trailers
+
+
+def race(
+    urls: list[str], count: int, channel: str, message: Callable[[int], bytes]
+) -> tuple[list[Any], list[tuple[grpc.StatusCode, str, dict[str, str]]]]:
+    """``count`` publishes at once, each on a connection of its own (publish ``n`` to
+    ``urls[n % len(urls)]``, with ``message(n)``), released together: (the PublishResponses,
+    the refusals as :func:`status_of` gives them)."""
+    barrier = threading.Barrier(count)
+    outcomes: list[Any] = []
+
+    def publish(n: int) -> None:
+        with Relay(urls[n % len(urls)]) as own:
+            barrier.wait(10)
+            try:
+                outcomes.append(own.publish(channel, message(n)))
+            except grpc.RpcError as exc:
+                outcomes.append(status_of(exc))
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    won = [o for o in outcomes if isinstance(o, pb.PublishResponse)]
+    lost = [o for o in outcomes if isinstance(o, tuple)]
+    assert len(won) + len(lost) == count, outcomes
+    return won, lost
 
 
 class Relay:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, pb, status_of
+from tests.relay.client import Relay, pb, race, status_of
 from tests.support.server import ServerProcess
 
 CHANNEL = "acme/agents/chat"
@@ -96,24 +96,7 @@ def test_concurrent_publishers_one_order(relay: Relay) -> None:
 
 def test_two_commits_on_one_epoch_exactly_one_wins(relay: Relay) -> None:
     relay.create(CHANNEL)
-    barrier = threading.Barrier(6)
-    outcomes: list[object] = []
-
-    def commit(n: int) -> None:
-        with Relay(relay.url) as own:
-            barrier.wait(10)
-            try:
-                outcomes.append(own.publish(CHANNEL, mls.commit(CHANNEL, 0, str(n).encode())))
-            except grpc.RpcError as exc:
-                outcomes.append(status_of(exc))
-
-    threads = [threading.Thread(target=commit, args=(n,)) for n in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    won = [o for o in outcomes if isinstance(o, pb.PublishResponse)]
-    lost = [o for o in outcomes if isinstance(o, tuple)]
+    won, lost = race([relay.url], 6, CHANNEL, lambda n: mls.commit(CHANNEL, 0, str(n).encode()))
     assert len(won) == 1 and len(lost) == 5
     assert (won[0].seq, won[0].epoch) == (1, 1)
     for code, details, trailers in lost:

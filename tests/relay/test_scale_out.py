@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, Subscription, pb, status_of
+from tests.relay.client import Relay, Subscription, pb, race, status_of
 from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
@@ -116,37 +116,22 @@ def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
             relay.close()
 
 
+def _commit(epoch: int, n: int) -> bytes:
+    return mls.commit(CHANNEL, epoch, f"{epoch}:{n}".encode())
+
+
 def test_the_epoch_fence_is_exact_across_relays(nodes: list[ServerProcess]) -> None:
     urls = [n.relay_url for n in nodes]
     with Relay(urls[0]) as first:
         first.create(CHANNEL)
     for epoch in range(3):
-        barrier = threading.Barrier(2 * NODES)
-        outcomes: list[object] = []
-
-        def commit(
-            n: int,
-            epoch: int = epoch,
-            barrier: threading.Barrier = barrier,
-            outcomes: list[object] = outcomes,
-        ) -> None:
-            with Relay(urls[n % NODES]) as own:
-                barrier.wait(10)
-                try:
-                    outcomes.append(
-                        own.publish(CHANNEL, mls.commit(CHANNEL, epoch, f"{epoch}:{n}".encode()))
-                    )
-                except grpc.RpcError as exc:
-                    outcomes.append(status_of(exc))
-
-        threads = [threading.Thread(target=commit, args=(n,)) for n in range(2 * NODES)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        won = [o for o in outcomes if isinstance(o, pb.PublishResponse)]
-        lost = [o for o in outcomes if isinstance(o, tuple)]
-        assert len(won) == 1, outcomes
+        won, lost = race(
+            urls,
+            2 * NODES,
+            CHANNEL,
+            partial(_commit, epoch),
+        )
+        assert len(won) == 1, (won, lost)
         assert len(lost) == 2 * NODES - 1
         assert (won[0].seq, won[0].epoch) == (epoch + 1, epoch + 1)
         for code, _, trailers in lost:

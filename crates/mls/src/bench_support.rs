@@ -9,6 +9,7 @@ use openmls::prelude::*;
 use openmls_basic_credential::SignatureKeyPair;
 use openmls_rust_crypto::RustCrypto;
 use openmls_sqlite_storage::SqliteStorageProvider;
+use openmls_traits::crypto::OpenMlsCrypto;
 use openmls_traits::signatures::Signer;
 use rusqlite::Connection;
 
@@ -70,29 +71,47 @@ pub fn time_ns(iterations: u32, mut f: impl FnMut() -> Result<()>) -> Result<f64
 /// The floor: one Ed25519 signature plus one verification of a `payload_len`-byte message,
 /// in nanoseconds.
 pub fn ed25519_sign_verify_ns(payload_len: usize, iterations: u32) -> Result<f64> {
-    let crypto = RustCrypto::default();
     let signer = SignatureKeyPair::new(SignatureScheme::ED25519).map_err(internal)?;
-    let payload = vec![0x5au8; payload_len];
-    time_ns(iterations, || {
-        let sig = signer.sign(&payload).map_err(internal)?;
-        crypto
-            .verify_signature(SignatureScheme::ED25519, &payload, signer.public(), &sig)
-            .map_err(internal)
-    })
+    let public = signer.public();
+    sign_verify_ns(
+        &RustCrypto::default(),
+        &signer,
+        public,
+        payload_len,
+        iterations,
+    )
 }
 
 /// The floor of the engine's own Ed25519 (key parsed once, verifying key cached, strict
 /// verification): one signature plus one verification of a `payload_len`-byte message, in
 /// nanoseconds.
 pub fn ed25519_engine_sign_verify_ns(payload_len: usize, iterations: u32) -> Result<f64> {
-    let crypto = StaticCrypto::default();
     let pair = SignatureKeyPair::new(SignatureScheme::ED25519).map_err(internal)?;
     let signer = Ed25519Signer::from_key_pair(&pair).map_err(internal)?;
+    let public = signer.public();
+    sign_verify_ns(
+        &StaticCrypto::default(),
+        &signer,
+        public,
+        payload_len,
+        iterations,
+    )
+}
+
+/// One signature by `signer` plus one verification by `crypto` of a `payload_len`-byte
+/// message, in nanoseconds.
+fn sign_verify_ns(
+    crypto: &impl OpenMlsCrypto,
+    signer: &impl Signer,
+    public: &[u8],
+    payload_len: usize,
+    iterations: u32,
+) -> Result<f64> {
     let payload = vec![0x5au8; payload_len];
     time_ns(iterations, || {
         let sig = signer.sign(&payload).map_err(internal)?;
         crypto
-            .verify_signature(SignatureScheme::ED25519, &payload, signer.public(), &sig)
+            .verify_signature(SignatureScheme::ED25519, &payload, public, &sig)
             .map_err(internal)
     })
 }
