@@ -1,92 +1,46 @@
-//! The applier thread, the one writer of a channel's group state, and what it skips (our own
-//! messages coming back).
+//! The appliers: a small pool of threads shared by all of a client's channels, which apply
+//! each channel's log entries strictly in order, in batches, through
+//! [`Engine::process_entries`] (the one writer of a channel's group state; it stores the
+//! cursor and the decrypted messages, the inbox, in the same transaction as the state change).
+//!
+//! A channel is on at most one pool thread at a time (its [`ApplierQueue`] is scheduled once),
+//! and takes turns with the other channels one batch at a time, so a busy channel does not
+//! starve the others. Threads: [`POOL_THREADS`] per client, whatever the number of channels.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
-use tokio::sync::mpsc;
+use tokio::sync::Semaphore;
 
-use super::channel::{stamp, Channel, End};
-use super::lock;
-use super::reader::Received;
-use static_mls::engine::{Engine, Incoming};
+use crate::channel_core::{stamp, ChannelCore, End};
+use crate::error::{Error, Result};
+use crate::inbox::ApplierCount;
+use crate::own::APPLICATION;
+use crate::sync::lock;
+use static_mls::engine::Incoming;
 
 /// Most entries the applier applies in one transaction.
 const BATCH: usize = 512;
+/// Batches a channel's reader may hand over before it waits for the applier.
+pub(crate) const QUEUED_BATCHES: usize = 16;
+/// Pool threads: decryption in parallel on a 2-core machine, and a bound whatever the number
+/// of channels (a thread per channel cost 5,006 threads for 5,000 channels).
+const POOL_THREADS: usize = 2;
 
-/// The relay's content type of application messages.
-pub(super) const APPLICATION: u32 = 1;
-/// Our own messages remembered for the applier to skip: at most this many, of at most
-/// [`OWN_MESSAGE_BYTES`] each.
-const OWN_MESSAGES: usize = 4096;
-const OWN_MESSAGE_BYTES: usize = 16 * 1024;
-
-/// The application messages we encrypted and that may still come back from the relay (it
-/// sends everyone's messages to every subscriber, ours included), by the last 8 bytes of
-/// their ciphertext (the end of the AEAD tag: random).
-#[derive(Default)]
-pub(super) struct OwnMessages {
-    by_tag: HashMap<[u8; 8], Vec<u8>>,
+/// Consecutive entries of the log from one Subscribe response: (seq, content type, message).
+pub(crate) struct Received {
+    pub(crate) entries: Vec<(u64, u32, Vec<u8>)>,
+    /// When they arrived (see [`Timings`](crate::Timings)).
+    pub(crate) at: u64,
 }
 
-impl OwnMessages {
-    fn key(message: &[u8]) -> Option<[u8; 8]> {
-        message
-            .len()
-            .checked_sub(8)
-            .and_then(|start| message.get(start..))
-            .and_then(|tail| tail.try_into().ok())
-    }
-
-    pub(super) fn remember(&mut self, message: &[u8]) {
-        if message.len() > OWN_MESSAGE_BYTES {
-            return;
-        }
-        if self.by_tag.len() >= OWN_MESSAGES {
-            // Messages that never came back (refused, or sent while not subscribed): forget
-            // them all; this only costs the engine's time.
-            self.by_tag.clear();
-        }
-        if let Some(key) = Self::key(message) {
-            self.by_tag.insert(key, message.to_vec());
-        }
-    }
-
-    /// Whether every entry of `batch` is an application message of ours (byte for byte),
-    /// forgetting them if so; otherwise nothing changes.
-    pub(super) fn take_all(&mut self, batch: &[(u64, u32, Vec<u8>)]) -> bool {
-        let ours = |(_, kind, message): &(u64, u32, Vec<u8>)| {
-            *kind == APPLICATION
-                && Self::key(message)
-                    .and_then(|key| self.by_tag.get(&key))
-                    .is_some_and(|m| m == message)
-        };
-        if self.by_tag.is_empty() || !batch.iter().all(ours) {
-            return false;
-        }
-        for (_, _, message) in batch {
-            self.take(message);
-        }
-        true
-    }
-
-    /// Whether `message` is one of ours (byte for byte), forgetting it.
-    fn take(&mut self, message: &[u8]) -> bool {
-        let Some(key) = Self::key(message) else {
-            return false;
-        };
-        if self.by_tag.get(&key).is_some_and(|m| m == message) {
-            self.by_tag.remove(&key);
-            true
-        } else {
-            false
-        }
-    }
-}
-
-/// Counts `.1` batches handed to the applier as applied when dropped (see [`Channel::queued`]).
-pub(super) struct Applying<'a>(pub(super) &'a AtomicUsize, pub(super) usize);
+/// Counts `.1` batches handed to the applier as applied when dropped (see
+/// [`ChannelCore::queued`]).
+pub(crate) struct Applying<'a>(
+    pub(crate) &'a std::sync::atomic::AtomicUsize,
+    pub(crate) usize,
+);
 
 impl Drop for Applying<'_> {
     fn drop(&mut self) {
@@ -94,53 +48,185 @@ impl Drop for Applying<'_> {
     }
 }
 
-/// Applies the log's entries in order, in batches: the one writer of the group's state.
-///
-/// Runs on a thread of its own rather than as a task handing each batch to tokio's blocking
-/// pool: a batch then costs one wake-up (the reader's hand-over) instead of three. It ends when
-/// the reader does (the channel's shutdown, or the runtime's).
-pub(super) fn applier(channel: Arc<Channel>, mut entries: mpsc::Receiver<Received>) {
-    let shutdown = channel.shutdown.subscribe();
-    loop {
-        let Some(first) = entries.blocking_recv() else {
-            return;
-        };
-        if *shutdown.borrow() {
+/// One channel's entries waiting for the pool.
+pub(crate) struct ApplierQueue {
+    core: Arc<ChannelCore>,
+    batches: Mutex<VecDeque<Received>>,
+    /// On the pool's run queue (or being applied): a channel is applied by one thread at a time.
+    scheduled: AtomicBool,
+    /// Room for batches: the reader takes a permit per batch, the pool gives them back.
+    room: Semaphore,
+    pool: Arc<Pool>,
+    /// Counts this channel's applier in its inbox while it lives (see [`ApplierCount`]).
+    _counted: ApplierCount,
+}
+
+impl ApplierQueue {
+    pub(crate) fn new(core: Arc<ChannelCore>, pool: Arc<Pool>) -> Result<Arc<Self>> {
+        let engine = core.shared.engine()?;
+        let counted = ApplierCount::new(core.shared.inbox(&engine, &core.name)?);
+        Ok(Arc::new(Self {
+            core,
+            batches: Mutex::new(VecDeque::new()),
+            scheduled: AtomicBool::new(false),
+            room: Semaphore::new(QUEUED_BATCHES),
+            pool,
+            _counted: counted,
+        }))
+    }
+
+    /// Hands a batch to the pool, waiting while [`QUEUED_BATCHES`] are waiting already. False
+    /// when the channel has ended.
+    pub(crate) async fn hand_over(self: &Arc<Self>, received: Received) -> bool {
+        match self.room.acquire().await {
+            Ok(permit) => permit.forget(),
+            Err(_) => return false,
+        }
+        if self.core.is_closed() {
+            return false;
+        }
+        self.core.queued.fetch_add(1, Ordering::AcqRel);
+        lock(&self.batches).push_back(received);
+        self.schedule();
+        true
+    }
+
+    fn schedule(self: &Arc<Self>) {
+        if !self.scheduled.swap(true, Ordering::AcqRel) {
+            self.pool.run(Arc::clone(self));
+        }
+    }
+
+    /// Applies one turn's worth (up to [`BATCH`] entries); reschedules itself if more wait.
+    fn turn(self: &Arc<Self>) {
+        if self.core.is_closed() {
+            // Nothing more is applied once the channel ended (closed, removed, failed).
+            let dropped = std::mem::take(&mut *lock(&self.batches)).len();
+            let _applied = Applying(&self.core.queued, dropped);
+            self.room.close();
             return;
         }
-        let received_at = first.at;
-        let mut batch = first.entries;
-        let mut taken = 1;
-        while batch.len() < BATCH {
-            match entries.try_recv() {
-                Ok(more) => {
-                    batch.extend(more.entries);
-                    taken += 1;
+        let (first_at, batch, taken) = {
+            let mut batches = lock(&self.batches);
+            let Some(first) = batches.pop_front() else {
+                drop(batches);
+                self.scheduled.store(false, Ordering::Release);
+                // A batch handed over after the pop and before the flag came down.
+                if !lock(&self.batches).is_empty() {
+                    self.schedule();
                 }
-                Err(_) => break,
+                return;
+            };
+            let at = first.at;
+            let mut batch = first.entries;
+            let mut taken = 1;
+            while batch.len() < BATCH {
+                match batches.pop_front() {
+                    Some(more) => {
+                        batch.extend(more.entries);
+                        taken += 1;
+                    }
+                    None => break,
+                }
+            }
+            (at, batch, taken)
+        };
+        {
+            // Counted as applied once the batch is (whatever happens to it).
+            let _applied = Applying(&self.core.queued, taken);
+            let ended = apply_batch(&self.core, batch, first_at) == Applied::ChannelEnded;
+            self.room.add_permits(taken);
+            if ended {
+                lock(&self.batches).clear();
+                // Readers waiting for room see the end.
+                self.room.close();
+                return;
             }
         }
-        // Counted as applied once the batch is (or the applier ends).
-        let _applied = Applying(&channel.queued, taken);
-        if apply_batch(&channel, batch, received_at) == Applied::ChannelEnded {
-            return;
+        self.scheduled.store(false, Ordering::Release);
+        if !lock(&self.batches).is_empty() {
+            self.schedule();
+        }
+    }
+}
+
+/// The client's applier threads and their run queue of channels.
+pub(crate) struct Pool {
+    ready: Mutex<PoolState>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct PoolState {
+    queue: VecDeque<Arc<ApplierQueue>>,
+    stopping: bool,
+}
+
+impl Pool {
+    /// Starts the pool's threads.
+    pub(crate) fn start() -> Result<(Arc<Self>, Vec<std::thread::JoinHandle<()>>)> {
+        let pool = Arc::new(Self {
+            ready: Mutex::new(PoolState::default()),
+            wake: Condvar::new(),
+        });
+        let threads = (0..POOL_THREADS)
+            .map(|_| {
+                let pool = Arc::clone(&pool);
+                std::thread::Builder::new()
+                    .name("static-applier".into())
+                    .spawn(move || pool.work())
+                    .map_err(|e| Error::task("cannot start an applier thread", e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((pool, threads))
+    }
+
+    fn run(&self, queue: Arc<ApplierQueue>) {
+        lock(&self.ready).queue.push_back(queue);
+        self.wake.notify_one();
+    }
+
+    /// Ends the threads once the channels on the run queue have had their turn.
+    pub(crate) fn stop(&self) {
+        lock(&self.ready).stopping = true;
+        self.wake.notify_all();
+    }
+
+    fn work(&self) {
+        loop {
+            let next = {
+                let mut ready = lock(&self.ready);
+                loop {
+                    if let Some(next) = ready.queue.pop_front() {
+                        break Some(next);
+                    }
+                    if ready.stopping {
+                        break None;
+                    }
+                    ready = self
+                        .wake
+                        .wait(ready)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                }
+            };
+            let Some(next) = next else { return };
+            next.turn();
         }
     }
 }
 
 /// What [`apply_batch`] leaves behind.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) enum Applied {
+pub(crate) enum Applied {
     Continue,
     /// The channel ended (we were removed, or the store failed): nothing more is applied.
     ChannelEnded,
 }
 
-/// Applies one batch of consecutive entries: the applier's work, also done by the reader
-/// itself for a lone application message when the applier is idle (see
-/// [`reader`](super::reader::reader)).
-pub(super) fn apply_batch(
-    channel: &Arc<Channel>,
+/// Applies one batch of consecutive entries: the pool's work, also done by the reader itself
+/// for a lone application message when nothing is queued (see `reader`).
+pub(crate) fn apply_batch(
+    core: &ChannelCore,
     mut batch: Vec<(u64, u32, Vec<u8>)>,
     received_at: u64,
 ) -> Applied {
@@ -150,21 +236,19 @@ pub(super) fn apply_batch(
         // nothing (the engine recognises and skips it), so those we recognise byte for byte
         // are not even handed to it. The stored cursor may then lag behind our own last
         // messages: after a restart they are applied again, to the same effect.
-        let mut own = lock(&channel.own_messages);
-        if !own.by_tag.is_empty() {
+        let mut own = lock(&core.own_messages);
+        if !own.is_empty() {
             batch.retain(|(_, kind, message)| !(*kind == APPLICATION && own.take(message)));
         }
     }
     if batch.is_empty() {
         if let Some(seq) = passed {
-            channel
-                .progress
-                .send_modify(|p| p.applied_seq = p.applied_seq.max(seq));
+            core.passed(seq);
         }
         return Applied::Continue;
     }
-    let name = &channel.name;
-    let applied = channel.shared.engine().and_then(|e| {
+    let name = &core.name;
+    let applied = core.shared.engine().and_then(|e| {
         let refs: Vec<(u64, &[u8])> = batch.iter().map(|(s, _, m)| (*s, m.as_slice())).collect();
         let applied = e.process_entries(name, &refs)?;
         let epoch = e.epoch(name).ok();
@@ -173,7 +257,7 @@ pub(super) fn apply_batch(
     let (applied, epoch) = match applied {
         Ok(v) => v,
         Err(e) => {
-            channel.end(End::Failed(e));
+            core.end(End::Failed(e));
             return Applied::ChannelEnded;
         }
     };
@@ -205,7 +289,7 @@ pub(super) fn apply_batch(
             Err(_) => {}
         }
     }
-    channel.progress.send_modify(|p| {
+    core.progress.send_modify(|p| {
         if let Some(seq) = last {
             p.applied_seq = p.applied_seq.max(seq);
         }
@@ -217,76 +301,37 @@ pub(super) fn apply_batch(
         // What was just stored goes into the inbox's read-ahead here, once per batch,
         // rather than being read on the readers' threads, once per wake-up; and as it is
         // (reading it back cost ~50 us a batch, a sixth of applying one message).
-        if let Ok(engine) = channel.shared.engine() {
-            if let Ok(inbox) = channel.shared.inbox(&engine, &channel.name) {
+        if let Ok(engine) = core.shared.engine() {
+            if let Ok(inbox) = core.shared.inbox(&engine, &core.name) {
                 let mut inbox = lock(&inbox);
                 if !inbox.push_stored(stored) {
                     // On failure the readers read the store themselves.
-                    let _ = inbox.load(&engine, &channel.name);
+                    let _ = inbox.load(&engine, &core.name);
                 }
             }
         }
         // Only batches with messages for us: our own messages come back too.
-        channel
-            .timings
-            .received
-            .store(received_at, Ordering::Relaxed);
-        stamp(&channel.timings.applied);
-        channel.notify();
+        core.timings.received.store(received_at, Ordering::Relaxed);
+        stamp(&core.timings.applied);
+        core.notify();
     }
     if removed {
-        channel.end(End::Removed);
+        core.end(End::Removed);
         return Applied::ChannelEnded;
     }
     if proposals {
-        // A member asked to leave: commit it (whoever wins the epoch does it for all).
-        let ch = Arc::clone(channel);
-        channel.shared.handle.spawn(async move {
-            let _ = ch
-                .commit(Arc::new(|e: &Engine, name: &str| {
-                    Ok(e.commit_pending_proposals(name)?.map(|c| (c, None)))
-                }))
-                .await;
-        });
+        // A member asked to leave: the façade commits it (whoever wins the epoch does it for
+        // all).
+        core.proposals.notify_one();
     }
     Applied::Continue
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicUsize;
+
     use super::*;
-
-    #[test]
-    fn own_messages_are_recognised_byte_for_byte() {
-        let mut own = OwnMessages::default();
-        let ours: Vec<u8> = (0..100).collect();
-        own.remember(&ours);
-        own.remember(b"short");
-        let mut same_tag = vec![7u8; 100];
-        same_tag[92..].copy_from_slice(&ours[92..]);
-        assert!(!own.take(&same_tag));
-        assert!(!own.take(b"tiny"));
-        assert!(own.take(&ours));
-        assert!(!own.take(&ours));
-        own.remember(&vec![0; OWN_MESSAGE_BYTES + 1]);
-        assert!(own.by_tag.is_empty());
-    }
-
-    #[test]
-    fn a_batch_is_taken_as_ours_only_if_every_entry_is() {
-        let mut own = OwnMessages::default();
-        let (a, b) = (vec![1u8; 100], vec![2u8; 100]);
-        own.remember(&a);
-        own.remember(&b);
-        let entry = |m: &Vec<u8>| (1, APPLICATION, m.clone());
-        // One stranger (or a commit) in the batch: nothing is forgotten.
-        assert!(!own.take_all(&[entry(&a), entry(&vec![3u8; 100])]));
-        assert!(!own.take_all(&[entry(&a), (2, APPLICATION + 1, b.clone())]));
-        assert_eq!(own.by_tag.len(), 2);
-        assert!(own.take_all(&[entry(&a), entry(&b)]));
-        assert!(own.by_tag.is_empty());
-        assert!(!own.take_all(&[entry(&a)]));
-    }
 
     #[test]
     fn batches_count_as_applied_once_the_applier_is_done_with_them() {

@@ -5,9 +5,9 @@ use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use super::lock;
+use crate::error::{Error, Result};
+use crate::sync::lock;
 use static_mls::engine::Engine;
-use static_mls::error::{Error, Result};
 
 /// File of the hand-out marks inside the data directory.
 const MARKS_FILE: &str = "inbox.marks";
@@ -25,12 +25,12 @@ const INBOX_PRUNE: usize = 256;
 /// OS's page cache once the call returns), so a message is handed out only once its mark is
 /// written, and handed-out rows are deleted in bulk later. A power loss may take back the last
 /// marks (and the message is handed out again), as it may take back light SQLite commits.
-pub(super) struct Marks {
+pub(crate) struct Marks {
     file: std::fs::File,
 }
 
 impl Marks {
-    pub(super) fn open(data_dir: &Path) -> Result<Self> {
+    pub(crate) fn open(data_dir: &Path) -> Result<Self> {
         let path = data_dir.join(MARKS_FILE);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -46,7 +46,7 @@ impl Marks {
         slot.saturating_mul(8)
     }
 
-    pub(super) fn read(&self, slot: u64) -> Result<i64> {
+    pub(crate) fn read(&self, slot: u64) -> Result<i64> {
         use std::os::unix::fs::FileExt;
         let mut buf = [0u8; 8];
         match self.file.read_exact_at(&mut buf, Self::offset(slot)) {
@@ -66,31 +66,31 @@ impl Marks {
 }
 
 /// A channel's inbox as its readers see it: rows read ahead, and what was handed out.
-pub(super) struct Inbox {
-    pub(super) slot: u64,
+pub(crate) struct Inbox {
+    pub(crate) slot: u64,
     /// The last row handed out (its mark).
-    pub(super) handed: i64,
+    pub(crate) handed: i64,
     /// The last row read into `ahead`.
-    pub(super) loaded: i64,
-    pub(super) ahead: VecDeque<static_mls::store::InboxMessage>,
+    pub(crate) loaded: i64,
+    pub(crate) ahead: VecDeque<static_mls::store::InboxMessage>,
     /// Whether `ahead` holds every row stored so far: the applier reads in what it stores
     /// (see [`applier`](super::applier::applier)), so a reader finding `ahead` empty need not
     /// ask the store.
-    pub(super) complete: bool,
+    pub(crate) complete: bool,
     /// Rows handed out and not yet deleted.
-    pub(super) unpruned: usize,
+    pub(crate) unpruned: usize,
     /// Appliers of the channel running (see [`ApplierCount`]): normally one, two while a
     /// closed channel's applier outlives the wait for it when the channel is reopened.
-    pub(super) appliers: usize,
+    pub(crate) appliers: usize,
 }
 
 /// Counts an applier thread in its channel's inbox while it runs. Rows it stored are pushed
 /// into the read-ahead only while it is the only one: ids follow the order of commits, and
 /// with two appliers one could push its row ahead of a row the other committed before.
-pub(super) struct ApplierCount(Arc<Mutex<Inbox>>);
+pub(crate) struct ApplierCount(Arc<Mutex<Inbox>>);
 
 impl ApplierCount {
-    pub(super) fn new(inbox: Arc<Mutex<Inbox>>) -> Self {
+    pub(crate) fn new(inbox: Arc<Mutex<Inbox>>) -> Self {
         lock(&inbox).appliers += 1;
         Self(inbox)
     }
@@ -105,7 +105,7 @@ impl Drop for ApplierCount {
 
 impl Inbox {
     /// Reads the rows stored after `loaded` into `ahead`, as many as it has room for.
-    pub(super) fn load(&mut self, engine: &Engine, name: &str) -> Result<()> {
+    pub(crate) fn load(&mut self, engine: &Engine, name: &str) -> Result<()> {
         let room = INBOX_READ_AHEAD.saturating_sub(self.ahead.len());
         self.complete = false;
         if room == 0 {
@@ -123,7 +123,7 @@ impl Inbox {
     /// Takes rows the applier has just stored (in id order) straight into `ahead` if it holds
     /// every row stored before them and has room for them; otherwise returns false, and they
     /// are to be read from the store (see [`Inbox::load`]).
-    pub(super) fn push_stored(&mut self, rows: Vec<static_mls::store::InboxMessage>) -> bool {
+    pub(crate) fn push_stored(&mut self, rows: Vec<static_mls::store::InboxMessage>) -> bool {
         let follows = rows.first().is_some_and(|first| first.id > self.loaded);
         if self.appliers != 1
             || !self.complete
@@ -139,7 +139,7 @@ impl Inbox {
         true
     }
 
-    pub(super) fn take(
+    pub(crate) fn take(
         &mut self,
         engine: &Engine,
         marks: &Marks,
@@ -181,7 +181,7 @@ mod tests {
         let messages: Vec<Vec<u8>> = payloads
             .iter()
             .map(|p| alice.encrypt(name, p))
-            .collect::<Result<_>>()?;
+            .collect::<static_mls::Result<_>>()?;
         let entries: Vec<(u64, &[u8])> = (first_seq..)
             .zip(messages.iter().map(Vec::as_slice))
             .collect();

@@ -1,50 +1,30 @@
-//! Pipelined sends: [`Channel::send_pipelined`] queues a payload and returns a [`SendHandle`]
-//! at once; the channel's **sender** thread (started on first use) takes what is queued in
-//! batches, encrypts each batch in one transaction and publishes it as one unit, and waits for
-//! the batch's outcomes before it takes the next. So the log holds pipelined messages in the
-//! order they were queued:
-//!
-//! * within a batch, the relay decides items in order, and its refusals only ever cut a tail
-//!   off (a batch is encrypted at one epoch, so the epoch fence refuses all of it from some
-//!   item on; the publish rate limit refuses the rest of a request once it refuses an item);
-//! * what was refused is certainly not in the log: it is encrypted again and sent before
-//!   anything queued after it; what the relay did not answer for is sent again as it is (the
-//!   relay's idempotency answers for a copy it already has);
-//! * a message that cannot be sent fails its handle, and so do the messages of its batch after
-//!   it (nothing overtakes it). Later batches are sent as usual.
+//! The state of a channel's pipelined sends: tickets 0, 1, 2, ... in the order of
+//! [`Channel::send_pipelined`](crate::Channel::send_pipelined), the queue the sender takes
+//! batches from, what is settled and what failed, and the [`SendHandle`] callers wait on.
+//! The sender itself (what publishes the batches) is `sender`.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-use tonic::{Code, Status};
-
-use super::channel::{check_payload, Channel, Pending};
-use super::publisher::{Outbound, Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
-use super::{backoff_next, lock, BACKOFF_MIN};
-use crate::transport;
-use static_mls::error::{Error, Result};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Most messages queued and not yet taken by the sender; `send_pipelined` waits beyond it.
 const MAX_QUEUED: usize = 8192;
 /// Most payload bytes queued and not yet taken by the sender.
 const MAX_QUEUED_BYTES: usize = 64 * 1024 * 1024;
 /// How often a waiter looks whether the channel ended meanwhile.
-const RECHECK: Duration = Duration::from_millis(100);
-/// What encryption adds to a payload at most (framing, signature, AEAD tag), so that a batch
-/// cut by payload size still fits in one relay request once encrypted.
-const MLS_OVERHEAD: usize = 512;
-/// Times a batch is encrypted again for a stale epoch before it fails.
-const REENCRYPTIONS: usize = 3;
+pub(crate) const RECHECK: Duration = Duration::from_millis(100);
 
-/// A channel's pipelined sends: tickets 0, 1, 2, ... in the order of `send_pipelined`.
+/// See the module docs.
 #[derive(Default)]
-pub(super) struct Pipeline {
+pub(crate) struct Pipeline {
     state: Mutex<State>,
     /// Signalled when messages are queued or settled, or the sender stops.
     changed: Condvar,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The sender thread, while one runs.
+    pub(crate) thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 #[derive(Default)]
@@ -60,8 +40,15 @@ struct State {
     failures: BTreeMap<u64, Error>,
     /// Failures below this were reported by a flush.
     reported: u64,
-    /// The sender thread stopped (the channel ended): nothing more is taken.
+    /// The channel ended: nothing more is taken.
     stopped: Option<Error>,
+}
+
+/// What [`Pipeline::submit`] did.
+pub(crate) enum Submitted {
+    Queued(SendHandle),
+    /// The pipeline is full and the caller would not wait.
+    Full,
 }
 
 impl Pipeline {
@@ -76,22 +63,139 @@ impl Pipeline {
             .0
     }
 
-    /// Waits (for as long as the channel lives) until what was queued so far is settled.
-    pub(super) fn wait_drained(&self, channel: &Channel) -> Result<()> {
+    /// Wakes every waiter to look at the channel's state.
+    pub(crate) fn wake(&self) {
+        self.changed.notify_all();
+    }
+
+    /// Queues `payload`, waiting while the pipeline is full unless `block` is false;
+    /// `usable` says whether the channel may still send (checked while waiting).
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        payload: Vec<u8>,
+        block: bool,
+        usable: impl Fn() -> Result<()>,
+    ) -> Result<Submitted> {
+        let mut state = self.state();
+        while state.queue.len() >= MAX_QUEUED
+            || (state.queued_bytes >= MAX_QUEUED_BYTES && !state.queue.is_empty())
+        {
+            if !block {
+                return Ok(Submitted::Full);
+            }
+            if let Some(e) = &state.stopped {
+                return Err(e.clone());
+            }
+            state = self.wait(state, RECHECK);
+            usable()?;
+        }
+        if let Some(e) = &state.stopped {
+            return Err(e.clone());
+        }
+        let ticket = state.submitted;
+        state.submitted += 1;
+        state.queued_bytes += payload.len();
+        state.queue.push_back(Arc::new(payload));
+        drop(state);
+        self.changed.notify_all();
+        Ok(Submitted::Queued(SendHandle {
+            pipeline: Arc::clone(self),
+            ticket,
+        }))
+    }
+
+    /// How many messages were queued so far.
+    pub(crate) fn submitted(&self) -> u64 {
+        self.state().submitted
+    }
+
+    /// Waits (while `usable` holds) until what was queued so far is settled.
+    pub(crate) fn wait_drained(&self, usable: impl Fn() -> Result<()>) -> Result<()> {
         let mut state = self.state();
         let target = state.submitted;
         while state.settled < target {
             if state.stopped.is_some() {
                 break;
             }
-            channel.check_usable()?;
+            usable()?;
             state = self.wait(state, RECHECK);
         }
         Ok(())
     }
 
+    /// Waits up to `timeout` until the first `target` messages are settled: `Ok(true)` then,
+    /// or the first of them that failed since the last flush; `Ok(false)` if some are still on
+    /// their way.
+    pub(crate) fn flush_until(&self, target: u64, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.state();
+        loop {
+            if state.settled >= target {
+                break;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            state = self.wait(state, deadline - now);
+        }
+        let from = state.reported;
+        state.reported = state.reported.max(target);
+        match state.failures.range(from..target).next() {
+            Some((_, e)) => Err(e.clone()),
+            None => Ok(true),
+        }
+    }
+
+    /// The next batch for the sender (its first ticket and payloads, cut by `fits(count,
+    /// bytes)`), waiting up to `idle` for one; `None` when none came or the channel `ended`.
+    pub(crate) fn take_batch(
+        &self,
+        idle: Duration,
+        ended: impl Fn() -> bool,
+        size: impl Fn(&[u8]) -> usize,
+        fits: impl Fn(usize, usize) -> bool,
+    ) -> Option<(u64, Vec<Arc<Vec<u8>>>)> {
+        let deadline = Instant::now() + idle;
+        let mut state = self.state();
+        while state.queue.is_empty() {
+            let now = Instant::now();
+            if ended() || now >= deadline {
+                return None;
+            }
+            state = self.wait(state, RECHECK.min(deadline - now));
+        }
+        if ended() {
+            return None;
+        }
+        let first = state.taken;
+        let mut batch = Vec::new();
+        let mut bytes = 0;
+        while let Some(next) = state.queue.front() {
+            let item = size(next);
+            if !batch.is_empty() && !fits(batch.len() + 1, bytes + item) {
+                break;
+            }
+            bytes += item;
+            if let Some(payload) = state.queue.pop_front() {
+                state.queued_bytes -= payload.len();
+                batch.push(payload);
+            }
+        }
+        state.taken += batch.len() as u64;
+        drop(state);
+        // Room for more.
+        self.changed.notify_all();
+        Some((first, batch))
+    }
+
+    /// Whether messages wait to be taken.
+    pub(crate) fn has_queued(&self) -> bool {
+        !self.state().queue.is_empty()
+    }
+
     /// Settles tickets `first..first + outcomes.len()`.
-    fn settle(&self, first: u64, outcomes: Vec<Result<()>>) {
+    pub(crate) fn settle(&self, first: u64, outcomes: Vec<Result<()>>) {
         let mut state = self.state();
         let count = outcomes.len() as u64;
         for (ticket, outcome) in (first..).zip(outcomes) {
@@ -103,9 +207,26 @@ impl Pipeline {
         drop(state);
         self.changed.notify_all();
     }
+
+    /// The channel ended: every unsettled message fails with `e`, and nothing more is taken.
+    pub(crate) fn stop(&self, e: Error) {
+        let mut state = self.state();
+        let first = state.settled;
+        let last = state.submitted;
+        for ticket in first..last {
+            state.failures.insert(ticket, e.clone());
+        }
+        state.queue.clear();
+        state.queued_bytes = 0;
+        state.taken = last;
+        state.settled = last;
+        state.stopped = Some(e);
+        drop(state);
+        self.changed.notify_all();
+    }
 }
 
-/// One pipelined send (see [`Channel::send_pipelined`]).
+/// One pipelined send (see [`Channel::send_pipelined`](crate::Channel::send_pipelined)).
 pub struct SendHandle {
     pipeline: Arc<Pipeline>,
     ticket: u64,
@@ -136,367 +257,4 @@ impl SendHandle {
             state = self.pipeline.wait(state, deadline - now);
         }
     }
-}
-
-impl Channel {
-    /// Queues `payload` to be encrypted and published in order after what this channel's
-    /// pipeline already holds, and returns at once (see the module docs). Waits while the
-    /// pipeline is full, unless `block` is false: then `Ok(None)` (also while the relay has
-    /// not answered this client yet, since reaching it may take up to the connect timeout).
-    pub fn send_pipelined(
-        self: &Arc<Self>,
-        payload: Vec<u8>,
-        block: bool,
-    ) -> Result<Option<SendHandle>> {
-        check_payload(&payload)?;
-        self.check_usable()?;
-        if !self
-            .shared
-            .reached
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
-            if !block {
-                return Ok(None);
-            }
-            self.reach()?;
-        }
-        let pipeline = &self.pipeline;
-        let mut state = pipeline.state();
-        while state.queue.len() >= MAX_QUEUED
-            || (state.queued_bytes >= MAX_QUEUED_BYTES && !state.queue.is_empty())
-        {
-            if !block {
-                return Ok(None);
-            }
-            if let Some(e) = &state.stopped {
-                return Err(e.clone());
-            }
-            state = pipeline.wait(state, RECHECK);
-            self.check_usable()?;
-        }
-        if let Some(e) = &state.stopped {
-            return Err(e.clone());
-        }
-        let ticket = state.submitted;
-        state.submitted += 1;
-        state.queued_bytes += payload.len();
-        state.queue.push_back(Arc::new(payload));
-        drop(state);
-        pipeline.changed.notify_all();
-        self.start_sender()?;
-        Ok(Some(SendHandle {
-            pipeline: Arc::clone(pipeline),
-            ticket,
-        }))
-    }
-
-    /// How many messages were queued with [`Channel::send_pipelined`] so far.
-    pub fn pipelined(&self) -> u64 {
-        self.pipeline.state().submitted
-    }
-
-    /// Waits up to `timeout` until the first `target` pipelined messages are settled:
-    /// `Ok(true)` then, or the first of them that failed since the last flush; `Ok(false)` if
-    /// some are still on their way.
-    pub fn flush_until(&self, target: u64, timeout: Duration) -> Result<bool> {
-        let pipeline = &self.pipeline;
-        let deadline = Instant::now() + timeout;
-        let mut state = pipeline.state();
-        loop {
-            if state.settled >= target {
-                break;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(false);
-            }
-            state = pipeline.wait(state, deadline - now);
-        }
-        let from = state.reported;
-        state.reported = state.reported.max(target);
-        match state.failures.range(from..target).next() {
-            Some((_, e)) => Err(e.clone()),
-            None => Ok(true),
-        }
-    }
-
-    /// Starts the sender thread unless it runs.
-    fn start_sender(self: &Arc<Self>) -> Result<()> {
-        let mut thread = lock(&self.pipeline.thread);
-        if thread.is_some() {
-            return Ok(());
-        }
-        let channel = Arc::clone(self);
-        *thread = Some(
-            std::thread::Builder::new()
-                .name("static-sender".into())
-                .spawn(move || sender(&channel))
-                .map_err(|e| Error::Internal(format!("cannot start the sender thread: {e}")))?,
-        );
-        Ok(())
-    }
-
-    /// Waits for the sender thread to finish (the channel has ended).
-    pub(super) fn join_sender(&self) {
-        if let Some(thread) = lock(&self.pipeline.thread).take() {
-            let _ = thread.join();
-        }
-    }
-
-    /// Wakes the sender (and every waiter) to look at the channel's state.
-    pub(super) fn wake_pipeline(&self) {
-        self.pipeline.changed.notify_all();
-    }
-}
-
-/// Fails whatever the sender leaves unsettled when it stops, however it stops.
-struct Stopping<'a>(&'a Channel);
-
-impl Drop for Stopping<'_> {
-    fn drop(&mut self) {
-        let channel = self.0;
-        let e = channel.ended_error();
-        let mut state = channel.pipeline.state();
-        let first = state.settled;
-        let last = state.submitted;
-        for ticket in first..last {
-            state.failures.insert(ticket, e.clone());
-        }
-        state.queue.clear();
-        state.queued_bytes = 0;
-        state.taken = last;
-        state.settled = last;
-        state.stopped = Some(e);
-        drop(state);
-        channel.pipeline.changed.notify_all();
-    }
-}
-
-/// The sender thread: takes batches off the queue, in order, until the channel ends.
-fn sender(channel: &Channel) {
-    let _stopping = Stopping(channel);
-    while let Some((first, payloads)) = take_batch(channel) {
-        let outcomes = send_batch(channel, &payloads);
-        channel.pipeline.settle(first, outcomes);
-    }
-}
-
-/// The next batch (its first ticket and payloads), waiting for one; `None` once the channel
-/// ended.
-fn take_batch(channel: &Channel) -> Option<(u64, Vec<Arc<Vec<u8>>>)> {
-    let pipeline = &channel.pipeline;
-    let mut state = pipeline.state();
-    while state.queue.is_empty() {
-        if channel.is_closed() {
-            return None;
-        }
-        state = pipeline.wait(state, RECHECK);
-    }
-    if channel.is_closed() {
-        return None;
-    }
-    let first = state.taken;
-    let mut batch = Vec::new();
-    let mut bytes = 0;
-    while let Some(next) = state.queue.front() {
-        let size = next.len() + MLS_OVERHEAD + ITEM_OVERHEAD;
-        if !batch.is_empty() && (batch.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES) {
-            break;
-        }
-        bytes += size;
-        if let Some(payload) = state.queue.pop_front() {
-            state.queued_bytes -= payload.len();
-            batch.push(payload);
-        }
-    }
-    state.taken += batch.len() as u64;
-    drop(state);
-    // Room for more.
-    pipeline.changed.notify_all();
-    Some((first, batch))
-}
-
-/// One message of a batch still to be published: `bytes` when it must go again exactly as
-/// it went (the relay did not answer for it), `None` when it is to be encrypted (again).
-struct Todo {
-    index: usize,
-    bytes: Option<Vec<u8>>,
-}
-
-/// Publishes `payloads` in order (see the module docs); the outcome of each.
-fn send_batch(channel: &Channel, payloads: &[Arc<Vec<u8>>]) -> Vec<Result<()>> {
-    let mut outcomes: Vec<Option<Result<()>>> = vec![None; payloads.len()];
-    let fail_rest = |outcomes: &mut Vec<Option<Result<()>>>, e: &Error| {
-        for outcome in outcomes.iter_mut().filter(|o| o.is_none()) {
-            *outcome = Some(Err(e.clone()));
-        }
-    };
-    if let Err(e) = channel.ensure_fresh_epoch() {
-        fail_rest(&mut outcomes, &e);
-        return finish(outcomes);
-    }
-    let deadline = Instant::now() + channel.shared.retry_deadline;
-    let mut todo: Vec<Todo> = (0..payloads.len())
-        .map(|index| Todo { index, bytes: None })
-        .collect();
-    let mut reencrypted = 0;
-    let mut strikes = 0;
-    let mut backoff = BACKOFF_MIN;
-    while !todo.is_empty() {
-        if let Err(e) = channel.check_usable() {
-            fail_rest(&mut outcomes, &e);
-            break;
-        }
-        let answers = publish(channel, payloads, &mut todo, deadline);
-        // The first trouble decides what happens to the rest.
-        let mut trouble: Option<Trouble> = None;
-        let mut next = Vec::with_capacity(todo.len());
-        for (item, answer) in todo.drain(..).zip(answers) {
-            match answer.blocking_recv() {
-                Ok(Outcome::Accepted) => outcomes[item.index] = Some(Ok(())),
-                Ok(Outcome::Refused(refusal)) => {
-                    trouble.get_or_insert(Trouble::Refused(refusal));
-                    next.push(Todo {
-                        index: item.index,
-                        bytes: None,
-                    });
-                }
-                Ok(Outcome::Unanswered(_, message)) => next.push(Todo {
-                    index: item.index,
-                    bytes: Some(message),
-                }),
-                Ok(Outcome::Failed(e)) => {
-                    trouble.get_or_insert(Trouble::Failed(e));
-                    next.push(Todo {
-                        index: item.index,
-                        bytes: None,
-                    });
-                }
-                Err(_) => {
-                    trouble.get_or_insert(Trouble::Failed(channel.ended_error()));
-                    next.push(item);
-                }
-            }
-        }
-        todo = next;
-        let Some(trouble) = trouble else {
-            // Only unanswered ones (if any): sent again as they are.
-            continue;
-        };
-        let handled = match trouble {
-            Trouble::Failed(e) if channel.awaits_proposal_commit(&e) => {
-                // A member's proposal is pending: a commit covering it comes at once (see
-                // `Channel::send`).
-                channel
-                    .shared
-                    .engine()
-                    .and_then(|engine| engine.epoch(&channel.name))
-                    .and_then(|epoch| channel.block_on(channel.wait_epoch(epoch + 1)))
-                    .and_then(|()| {
-                        if Instant::now() < deadline {
-                            Ok(())
-                        } else {
-                            Err(e)
-                        }
-                    })
-            }
-            Trouble::Failed(e) => Err(e),
-            Trouble::Refused(refusal) => {
-                let status = Status::new(Code::from(refusal.code as i32), refusal.message.clone());
-                match status.code() {
-                    Code::FailedPrecondition if reencrypted < REENCRYPTIONS => {
-                        reencrypted += 1;
-                        channel.block_on(channel.wait_epoch(refusal.current_epoch))
-                    }
-                    Code::Unauthenticated => {
-                        channel
-                            .shared
-                            .on_unauthenticated(&status, None, &mut strikes)
-                    }
-                    Code::ResourceExhausted if refusal.retry_after_ms > 0 => {
-                        std::thread::sleep(Duration::from_millis(refusal.retry_after_ms));
-                        Ok(())
-                    }
-                    _ if transport::is_transient(&status) && Instant::now() < deadline => {
-                        std::thread::sleep(backoff);
-                        backoff = backoff_next(backoff);
-                        Ok(())
-                    }
-                    _ => Err(transport::status_error("Publish", &status)),
-                }
-            }
-        };
-        if let Err(e) = handled {
-            fail_rest(&mut outcomes, &e);
-            break;
-        }
-    }
-    finish(outcomes)
-}
-
-/// What went wrong first in a round of a batch.
-enum Trouble {
-    Refused(crate::transport::pb::Refusal),
-    Failed(Error),
-}
-
-fn finish(outcomes: Vec<Option<Result<()>>>) -> Vec<Result<()>> {
-    outcomes
-        .into_iter()
-        .map(|o| o.unwrap_or_else(|| Err(Error::Internal("a pipelined send was lost".into()))))
-        .collect()
-}
-
-/// Hands `todo` to the publisher in order, as consecutive runs: messages to send again as
-/// they are go straight to it, the others are encrypted first (one transaction per run).
-fn publish(
-    channel: &Channel,
-    payloads: &[Arc<Vec<u8>>],
-    todo: &mut [Todo],
-    deadline: Instant,
-) -> Vec<oneshot::Receiver<Outcome>> {
-    let mut answers = Vec::with_capacity(todo.len());
-    let mut run_start = 0;
-    while run_start < todo.len() {
-        let as_is = todo[run_start].bytes.is_some();
-        let run_end = todo[run_start..]
-            .iter()
-            .position(|t| t.bytes.is_some() != as_is)
-            .map_or(todo.len(), |n| run_start + n);
-        let run = &mut todo[run_start..run_end];
-        if as_is {
-            let items = run
-                .iter_mut()
-                .filter_map(|t| t.bytes.take())
-                .map(|message| {
-                    let (reply, answer) = oneshot::channel();
-                    answers.push(answer);
-                    Outbound {
-                        message,
-                        deadline,
-                        reply,
-                        unit: None,
-                    }
-                })
-                .collect();
-            // A publisher that is gone drops the replies: the channel's end is seen.
-            let _ = channel.outbound.send(items);
-        } else {
-            let pending = run
-                .iter()
-                .map(|t| {
-                    let (reply, answer) = oneshot::channel();
-                    answers.push(answer);
-                    Pending {
-                        payload: Arc::clone(&payloads[t.index]),
-                        deadline,
-                        reply,
-                    }
-                })
-                .collect();
-            channel.encrypt_and_publish_all(pending);
-        }
-        run_start = run_end;
-    }
-    answers
 }

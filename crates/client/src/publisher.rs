@@ -1,36 +1,38 @@
-//! The publisher task: one pipelined `PublishBatches` call per channel.
+//! The publisher task: one pipelined `PublishBatches` call for all of a client's channels.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
-use tonic::{Code, Status};
+use tonic::Code;
 
-use super::channel::Channel;
-use super::reader::sleep_or_shutdown;
-use super::{backoff_next, bounded, Shared, BACKOFF_MIN, CALL_TIMEOUT};
-use crate::transport::{self, pb};
-use static_mls::error::{Error, ErrorKind};
+use crate::config::CALL_TIMEOUT;
+use crate::error::Error;
+use crate::refusal::Refusal;
+use crate::retry::Retry;
+use crate::shared::Shared;
+use crate::transport::{bounded, pb};
 
-/// Publishes encrypted messages on one long-lived `PublishBatches` call, pipelined: batches
-/// go out while earlier ones are in flight, and each message's result goes back to its sender.
-/// Failures of the call itself (connection lost, token expired, relay restarting) are handled
-/// here: the call is reopened and the messages in flight are sent again with the same bytes
-/// (the relay's idempotency answers those it already has). Refusals of single messages go to
-/// their senders, who decide (see [`Channel::send`]).
-pub(super) async fn publisher(
-    channel: Arc<Channel>,
+/// Publishes encrypted messages of every channel on one long-lived `PublishBatches` call (its
+/// items name their channel), pipelined: batches go out while earlier ones are in flight, and
+/// each message's result goes back to its sender. One call per client rather than per channel
+/// keeps the streams a client holds bounded whatever the number of its channels. Failures of
+/// the call itself (connection lost, token expired, relay restarting) are handled here: the
+/// call is reopened and the messages in flight are sent again with the same bytes (the relay's
+/// idempotency answers those it already has). Refusals of single messages go to their senders,
+/// who decide (see [`Channel::send`](crate::Channel::send)). Messages of a channel that ended
+/// before they went out are not sent (they fail with the channel's end). Ends when every
+/// sender is gone (the client closed).
+pub(crate) async fn publisher(
+    shared: Arc<Shared>,
     mut incoming: mpsc::UnboundedReceiver<Vec<Outbound>>,
 ) {
-    let mut shutdown = channel.shutdown.subscribe();
-    let shared = Arc::clone(&channel.shared);
     let mut queue: VecDeque<Outbound> = VecDeque::new();
     let mut inflight: VecDeque<InFlight> = VecDeque::new();
     let mut inflight_bytes = 0usize;
     let mut call: Option<BatchCall> = None;
-    let mut backoff = BACKOFF_MIN;
-    let mut strikes = 0;
+    let mut retry = Retry::forever();
     // When the oldest batch in flight must have been answered by.
     let mut answer_by = Instant::now();
     loop {
@@ -38,7 +40,7 @@ pub(super) async fn publisher(
             enqueue(&mut queue, more);
         }
         // Send what may go now.
-        let mut failure: Option<(Status, Option<String>)> = None;
+        let mut failure: Option<(Refusal, Option<String>)> = None;
         while !queue.is_empty()
             && inflight.len() < MAX_INFLIGHT_BATCHES
             && inflight_bytes < MAX_INFLIGHT_BYTES
@@ -46,8 +48,8 @@ pub(super) async fn publisher(
             if call.is_none() {
                 match open_batch_call(&shared).await {
                     Ok(opened) => call = Some(opened),
-                    Err(OpenFailure::Status(status, token)) => {
-                        failure = Some((status, token));
+                    Err(OpenFailure::Refused(refusal, token)) => {
+                        failure = Some((refusal, token));
                         break;
                     }
                     Err(OpenFailure::Final(e)) => {
@@ -59,22 +61,31 @@ pub(super) async fn publisher(
                     Err(OpenFailure::Token) => {
                         // The token endpoint is unreachable for now.
                         expire(&mut queue, "Publish: cannot get a relay token in time");
-                        if sleep_or_shutdown(&mut shutdown, backoff).await {
-                            return;
-                        }
-                        backoff = backoff_next(backoff);
+                        let wait = shared
+                            .after(
+                                &mut retry,
+                                Refusal::transient(Code::Unavailable, "no token"),
+                                None,
+                                "Publish",
+                            )
+                            .unwrap_or(Duration::ZERO);
+                        tokio::time::sleep(wait).await;
                         break;
                     }
                 }
             }
             let Some(open) = call.as_mut() else { break };
+            drop_ended(&mut queue);
+            if queue.is_empty() {
+                break;
+            }
             let batch = take_batch(&mut queue);
             let request = pb::PublishBatchRequest {
                 requests: batch
                     .items
                     .iter()
                     .map(|o| pb::PublishRequest {
-                        channel: channel.name.clone(),
+                        channel: o.channel.name().to_owned(),
                         message: o.message.clone().into(),
                         welcome: Default::default(),
                         idempotency_key: Default::default(),
@@ -89,9 +100,9 @@ pub(super) async fn publisher(
             if open.requests.send(request).is_err() {
                 // The call is over; its status comes from the response stream.
                 failure = Some(match bounded(open.responses.message()).await {
-                    Err(status) => (status, open.token.clone()),
+                    Err(status) => (Refusal::from_status(&status), open.token.clone()),
                     _ => (
-                        Status::unavailable("the publish call ended"),
+                        Refusal::transient(Code::Unavailable, "the publish call ended"),
                         open.token.clone(),
                     ),
                 });
@@ -105,7 +116,6 @@ pub(super) async fn publisher(
             let waiting = !inflight.is_empty();
             tokio::select! {
                 biased;
-                _ = shutdown.changed() => return,
                 r = async {
                     match call.as_mut() {
                         Some(open) => open.responses.message().await,
@@ -113,8 +123,7 @@ pub(super) async fn publisher(
                     }
                 }, if call.is_some() => match r {
                     Ok(Some(response)) => {
-                        backoff = BACKOFF_MIN;
-                        strikes = 0;
+                        retry.answered();
                         answer_by = Instant::now() + CALL_TIMEOUT;
                         match inflight.pop_front() {
                             Some(batch) => {
@@ -124,7 +133,7 @@ pub(super) async fn publisher(
                             None => {
                                 let token = call.as_ref().and_then(|c| c.token.clone());
                                 failure = Some((
-                                    Status::internal("an answer to no batch of ours"),
+                                    Refusal::transient(Code::Internal, "an answer to no batch of ours"),
                                     token,
                                 ));
                             }
@@ -133,12 +142,15 @@ pub(super) async fn publisher(
                     Ok(None) if !waiting => call = None,
                     Ok(None) => {
                         let token = call.as_ref().and_then(|c| c.token.clone());
-                        failure = Some((Status::unavailable("the publish call ended early"), token));
+                        failure = Some((
+                            Refusal::transient(Code::Unavailable, "the publish call ended early"),
+                            token,
+                        ));
                     }
                     Err(_) if !waiting => call = None,
                     Err(status) => {
                         let token = call.as_ref().and_then(|c| c.token.clone());
-                        failure = Some((status, token));
+                        failure = Some((Refusal::from_status(&status), token));
                     }
                 },
                 more = incoming.recv(), if !can_send => match more {
@@ -148,9 +160,10 @@ pub(super) async fn publisher(
                 _ = tokio::time::sleep_until(answer_by.into()), if waiting => {
                     let token = call.as_ref().and_then(|c| c.token.clone());
                     failure = Some((
-                        Status::deadline_exceeded(format!(
-                            "no answer from the relay within {CALL_TIMEOUT:?}"
-                        )),
+                        Refusal::transient(
+                            Code::DeadlineExceeded,
+                            format!("no answer from the relay within {CALL_TIMEOUT:?}"),
+                        ),
                         token,
                     ));
                 }
@@ -159,7 +172,7 @@ pub(super) async fn publisher(
                 else => {}
             }
         }
-        let Some((status, token)) = failure else {
+        let Some((refusal, token)) = failure else {
             continue;
         };
         // The call failed: what was in flight goes back to the front of the queue, in order,
@@ -173,42 +186,54 @@ pub(super) async fn publisher(
                 requeued += 1;
             }
         }
-        match status.code() {
-            Code::Unauthenticated => {
-                if let Err(e) = shared.on_unauthenticated(&status, token.as_deref(), &mut strikes) {
-                    for item in queue.drain(..) {
-                        item.fail(e.clone());
-                    }
+        let transient = matches!(refusal, Refusal::Transient { .. });
+        let why = format!("Publish: {} ({:?})", refusal.message(), refusal.code());
+        match shared.after(&mut retry, refusal, token.as_deref(), "Publish") {
+            Ok(wait) => {
+                if transient {
+                    expire(&mut queue, &why);
                 }
-            }
-            Code::ResourceExhausted if transport::retry_after(&status).is_some() => {
-                let wait = transport::retry_after(&status).unwrap_or(BACKOFF_MIN);
-                if sleep_or_shutdown(&mut shutdown, wait).await {
-                    return;
-                }
-            }
-            _ if transport::is_transient(&status) => {
-                expire(
-                    &mut queue,
-                    &format!("Publish: {} ({:?})", status.message(), status.code()),
-                );
-                if sleep_or_shutdown(&mut shutdown, backoff).await {
-                    return;
-                }
-                backoff = backoff_next(backoff);
+                tokio::time::sleep(wait).await;
             }
             // A refusal of the call itself that retrying will not fix: what was sent on it
             // fails, what was not yet sent goes on a new call (all of it fails when the call
-            // could not even be opened).
-            _ => {
-                let e = transport::status_error("Publish", &status);
-                let failed = if requeued == 0 { queue.len() } else { requeued };
+            // could not even be opened, or the credentials are refused).
+            Err(e) => {
+                let failed = if requeued == 0 || matches!(e, Error::Auth(_)) {
+                    queue.len()
+                } else {
+                    requeued
+                };
                 for item in queue.drain(..failed.min(queue.len())) {
                     item.fail(e.clone());
                 }
+                retry.answered();
             }
         }
     }
+}
+
+/// Fails the queued messages of channels that ended: nothing of a closed channel goes out
+/// after its end (its pipelined sends are reported failed).
+fn drop_ended(queue: &mut VecDeque<Outbound>) {
+    if queue.iter().all(|o| o.channel.ended().is_none()) {
+        return;
+    }
+    let mut live = VecDeque::with_capacity(queue.len());
+    for item in queue.drain(..) {
+        match item.channel.ended() {
+            Some(e) => item.fail(e),
+            None => live.push_back(item),
+        }
+    }
+    *queue = live;
+}
+
+/// Where an [`Outbound`] goes: its channel, as far as the publisher needs to know it.
+pub(crate) trait Destination: Send + Sync {
+    fn name(&self) -> &str;
+    /// Why the channel ended, once it has.
+    fn ended(&self) -> Option<Error>;
 }
 
 /// Fails the queued messages whose retry deadline has passed.
@@ -221,7 +246,7 @@ fn expire(queue: &mut VecDeque<Outbound>, why: &str) {
         queue.drain(..).partition(|o| o.deadline <= now);
     *queue = on_time;
     for item in late {
-        item.fail(Error::Transport(why.to_owned()));
+        item.fail(Error::Unreachable(why.to_owned()));
     }
 }
 
@@ -230,22 +255,24 @@ const MAX_INFLIGHT_BATCHES: usize = 32;
 /// Most message bytes awaiting their answer on one call.
 const MAX_INFLIGHT_BYTES: usize = 8 * 1024 * 1024;
 /// Items per batch (the relay's limit).
-pub(super) const MAX_BATCH_ITEMS: usize = 1024;
+pub(crate) const MAX_BATCH_ITEMS: usize = 1024;
 /// Message bytes per batch: the relay reads requests of at most 1 MiB; leave room for the
 /// framing of each item. A larger single message goes alone.
-pub(super) const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
+pub(crate) const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;
 /// Framing of one item in a batch request, beyond its message (channel name, tags).
-pub(super) const ITEM_OVERHEAD: usize = 256;
+pub(crate) const ITEM_OVERHEAD: usize = 256;
 
 /// One encrypted message on its way to the relay.
-pub(super) struct Outbound {
-    pub(super) message: Vec<u8>,
+pub(crate) struct Outbound {
+    /// Its channel.
+    pub(crate) channel: Arc<dyn Destination>,
+    pub(crate) message: Vec<u8>,
     /// Until when failures of the call are retried for it.
-    pub(super) deadline: Instant,
-    pub(super) reply: oneshot::Sender<Outcome>,
+    pub(crate) deadline: Instant,
+    pub(crate) reply: oneshot::Sender<Outcome>,
     /// On the first message of what one hand-over brought (see [`enqueue`]): how many
     /// messages it holds and their size in a batch. Set by the publisher.
-    pub(super) unit: Option<(usize, usize)>,
+    pub(crate) unit: Option<(usize, usize)>,
 }
 
 /// Queues the messages of one hand-over (one sender's, or one combined encryption's), marking
@@ -268,13 +295,13 @@ impl Outbound {
 }
 
 /// What became of one published message.
-pub(super) enum Outcome {
+pub(crate) enum Outcome {
     /// In the channel's log.
     Accepted,
     /// Refused by the relay: certainly not in the log.
-    Refused(pb::Refusal),
+    Refused(Refusal),
     /// Not answered for (it may be in the log): the message comes back to be resent as it is.
-    Unanswered(pb::Refusal, Vec<u8>),
+    Unanswered(Vec<u8>),
     /// Not published, and retrying will not help.
     Failed(Error),
 }
@@ -292,17 +319,11 @@ impl InFlight {
         for item in self.items {
             let outcome = match results.next().and_then(|r| r.outcome) {
                 Some(pb::publish_result::Outcome::Accepted(_)) => Outcome::Accepted,
-                Some(pb::publish_result::Outcome::Refused(refusal)) => Outcome::Refused(refusal),
-                // A short answer: treated as a transient failure, retried with the same bytes.
-                None => Outcome::Unanswered(
-                    pb::Refusal {
-                        code: Code::Unavailable as u32,
-                        message: "the relay did not answer for this message".into(),
-                        current_epoch: 0,
-                        retry_after_ms: 0,
-                    },
-                    item.message,
-                ),
+                Some(pb::publish_result::Outcome::Refused(refusal)) => {
+                    Outcome::Refused(Refusal::from_pb(&refusal))
+                }
+                // A short answer: retried with the same bytes.
+                None => Outcome::Unanswered(item.message),
             };
             let _ = item.reply.send(outcome);
         }
@@ -347,7 +368,7 @@ struct BatchCall {
 
 enum OpenFailure {
     /// The relay refused or failed the call.
-    Status(Status, Option<String>),
+    Refused(Refusal, Option<String>),
     /// No token for now (the token endpoint is unreachable): retried.
     Token,
     /// No token, final (the key is refused).
@@ -361,7 +382,7 @@ async fn open_batch_call(shared: &Shared) -> std::result::Result<BatchCall, Open
         .await
     {
         Ok(r) => r,
-        Err(e) if e.kind() == ErrorKind::Auth => return Err(OpenFailure::Final(e)),
+        Err(e @ Error::Auth(_)) => return Err(OpenFailure::Final(e)),
         Err(_) => return Err(OpenFailure::Token),
     };
     match bounded(shared.relay.clone().publish_batches(request)).await {
@@ -370,7 +391,7 @@ async fn open_batch_call(shared: &Shared) -> std::result::Result<BatchCall, Open
             responses: response.into_inner(),
             token,
         }),
-        Err(status) => Err(OpenFailure::Status(status, token)),
+        Err(status) => Err(OpenFailure::Refused(Refusal::from_status(&status), token)),
     }
 }
 
@@ -381,9 +402,22 @@ mod tests {
     use super::*;
     use crate::MAX_PAYLOAD;
 
+    struct Nowhere;
+
+    impl Destination for Nowhere {
+        fn name(&self) -> &str {
+            "a/b/c"
+        }
+
+        fn ended(&self) -> Option<Error> {
+            None
+        }
+    }
+
     fn outbound(len: usize) -> (Outbound, oneshot::Receiver<Outcome>) {
         let (reply, answer) = oneshot::channel();
         let item = Outbound {
+            channel: Arc::new(Nowhere),
             message: vec![0; len],
             deadline: Instant::now() + Duration::from_secs(30),
             reply,
@@ -447,11 +481,11 @@ mod tests {
         assert!(matches!(answers[0].try_recv(), Ok(Outcome::Accepted)));
         assert!(matches!(
             answers[1].try_recv(),
-            Ok(Outcome::Refused(r)) if r.current_epoch == 7
+            Ok(Outcome::Refused(Refusal::StaleEpoch { current: 7, .. }))
         ));
         assert!(matches!(
             answers[2].try_recv(),
-            Ok(Outcome::Unanswered(r, m)) if r.code == Code::Unavailable as u32 && m.len() == 1
+            Ok(Outcome::Unanswered(m)) if m.len() == 1
         ));
     }
 }

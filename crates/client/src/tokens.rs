@@ -3,8 +3,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::lock;
-use static_mls::error::{Error, Result};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// A bearer token for the relay and its lifetime.
 #[derive(Debug, Clone)]
@@ -13,12 +13,30 @@ pub struct Token {
     pub expires_in: Duration,
 }
 
+/// Why a [`TokenProvider`] has no token.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// The key was refused (invalid, revoked): final.
+    #[error("{0}")]
+    Refused(String),
+    /// The token endpoint could not be reached or answered oddly: retried.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl From<TokenError> for Error {
+    fn from(e: TokenError) -> Self {
+        match e {
+            TokenError::Refused(why) => Error::Auth(why),
+            TokenError::Unavailable(why) => Error::Unreachable(why),
+        }
+    }
+}
+
 /// Supplies relay tokens (the Python layer exchanges the API key at `POST /v1/tokens`).
-/// `fetch` blocks; it is called from a blocking thread. An
-/// [`ErrorKind::Auth`](static_mls::error::ErrorKind::Auth) error is final
-/// (the key is invalid or revoked); any other error is retried.
+/// `fetch` blocks; it is called from a blocking thread.
 pub trait TokenProvider: Send + Sync + 'static {
-    fn fetch(&self) -> Result<Token>;
+    fn fetch(&self) -> Result<Token, TokenError>;
 }
 
 struct CachedToken {
@@ -26,14 +44,14 @@ struct CachedToken {
     refresh_at: Instant,
 }
 
-pub(super) struct Tokens {
+pub(crate) struct Tokens {
     provider: Option<Arc<dyn TokenProvider>>,
     cached: Mutex<Option<CachedToken>>,
     refreshing: tokio::sync::Mutex<()>,
 }
 
 impl Tokens {
-    pub(super) fn new(provider: Option<Arc<dyn TokenProvider>>, initial: Option<Token>) -> Self {
+    pub(crate) fn new(provider: Option<Arc<dyn TokenProvider>>, initial: Option<Token>) -> Self {
         Self {
             provider,
             cached: Mutex::new(initial.map(Self::cache)),
@@ -58,7 +76,7 @@ impl Tokens {
     }
 
     /// The token to send, refreshed if it is close to expiry; `None` for anonymous access.
-    pub(super) async fn get(&self) -> Result<Option<String>> {
+    pub(crate) async fn get(&self) -> Result<Option<String>> {
         let Some(provider) = &self.provider else {
             return Ok(None);
         };
@@ -72,21 +90,21 @@ impl Tokens {
         let provider = Arc::clone(provider);
         let token = tokio::task::spawn_blocking(move || provider.fetch())
             .await
-            .map_err(|e| Error::Internal(format!("token refresh task failed: {e}")))??;
+            .map_err(|e| Error::task("the token refresh failed", e))??;
         let value = token.value.clone();
         *lock(&self.cached) = Some(Self::cache(token));
         Ok(Some(value))
     }
 
     /// The relay refused `token`: the next [`Tokens::get`] fetches a new one.
-    pub(super) fn invalidate(&self, token: Option<&str>) {
+    pub(crate) fn invalidate(&self, token: Option<&str>) {
         let mut cached = lock(&self.cached);
         if cached.as_ref().map(|t| t.value.as_str()) == token {
             *cached = None;
         }
     }
 
-    pub(super) fn anonymous(&self) -> bool {
+    pub(crate) fn anonymous(&self) -> bool {
         self.provider.is_none()
     }
 }

@@ -1,13 +1,13 @@
-//! The relay's gRPC client (tonic), generated at build time from `proto/relay.proto`, and the
-//! few helpers the [`crate`] needs around it: endpoint parsing, auth metadata, and the
-//! mapping of gRPC statuses to the core's errors.
+//! The relay's gRPC client (tonic, generated from `proto/relay.proto` by `static-proto`): the
+//! endpoint a URL names, the lazily connecting client, and the bound on one call.
 
 use std::time::Duration;
 
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
-use tonic::{Code, Status};
+use tonic::Status;
 
-use static_mls::error::Error;
+use crate::config::CALL_TIMEOUT;
+use crate::error::Error;
 
 pub use static_proto::pb;
 
@@ -28,15 +28,14 @@ pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
     } else if let Some(rest) = url.strip_prefix("grpc://") {
         (format!("http://{rest}"), false)
     } else if url.contains("://") {
-        return Err(Error::Transport(format!(
+        return Err(Error::Invalid(format!(
             "unsupported relay endpoint {url:?}: expected http://, https://, grpc:// or host:port"
         )));
     } else {
         (format!("http://{url}"), false)
     };
-    let bad = |e: tonic::transport::Error| {
-        Error::Transport(format!("invalid relay endpoint {url:?}: {e}"))
-    };
+    let bad =
+        |e: tonic::transport::Error| Error::Invalid(format!("invalid relay endpoint {url:?}: {e}"));
     let mut endpoint = Endpoint::from_shared(uri.clone())
         .map_err(bad)?
         .connect_timeout(Duration::from_secs(5))
@@ -47,7 +46,7 @@ pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
         .initial_stream_window_size(Some(4 * 1024 * 1024))
         .initial_connection_window_size(Some(16 * 1024 * 1024));
     if endpoint.uri().host().is_none_or(str::is_empty) {
-        return Err(Error::Transport(format!(
+        return Err(Error::Invalid(format!(
             "invalid relay endpoint {url:?}: no host"
         )));
     }
@@ -70,47 +69,15 @@ pub fn connect_lazy(endpoint: &Endpoint) -> RelayClient {
         .max_encoding_message_size(MAX_GRPC_MESSAGE)
 }
 
-/// Whether a failed call may succeed if simply retried (the connection or the server is
-/// momentarily unavailable).
-pub fn is_transient(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable
-            | Code::Unknown
-            | Code::Cancelled
-            | Code::DeadlineExceeded
-            | Code::Aborted
-            | Code::Internal
-    )
-}
-
-/// The channel's current epoch from a FAILED_PRECONDITION status, if present.
-pub fn current_epoch(status: &Status) -> Option<u64> {
-    status
-        .metadata()
-        .get(CURRENT_EPOCH_TRAILER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse().ok())
-}
-
-/// The wait a RESOURCE_EXHAUSTED status asks for, if present.
-pub fn retry_after(status: &Status) -> Option<Duration> {
-    status
-        .metadata()
-        .get(RETRY_AFTER_TRAILER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse().ok())
-        .map(Duration::from_millis)
-}
-
-/// The core error for a final (not retried) gRPC failure.
-pub fn status_error(what: &str, status: &Status) -> Error {
-    let detail = format!("{what}: {} ({:?})", status.message(), status.code());
-    match status.code() {
-        Code::Unauthenticated | Code::PermissionDenied => Error::Auth(format!(
-            "the relay refused the credentials: {}",
-            status.message()
-        )),
-        _ => Error::Transport(detail),
+/// Bounds one gRPC call: a call not answered within [`CALL_TIMEOUT`] fails as a transient
+/// DEADLINE_EXCEEDED.
+pub(crate) async fn bounded<T>(
+    call: impl std::future::Future<Output = Result<T, Status>>,
+) -> Result<T, Status> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(result) => result,
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "no answer from the relay within {CALL_TIMEOUT:?}"
+        ))),
     }
 }

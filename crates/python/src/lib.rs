@@ -2,8 +2,9 @@
 //!
 //! Every call releases the GIL while the core works; the core guards its groups itself, so one
 //! `Engine` is usable from many Python threads at once. Errors map to the Python classes of
-//! `static._errors` in exactly one place, `From<NativeError> for PyErr`.
+//! `static._errors` in exactly one place, `From<NativeError> for PyErr` (`error`).
 
+mod error;
 mod exit;
 mod relay;
 
@@ -11,54 +12,18 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::PyRuntimeError;
+use error::{NativeError, NativeResult, AUTH_ERROR, TRANSPORT_ERROR};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use static_client::{
     Channel as CoreChannel, Client as CoreClient, ClientOptions, Next,
-    SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
+    SendHandle as CoreSendHandle, Token, TokenError, TokenProvider, Waker as CoreWaker,
 };
-use static_mls::{Engine as CoreEngine, Error, ErrorKind, Incoming as CoreIncoming};
-
-/// A core error on its way to Python.
-struct NativeError(Error);
-
-impl From<Error> for NativeError {
-    fn from(err: Error) -> Self {
-        Self(err)
-    }
-}
-
-impl From<NativeError> for PyErr {
-    fn from(err: NativeError) -> Self {
-        let class = match err.0.kind() {
-            ErrorKind::InvalidChannelName => "InvalidChannelNameError",
-            ErrorKind::Mls => "MLSEngineError",
-            ErrorKind::Transport => "TransportError",
-            ErrorKind::Auth => "AuthError",
-            ErrorKind::Internal => "InternalError",
-        };
-        let message = err.0.to_string();
-        Python::with_gil(|py| {
-            let made = py
-                .import("static._errors")
-                .and_then(|m| m.getattr(class))
-                .and_then(|cls| cls.call1((message.clone(),)));
-            match made {
-                Ok(exc) => PyErr::from_value(exc),
-                // Only if static._errors itself cannot be imported: still a RuntimeError with
-                // the prefix.
-                Err(_) => PyRuntimeError::new_err(message),
-            }
-        })
-    }
-}
-
-type NativeResult<T> = Result<T, NativeError>;
+use static_mls::{Engine as CoreEngine, Incoming as CoreIncoming};
 
 /// A core result in a `PyResult` function.
-fn native<T>(result: static_mls::Result<T>) -> PyResult<T> {
-    result.map_err(|e| PyErr::from(NativeError(e)))
+fn native<T, E: Into<NativeError>>(result: Result<T, E>) -> PyResult<T> {
+    result.map_err(|e| PyErr::from(e.into()))
 }
 
 fn bytes(py: Python<'_>, data: &[u8]) -> Py<PyBytes> {
@@ -129,7 +94,9 @@ impl Engine {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
-            .ok_or_else(|| NativeError(Error::Internal("the engine is closed".into())))
+            .ok_or_else(|| {
+                NativeError::Client(static_client::Error::Closed("the engine is closed".into()))
+            })
     }
 
     /// Runs `f` on the core engine with the GIL released.
@@ -314,13 +281,13 @@ impl Engine {
 
 /// A Python callable returning `(token, expires_in_seconds)`, called (with the GIL, from a
 /// blocking thread of the client's runtime) when the relay token needs refreshing. What it
-/// raises keeps its prefix: `auth error:` is final, anything else is retried.
+/// raises is told apart by class: `AuthError` is final, anything else is retried.
 struct PyTokenProvider {
     callable: Py<PyAny>,
 }
 
 impl TokenProvider for PyTokenProvider {
-    fn fetch(&self) -> static_mls::Result<Token> {
+    fn fetch(&self) -> Result<Token, TokenError> {
         let fetched = exit::with_gil_unless_exiting(|py| {
             let result = self
                 .callable
@@ -332,22 +299,29 @@ impl TokenProvider for PyTokenProvider {
                     expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
                 }),
                 Err(err) => {
-                    let message = err.value(py).str().map_or_else(
-                        |_| "the token provider failed".to_owned(),
-                        |s| s.to_string(),
-                    );
-                    let detail = |prefix: &str| message[prefix.len()..].trim_start().to_owned();
-                    Err(if message.starts_with("auth error:") {
-                        Error::Auth(detail("auth error:"))
-                    } else if message.starts_with("transport error:") {
-                        Error::Transport(detail("transport error:"))
+                    let value = err.value(py);
+                    let is = |class: &error::ImportedClass| {
+                        class
+                            .get(py)
+                            .is_ok_and(|c| value.is_instance(c).unwrap_or(false))
+                    };
+                    // The message without the class's prefix (`StaticError.detail`).
+                    let detail = value
+                        .getattr("detail")
+                        .and_then(|d| d.extract::<String>())
+                        .or_else(|_| value.str().map(|s| s.to_string()))
+                        .unwrap_or_else(|_| "the token provider failed".to_owned());
+                    Err(if is(&AUTH_ERROR) {
+                        TokenError::Refused(detail)
+                    } else if is(&TRANSPORT_ERROR) {
+                        TokenError::Unavailable(detail)
                     } else {
-                        Error::Internal(format!("token refresh failed: {message}"))
+                        TokenError::Unavailable(format!("token refresh failed: {detail}"))
                     })
                 }
             }
         });
-        fetched.unwrap_or_else(|| Err(Error::Internal("the interpreter is exiting".into())))
+        fetched.unwrap_or_else(|| Err(TokenError::Unavailable("the interpreter is exiting".into())))
     }
 }
 
@@ -461,7 +435,7 @@ fn seconds_arg(name: &str, seconds: f64) -> PyResult<Duration> {
 fn wait_in_slices<T: Send>(
     py: Python<'_>,
     timeout: Option<f64>,
-    wait: impl Fn(Duration) -> static_mls::Result<Option<T>> + Sync,
+    wait: impl Fn(Duration) -> static_client::Result<Option<T>> + Sync,
 ) -> PyResult<Option<T>> {
     let timeout = timeout.map(|t| seconds_arg("timeout", t)).transpose()?;
     let deadline = timeout.map(|t| Instant::now() + t);

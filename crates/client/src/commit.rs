@@ -1,0 +1,182 @@
+//! The commit protocol, owned by the channel's façade: make a commit (or proposal), publish it
+//! with the epoch fence, wait until the applier has merged its echo; on a lost race, drop it,
+//! let the winner be applied and make it again.
+
+use std::sync::Arc;
+
+use crate::channel_core::ChannelCore;
+use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
+use crate::error::{Error, Result};
+use crate::refusal::Refusal;
+use crate::retry::Retry;
+use crate::transport::{bounded, pb};
+use static_mls::engine::Engine;
+
+/// Makes a commit (and its Welcome, if it adds members), or `None` when there is nothing to
+/// commit.
+pub(crate) type CommitMaker =
+    dyn Fn(&Engine, &str) -> static_mls::Result<Option<(Vec<u8>, Option<Vec<u8>>)>> + Send + Sync;
+
+enum Published {
+    Accepted(u64),
+    Stale(u64),
+}
+
+/// One channel's commits, one at a time.
+pub(crate) struct Committer {
+    core: Arc<ChannelCore>,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl Committer {
+    pub(crate) fn new(core: Arc<ChannelCore>) -> Self {
+        Self {
+            core,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// See the module docs. Returns the Welcome the commit made, if any.
+    pub(crate) async fn commit(&self, make: Arc<CommitMaker>) -> Result<Option<Vec<u8>>> {
+        let core = &self.core;
+        core.check_usable()?;
+        core.shared.reach().await?;
+        let _guard = self.lock.lock().await;
+        for _ in 0..COMMIT_ATTEMPTS {
+            let name = core.name.clone();
+            let maker = Arc::clone(&make);
+            let Some((commit, welcome)) =
+                core.shared.blocking(move |e| Ok(maker(e, &name)?)).await?
+            else {
+                return Ok(None);
+            };
+            match self.publish_handshake(commit, welcome.clone()).await {
+                Ok(Published::Accepted(seq)) => {
+                    core.wait_applied(seq).await?;
+                    return Ok(welcome);
+                }
+                Ok(Published::Stale(epoch)) => {
+                    self.clear_pending().await?;
+                    core.wait_epoch(epoch).await?;
+                }
+                Err(e) => {
+                    // Not in the log: drop it so the group can move on.
+                    self.clear_pending().await?;
+                    return Err(e);
+                }
+            }
+        }
+        Err(Error::Unreachable(format!(
+            "channel {:?} is too busy: other members' commits won {COMMIT_ATTEMPTS} times in a row",
+            core.name
+        )))
+    }
+
+    /// Commits the proposals members made (e.g. a leave); whoever wins the epoch does it for
+    /// all. Failures are left to the next commit or proposal.
+    pub(crate) async fn commit_proposals(&self) {
+        let _ = self
+            .commit(Arc::new(|e: &Engine, name: &str| {
+                Ok(e.commit_pending_proposals(name)?.map(|c| (c, None)))
+            }))
+            .await;
+    }
+
+    /// If the machine went down while this channel was open, moves to a new epoch first (the
+    /// secrets of the old one may have been used without being stored).
+    pub(crate) fn ensure_fresh_epoch(&self) -> Result<()> {
+        let core = &self.core;
+        if core.shared.engine()?.needs_fresh_epoch(&core.name)? {
+            core.block_on(self.commit(Arc::new(|e: &Engine, name: &str| {
+                Ok(if e.needs_fresh_epoch(name)? {
+                    Some((e.self_update(name)?, None))
+                } else {
+                    None
+                })
+            })))?;
+        }
+        Ok(())
+    }
+
+    /// Proposes our removal and waits until a member commits it (the channel then ends).
+    pub(crate) async fn leave(&self) -> Result<()> {
+        let core = &self.core;
+        core.check_usable()?;
+        if core.shared.engine()?.members(&core.name)?.len() < 2 {
+            return Err(Error::Group(format!(
+                "cannot leave channel {:?}: we are its only member",
+                core.name
+            )));
+        }
+        core.shared.reach().await?;
+        let _guard = self.lock.lock().await;
+        for _ in 0..COMMIT_ATTEMPTS {
+            let name = core.name.clone();
+            let proposal = core.shared.blocking(move |e| Ok(e.leave(&name)?)).await?;
+            match self.publish_handshake(proposal, None).await? {
+                Published::Accepted(_) => {
+                    let mut rx = core.progress.subscribe();
+                    let waited =
+                        tokio::time::timeout(PROGRESS_TIMEOUT, rx.wait_for(|p| p.ended.is_some()))
+                            .await;
+                    return match waited {
+                        Ok(_) => Ok(()),
+                        Err(_) => Err(Error::Unreachable(
+                            "the leave proposal is published but no member committed it yet".into(),
+                        )),
+                    };
+                }
+                Published::Stale(epoch) => core.wait_epoch(epoch).await?,
+            }
+        }
+        Err(Error::Unreachable(
+            "the channel is too busy to leave now".into(),
+        ))
+    }
+
+    async fn clear_pending(&self) -> Result<()> {
+        let name = self.core.name.clone();
+        self.core
+            .shared
+            .blocking(move |e| {
+                if e.has_group(&name) {
+                    Ok(e.clear_pending_commit(&name)?)
+                } else {
+                    Ok(())
+                }
+            })
+            .await
+    }
+
+    /// Publishes a commit or proposal, retrying (the same bytes: idempotent) while the relay
+    /// is unreachable.
+    async fn publish_handshake(
+        &self,
+        message: Vec<u8>,
+        welcome: Option<Vec<u8>>,
+    ) -> Result<Published> {
+        let shared = &self.core.shared;
+        let mut retry = Retry::within(shared.options.retry_timeout);
+        loop {
+            let (request, token) = shared
+                .request(pb::PublishRequest {
+                    channel: self.core.name.clone(),
+                    message: message.clone().into(),
+                    welcome: welcome.clone().unwrap_or_default().into(),
+                    idempotency_key: Default::default(),
+                })
+                .await?;
+            let status = match bounded(shared.relay.clone().publish(request)).await {
+                Ok(response) => return Ok(Published::Accepted(response.into_inner().seq)),
+                Err(status) => status,
+            };
+            match Refusal::from_status(&status) {
+                Refusal::StaleEpoch { current, .. } => return Ok(Published::Stale(current)),
+                refusal => {
+                    let wait = shared.after(&mut retry, refusal, token.as_deref(), "Publish")?;
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+}

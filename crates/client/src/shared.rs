@@ -1,0 +1,279 @@
+//! What every channel of one client shares: the engine, the relay connection and tokens, the
+//! runtime's handle, the inboxes, and the helpers of a call to the relay (auth metadata, the
+//! first contact, what a refusal leads to under the retry policy).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::runtime::Handle;
+use tonic::Request;
+
+use crate::config::ClientOptions;
+use crate::error::{Error, Result};
+use crate::inbox::{Inbox, Marks};
+use crate::refusal::Refusal;
+use crate::retry::{Retry, Step};
+use crate::sync::lock;
+use crate::tokens::Tokens;
+use crate::transport::{pb, RelayClient};
+use static_mls::engine::Engine;
+
+pub(crate) struct Shared {
+    /// `None` once the client is closed: the data directory is released as soon as calls in
+    /// flight (which hold their own reference) finish.
+    pub(crate) engine: Mutex<Option<Arc<Engine>>>,
+    pub(crate) relay: RelayClient,
+    pub(crate) tokens: Tokens,
+    pub(crate) handle: Handle,
+    pub(crate) closed: AtomicBool,
+    /// The relay's URI, for errors.
+    pub(crate) endpoint: String,
+    /// Whether the relay has answered this client at least once (see [`Shared::reach`]).
+    reached: AtomicBool,
+    pub(crate) options: ClientOptions,
+    marks: Marks,
+    inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
+    /// The last message a reader applied itself (see [`Shared::may_apply_inline`]).
+    inline_applied: InlineApplied,
+}
+
+/// When a reader last applied a message itself and how long that took, on a monotonic clock.
+struct InlineApplied {
+    since: Instant,
+    /// Nanoseconds from `since` to the end of the last such apply (0: none yet).
+    ended: AtomicU64,
+    /// How long it took, in nanoseconds.
+    took: AtomicU64,
+}
+
+/// The readers apply messages themselves for at most 1 / (1 + this) of the time (see
+/// [`Shared::may_apply_inline`]).
+const INLINE_APPLY_SPACING: u64 = 4;
+
+impl InlineApplied {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            ended: AtomicU64::new(0),
+            took: AtomicU64::new(0),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.since.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+impl Shared {
+    pub(crate) fn new(
+        engine: Arc<Engine>,
+        relay: RelayClient,
+        tokens: Tokens,
+        handle: Handle,
+        endpoint: String,
+        options: ClientOptions,
+        marks: Marks,
+    ) -> Self {
+        Self {
+            engine: Mutex::new(Some(engine)),
+            relay,
+            tokens,
+            handle,
+            closed: AtomicBool::new(false),
+            endpoint,
+            reached: AtomicBool::new(false),
+            options,
+            marks,
+            inboxes: Mutex::new(HashMap::new()),
+            inline_applied: InlineApplied::new(),
+        }
+    }
+
+    /// Whether a reader may apply a lone message itself (on the runtime's one worker) rather
+    /// than hand it to its channel's applier: only if, since a reader last did, at least
+    /// [`INLINE_APPLY_SPACING`] times as long has passed as that took. So sparse traffic, where
+    /// the hand-over's thread wake-up is what a message waits for, is applied at once, while
+    /// under load, or with many busy channels, decryption stays on the appliers (in parallel,
+    /// and off the worker that serves every channel's network I/O).
+    pub(crate) fn may_apply_inline(&self) -> bool {
+        let applied = &self.inline_applied;
+        let ended = applied.ended.load(Ordering::Relaxed);
+        let took = applied.took.load(Ordering::Relaxed);
+        ended == 0
+            || applied.now().saturating_sub(ended) >= took.saturating_mul(INLINE_APPLY_SPACING)
+    }
+
+    /// Runs `apply`, a message a reader applies itself (see [`Shared::may_apply_inline`]).
+    pub(crate) fn apply_inline<T>(&self, apply: impl FnOnce() -> T) -> T {
+        let applied = &self.inline_applied;
+        let started = applied.now();
+        let value = apply();
+        let ended = applied.now().max(1);
+        applied
+            .took
+            .store(ended.saturating_sub(started), Ordering::Relaxed);
+        applied.ended.store(ended, Ordering::Relaxed);
+        value
+    }
+
+    pub(crate) fn closed_error() -> Error {
+        Error::Closed("the client is closed".into())
+    }
+
+    pub(crate) fn engine(&self) -> Result<Arc<Engine>> {
+        lock(&self.engine).clone().ok_or_else(Self::closed_error)
+    }
+
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::SeqCst) {
+            Err(Self::closed_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The channel's inbox (the same for every [`Channel`](crate::Channel) object of one name,
+    /// so a reopened channel and the iterators of its closed predecessor never hand out a
+    /// message twice).
+    pub(crate) fn inbox(&self, engine: &Engine, name: &str) -> Result<Arc<Mutex<Inbox>>> {
+        let mut inboxes = lock(&self.inboxes);
+        if let Some(inbox) = inboxes.get(name) {
+            return Ok(Arc::clone(inbox));
+        }
+        let slot = engine.inbox_slot(name)?;
+        let handed = self.marks.read(slot)?;
+        engine.inbox_prune(name, handed)?;
+        let inbox = Arc::new(Mutex::new(Inbox {
+            slot,
+            handed,
+            loaded: handed,
+            ahead: VecDeque::new(),
+            complete: false,
+            unpruned: 0,
+            appliers: 0,
+        }));
+        inboxes.insert(name.to_owned(), Arc::clone(&inbox));
+        Ok(inbox)
+    }
+
+    /// Takes the next received message of `name`, marking it handed out.
+    pub(crate) fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Vec<u8>>> {
+        let inbox = self.inbox(engine, name)?;
+        let mut inbox = lock(&inbox);
+        Ok(inbox.take(engine, &self.marks, name)?.map(|m| m.payload))
+    }
+
+    /// Whether the relay has answered this client at least once.
+    pub(crate) fn reached(&self) -> bool {
+        self.reached.load(Ordering::Acquire)
+    }
+
+    /// Makes sure the relay has answered this client once: the first time, probes it (a
+    /// FetchWelcome that cannot match: any answer from the relay will do) for up to the
+    /// connect timeout, so that a wrong address fails fast instead of being retried like a
+    /// relay that restarts. Free once it has answered.
+    pub(crate) async fn reach(&self) -> Result<()> {
+        if self.reached() {
+            return Ok(());
+        }
+        let mut retry = Retry::within(self.options.connect_timeout);
+        loop {
+            let (request, _) = self
+                .request(pb::FetchWelcomeRequest {
+                    channel: String::new(),
+                    key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(
+                        vec![0; 32].into(),
+                    )),
+                })
+                .await?;
+            let left = retry.deadline().map_or(Duration::ZERO, |d| {
+                d.saturating_duration_since(Instant::now())
+            });
+            let answer = tokio::time::timeout(
+                left.max(Duration::from_millis(100)),
+                self.relay.clone().fetch_welcome(request),
+            )
+            .await;
+            let refusal = match answer {
+                Ok(Ok(_)) => None,
+                Ok(Err(status)) => match Refusal::from_status(&status) {
+                    transient @ Refusal::Transient { .. } => Some(transient),
+                    // Any other answer comes from the relay.
+                    _ => None,
+                },
+                Err(_) => Some(Refusal::transient(
+                    tonic::Code::DeadlineExceeded,
+                    "no answer",
+                )),
+            };
+            let Some(refusal) = refusal else {
+                self.reached.store(true, Ordering::Release);
+                return Ok(());
+            };
+            match retry.step(&refusal) {
+                Step::Wait(wait) if !wait.is_zero() => tokio::time::sleep(wait).await,
+                _ => {
+                    return Err(Error::Unreachable(format!(
+                        "cannot reach the relay at {} ({}; gave up after {:?}: a relay that \
+                         never answered is tried for connect_timeout, \
+                         STATIC_SDK_CONNECT_TIMEOUT)",
+                        self.endpoint,
+                        refusal.message(),
+                        self.options.connect_timeout
+                    )))
+                }
+            }
+        }
+    }
+
+    /// A request carrying the auth metadata; returns the token used (to drop it if the relay
+    /// refuses it).
+    pub(crate) async fn request<T>(&self, message: T) -> Result<(Request<T>, Option<String>)> {
+        let token = self.tokens.get().await?;
+        let mut request = Request::new(message);
+        if let Some(token) = &token {
+            let value = format!("Bearer {token}")
+                .parse()
+                .map_err(|_| Error::Auth("the token is not a valid header value".into()))?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        Ok((request, token))
+    }
+
+    /// Runs a blocking engine call on tokio's blocking pool.
+    pub(crate) async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Engine) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let engine = self.engine()?;
+        tokio::task::spawn_blocking(move || f(&engine))
+            .await
+            .map_err(|e| Error::task("a background task failed", e))?
+    }
+
+    /// What a loop does after `refusal` of `call` under `retry`: the wait before its next
+    /// attempt (a refused `token` is dropped first, so the next attempt fetches a fresh one),
+    /// or the error that ends it.
+    pub(crate) fn after(
+        &self,
+        retry: &mut Retry,
+        refusal: Refusal,
+        token: Option<&str>,
+        call: &str,
+    ) -> Result<Duration> {
+        match retry.step(&refusal) {
+            Step::Wait(wait) => Ok(wait),
+            Step::Refresh if self.tokens.anonymous() => Err(Error::Auth(format!(
+                "the relay requires a token ({}); pass api_key and api_url",
+                refusal.message()
+            ))),
+            Step::Refresh => {
+                self.tokens.invalidate(token);
+                Ok(Duration::ZERO)
+            }
+            Step::GiveUp => Err(refusal.into_error(call)),
+        }
+    }
+}
