@@ -26,9 +26,9 @@ use openmls_basic_credential::SignatureKeyPair;
 use crate::channel_name::validate_channel_name;
 use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::error::{
-    openmls_detail, AddMemberError, CommitError, CreateGroupError, EncryptError, Error,
-    GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError, LeaveError,
-    OpenError, ProcessError, RemoveMemberError, Result,
+    decode_detail, openmls_detail, AddMemberError, CommitError, CreateGroupError, EncryptError,
+    Error, GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError,
+    LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
 };
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 
@@ -197,7 +197,7 @@ fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn, InvalidKeyPackage> {
         };
     }
     KeyPackageIn::tls_deserialize_exact(bytes).map_err(|e| InvalidKeyPackage::Malformed {
-        detail: openmls_detail(&e),
+        detail: decode_detail(&e),
     })
 }
 
@@ -377,7 +377,7 @@ fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage, ProcessError>
 
 fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage, ProcessError> {
     let msg = MlsMessageIn::tls_deserialize_exact(bytes).map_err(|e| ProcessError::Malformed {
-        detail: openmls_detail(&e),
+        detail: decode_detail(&e),
     })?;
     msg.try_into_protocol_message()
         .map_err(|_| ProcessError::NotProtocolMessage)
@@ -792,7 +792,7 @@ impl Engine {
             },
             Err(_) => {
                 Welcome::tls_deserialize_exact(welcome).map_err(|e| JoinError::Malformed {
-                    detail: openmls_detail(&e),
+                    detail: decode_detail(&e),
                 })?
             }
         };

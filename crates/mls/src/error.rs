@@ -370,9 +370,20 @@ pub enum InternalError {
     Bench { detail: String },
 }
 
-/// What OpenMLS said, in its words and then its error's path (for debugging).
+/// What OpenMLS said, in its words and then its error's path (for debugging), once where
+/// they are the same.
 pub(crate) fn openmls_detail(err: &(impl Display + Debug)) -> String {
-    format!("{err} [openmls: {err:?}]")
+    let (words, path) = (err.to_string(), format!("{err:?}"));
+    if words == path {
+        format!("[openmls: {path}]")
+    } else {
+        format!("{words} [openmls: {path}]")
+    }
+}
+
+/// Why bytes did not decode as the TLS structure expected.
+pub(crate) fn decode_detail(err: &impl Debug) -> String {
+    format!("the bytes do not decode [tls_codec: {err:?}]")
 }
 
 /// `bytes` as Python's `repr` shows them (`b'alice'`): identities are bytes in the SDK.
