@@ -15,11 +15,14 @@ use rusqlite::Connection;
 
 use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::engine::{Engine, CIPHERSUITE};
-use crate::error::{Error, Result};
+use crate::error::{Error, InternalError, Result};
 use crate::store::{JsonCodec, Provider};
 
 fn internal(e: impl std::fmt::Debug) -> Error {
-    Error::Internal(format!("{e:?}"))
+    InternalError::Bench {
+        detail: format!("{e:?}"),
+    }
+    .into()
 }
 
 /// Makes `channel` a two-member group: `creator` creates it and adds `joiner`, who joins from
@@ -133,9 +136,9 @@ pub fn encrypt_decrypt_ns(
     })?;
     let mut it = messages.iter();
     let dec = time_ns(iterations, || {
-        let m = it
-            .next()
-            .ok_or_else(|| Error::Internal("ran out of messages".into()))?;
+        let m = it.next().ok_or_else(|| InternalError::Bench {
+            detail: "ran out of messages".into(),
+        })?;
         receiver.process_incoming(channel, m).map(|_| ())
     })?;
     Ok((enc, dec))

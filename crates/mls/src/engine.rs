@@ -25,7 +25,11 @@ use openmls_basic_credential::SignatureKeyPair;
 
 use crate::channel_name::validate_channel_name;
 use crate::crypto::{Ed25519Signer, StaticCrypto};
-use crate::error::{Error, Result};
+use crate::error::{
+    decode_detail, openmls_detail, AddMemberError, CommitError, CreateGroupError, EncryptError,
+    Error, GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError,
+    LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
+};
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 
 /// The OpenMLS provider of every engine call.
@@ -138,19 +142,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn serialize(msg: &MlsMessageOut) -> Result<Vec<u8>> {
-    msg.tls_serialize_detached()
-        .map_err(|e| Error::Internal(format!("cannot serialize an MLS message: {e:?}")))
+    msg.tls_serialize_detached().map_err(|e| {
+        InternalError::Serialize {
+            detail: openmls_detail(&e),
+        }
+        .into()
+    })
 }
 
-fn check_len(what: &str, bytes: &[u8]) -> Result<()> {
+/// Refuses empty and oversized inputs with the caller's error for each.
+fn check_len<E>(bytes: &[u8], empty: E, too_large: impl FnOnce(usize) -> E) -> Result<(), E> {
     if bytes.is_empty() {
-        return Err(Error::Mls(format!("empty {what}")));
+        return Err(empty);
     }
     if bytes.len() > MAX_INPUT_LEN {
-        return Err(Error::Mls(format!(
-            "{what} too large ({} bytes)",
-            bytes.len()
-        )));
+        return Err(too_large(bytes.len()));
     }
     Ok(())
 }
@@ -183,14 +189,28 @@ fn join_config() -> MlsGroupJoinConfig {
 }
 
 /// Parses a key package sent as an `MLSMessage` or as a bare `KeyPackage`.
-fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn> {
+fn parse_key_package(bytes: &[u8]) -> Result<KeyPackageIn, InvalidKeyPackage> {
     if let Ok(msg) = MlsMessageIn::tls_deserialize_exact(bytes) {
         return match msg.extract() {
             MlsMessageBodyIn::KeyPackage(kp) => Ok(kp),
-            _ => Err(Error::Mls("the MLSMessage is not a key package".into())),
+            _ => Err(InvalidKeyPackage::NotAKeyPackage),
         };
     }
-    KeyPackageIn::tls_deserialize_exact(bytes).map_err(|e| Error::mls("malformed key package", e))
+    KeyPackageIn::tls_deserialize_exact(bytes).map_err(|e| InvalidKeyPackage::Malformed {
+        detail: decode_detail(&e),
+    })
+}
+
+fn missing_group_state(channel: &str) -> Error {
+    InternalError::MissingGroupState {
+        channel: channel.to_owned(),
+    }
+    .into()
+}
+
+/// Whether OpenMLS refused because a commit of ours is pending.
+fn is_pending_commit(state: &MlsGroupStateError) -> bool {
+    matches!(state, MlsGroupStateError::PendingCommit)
 }
 
 fn now_secs() -> u64 {
@@ -203,28 +223,35 @@ fn now_secs() -> u64 {
 /// Parses and validates a key package of our ciphersuite. A `not_before` at most
 /// [`MAX_KEY_PACKAGE_SKEW`] in the future is waited out (OpenMLS requires it in the past).
 fn validate_key_package(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
-    check_len("key package", bytes)?;
+    let invalid = |reason| Error::from(AddMemberError::InvalidKeyPackage(reason));
+    check_len(bytes, InvalidKeyPackage::Empty, |len| {
+        InvalidKeyPackage::TooLarge { len }
+    })
+    .map_err(invalid)?;
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        validate_key_package_inner(crypto, bytes)
+        validate_key_package_inner(crypto, bytes).map_err(invalid)
     }))
     .unwrap_or_else(|_| {
-        Err(Error::Internal(
-            "panic while validating a key package".into(),
-        ))
+        Err(InternalError::Panic {
+            what: "validating a key package",
+        }
+        .into())
     })
 }
 
-fn validate_key_package_inner(crypto: &StaticCrypto, bytes: &[u8]) -> Result<KeyPackage> {
+fn validate_key_package_inner(
+    crypto: &StaticCrypto,
+    bytes: &[u8],
+) -> Result<KeyPackage, InvalidKeyPackage> {
     let mut waited = false;
     loop {
         let kp_in = parse_key_package(bytes)?;
         match kp_in.validate(crypto, ProtocolVersion::Mls10) {
             Ok(kp) => {
                 if kp.ciphersuite() != CIPHERSUITE {
-                    return Err(Error::Mls(format!(
-                        "key package ciphersuite {:?} is not {CIPHERSUITE:?}",
-                        kp.ciphersuite()
-                    )));
+                    return Err(InvalidKeyPackage::Ciphersuite {
+                        found: kp.ciphersuite(),
+                    });
                 }
                 return Ok(kp);
             }
@@ -234,10 +261,10 @@ fn validate_key_package_inner(crypto: &StaticCrypto, bytes: &[u8]) -> Result<Key
             })) if !waited => {
                 let ahead = not_before.saturating_sub(now_secs());
                 if Duration::from_secs(ahead) > MAX_KEY_PACKAGE_SKEW {
-                    return Err(Error::Mls(format!(
-                        "key package not valid before {not_before} (now {})",
-                        now_secs()
-                    )));
+                    return Err(InvalidKeyPackage::NotValidYet {
+                        not_before,
+                        now: now_secs(),
+                    });
                 }
                 // Sleep until the second `not_before` has fully begun.
                 let target = UNIX_EPOCH + Duration::from_secs(not_before);
@@ -246,23 +273,114 @@ fn validate_key_package_inner(crypto: &StaticCrypto, bytes: &[u8]) -> Result<Key
                 }
                 waited = true;
             }
-            Err(e) => return Err(Error::mls("invalid key package", e)),
+            Err(e) => {
+                return Err(InvalidKeyPackage::Verify {
+                    detail: openmls_detail(&e),
+                })
+            }
         }
     }
 }
 
-/// A protocol message (PublicMessage or PrivateMessage) parsed from an `MLSMessage`.
-fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage> {
-    check_len("message", bytes)?;
-    std::panic::catch_unwind(|| parse_protocol_message_inner(bytes))
-        .unwrap_or_else(|_| Err(Error::Mls("malformed MLS message".into())))
+/// The identity in a key package's basic credential (empty if it has none).
+fn key_package_identity(kp: &KeyPackage) -> Vec<u8> {
+    identity_of(kp.leaf_node().credential()).unwrap_or_default()
 }
 
-fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage> {
-    let msg = MlsMessageIn::tls_deserialize_exact(bytes)
-        .map_err(|e| Error::mls("malformed MLS message", e))?;
+/// Refuses, before OpenMLS does in its own words, to add a signature key that is already a
+/// member's, or twice in one commit (MLS allows one leaf per signature key).
+fn refuse_members_twice(
+    group: &MlsGroup,
+    channel: &str,
+    key_packages: &[KeyPackage],
+) -> Result<(), AddMemberError> {
+    let members: Vec<Vec<u8>> = group.members().map(|m| m.signature_key).collect();
+    for (i, kp) in key_packages.iter().enumerate() {
+        let key = kp.leaf_node().signature_key().as_slice();
+        if members.iter().any(|m| m.as_slice() == key) {
+            return Err(AddMemberError::AlreadyInGroup {
+                identity: key_package_identity(kp),
+                channel: channel.to_owned(),
+            });
+        }
+        if key_packages[..i]
+            .iter()
+            .any(|other| other.leaf_node().signature_key().as_slice() == key)
+        {
+            return Err(AddMemberError::DuplicateKeyPackage {
+                identity: key_package_identity(kp),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Why a Welcome is refused, in words: above all, a Welcome for someone else's key package.
+fn welcome_error<S: std::fmt::Debug + std::fmt::Display>(err: WelcomeError<S>) -> JoinError {
+    match err {
+        WelcomeError::NoMatchingKeyPackage => JoinError::NotForUs,
+        err => JoinError::Invalid {
+            detail: openmls_detail(&err),
+        },
+    }
+}
+
+fn check_payload(payload: &[u8]) -> Result<(), EncryptError> {
+    if payload.len() > MAX_INPUT_LEN {
+        return Err(EncryptError::PayloadTooLarge { len: payload.len() });
+    }
+    Ok(())
+}
+
+/// One application message, serialized.
+fn create_message(
+    group: &mut MlsGroup,
+    provider: &Provider<'_>,
+    signer: &Ed25519Signer,
+    channel: &str,
+    payload: &[u8],
+) -> Result<Vec<u8>> {
+    let msg = group
+        .create_message(provider, signer, payload)
+        .map_err(|e| match e {
+            CreateMessageError::GroupStateError(MlsGroupStateError::PendingProposal) => {
+                EncryptError::PendingProposals {
+                    channel: channel.to_owned(),
+                }
+            }
+            e => EncryptError::Create {
+                channel: channel.to_owned(),
+                detail: openmls_detail(&e),
+            },
+        })?;
+    serialize(&msg)
+}
+
+fn unknown_group(channel: &str) -> Error {
+    GroupLookupError::UnknownGroup {
+        channel: channel.to_owned(),
+    }
+    .into()
+}
+
+/// A protocol message (PublicMessage or PrivateMessage) parsed from an `MLSMessage`.
+fn parse_protocol_message(bytes: &[u8]) -> Result<ProtocolMessage, ProcessError> {
+    check_len(bytes, ProcessError::Empty, |len| ProcessError::TooLarge {
+        len,
+    })?;
+    std::panic::catch_unwind(|| parse_protocol_message_inner(bytes)).unwrap_or_else(|_| {
+        Err(ProcessError::Malformed {
+            detail: "the decoder panicked".into(),
+        })
+    })
+}
+
+fn parse_protocol_message_inner(bytes: &[u8]) -> Result<ProtocolMessage, ProcessError> {
+    let msg = MlsMessageIn::tls_deserialize_exact(bytes).map_err(|e| ProcessError::Malformed {
+        detail: decode_detail(&e),
+    })?;
     msg.try_into_protocol_message()
-        .map_err(|_| Error::Mls("not a PublicMessage or PrivateMessage".into()))
+        .map_err(|_| ProcessError::NotProtocolMessage)
 }
 
 fn changes_epoch(incoming: &Incoming) -> bool {
@@ -276,10 +394,11 @@ fn changes_epoch(incoming: &Incoming) -> bool {
 fn parse_for_channel(channel: &str, message: &[u8]) -> Result<ProtocolMessage> {
     let protocol = parse_protocol_message(message)?;
     if protocol.group_id().as_slice() != channel.as_bytes() {
-        return Err(Error::Mls(format!(
-            "the message belongs to group {:?}, not channel {channel:?}",
-            String::from_utf8_lossy(protocol.group_id().as_slice())
-        )));
+        return Err(ProcessError::WrongGroup {
+            group: String::from_utf8_lossy(protocol.group_id().as_slice()).into_owned(),
+            channel: channel.to_owned(),
+        }
+        .into());
     }
     Ok(protocol)
 }
@@ -300,7 +419,9 @@ fn apply_message(
             // Our own commit, accepted by the relay and echoed back.
             group
                 .merge_pending_commit(provider)
-                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+                .map_err(|e| ProcessError::MergeOwn {
+                    detail: openmls_detail(&e),
+                })?;
             store::own_commit_merged(conn, channel)?;
             return Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
@@ -314,9 +435,12 @@ fn apply_message(
             store::clear_pending_commit(conn, channel)?;
         }
     }
-    let processed = group
-        .process_message(provider, protocol)
-        .map_err(|e| Error::mls("cannot process the message", e))?;
+    let processed =
+        group
+            .process_message(provider, protocol)
+            .map_err(|e| ProcessError::Invalid {
+                detail: openmls_detail(&e),
+            })?;
     let epoch = processed.epoch().as_u64();
     let sender = identity_of(processed.credential());
     match processed.into_content() {
@@ -331,14 +455,16 @@ fn apply_message(
                 .map_err(StoreError::from)?;
             Ok(Incoming::Proposal { sender })
         }
-        ProcessedMessageContent::ExternalJoinProposalMessage(_) => Err(Error::Mls(
-            "external join proposals are not accepted".into(),
-        )),
+        ProcessedMessageContent::ExternalJoinProposalMessage(_) => {
+            Err(ProcessError::ExternalJoinProposal.into())
+        }
         ProcessedMessageContent::StagedCommitMessage(staged) => {
             let self_removed = staged.self_removed();
             group
                 .merge_staged_commit(provider, *staged)
-                .map_err(|e| Error::mls("cannot merge the commit", e))?;
+                .map_err(|e| ProcessError::Merge {
+                    detail: openmls_detail(&e),
+                })?;
             let epoch = group.epoch().as_u64();
             if self_removed || !group.is_active() {
                 group.delete(provider.storage()).map_err(StoreError::from)?;
@@ -351,18 +477,20 @@ fn apply_message(
         ProcessedMessageContent::OwnPendingCommit => {
             group
                 .merge_pending_commit(provider)
-                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+                .map_err(|e| ProcessError::MergeOwn {
+                    detail: openmls_detail(&e),
+                })?;
             store::own_commit_merged(conn, channel)?;
             Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
             })
         }
-        ProcessedMessageContent::OwnPrivateMessage if is_commit => Err(Error::Mls(
-            "our own commit came back but it is not our pending commit".into(),
-        )),
+        ProcessedMessageContent::OwnPrivateMessage if is_commit => {
+            Err(ProcessError::UnknownOwnCommit.into())
+        }
         ProcessedMessageContent::OwnPrivateMessage => Ok(Incoming::Own),
         #[allow(unreachable_patterns)]
-        _ => Err(Error::Mls("unsupported message content".into())),
+        _ => Err(ProcessError::Unsupported.into()),
     }
 }
 
@@ -374,7 +502,9 @@ fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>)
         let policy = group.past_epoch_deletion_policy().clone();
         group
             .set_past_epoch_deletion_policy(provider, policy)
-            .map_err(|e| Error::Internal(format!("cannot store the message secrets: {e:?}")))?;
+            .map_err(|e| InternalError::StoreMessageSecrets {
+                detail: openmls_detail(&e),
+            })?;
     }
     Ok(())
 }
@@ -460,7 +590,7 @@ fn apply_entries_fast(
             .map_err(StoreError::from)?;
         *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
             .map_err(StoreError::from)?
-            .ok_or_else(|| Error::Internal(format!("the state of group {channel:?} is missing")))?;
+            .ok_or_else(|| missing_group_state(channel))?;
         return Ok(None);
     }
     if !batch.removed {
@@ -498,48 +628,51 @@ impl Engine {
     ) -> Result<Self> {
         let data_dir = data_dir.as_ref().to_owned();
         if identity.is_empty() {
-            return Err(Error::Internal("identity must not be empty".into()));
+            return Err(OpenError::EmptyIdentity.into());
         }
         let db = Db::open(&data_dir)?;
         let crypto = StaticCrypto::default();
         let (signer, groups, fresh_epochs_needed) = db.transaction(|conn| -> Result<_> {
             let provider = Provider::new(&crypto, conn);
-            let signer = match store::read_identity(conn)? {
-                Some((stored, public)) => {
-                    if stored != identity {
-                        return Err(StoreError::WrongIdentity {
-                            path: data_dir.clone(),
-                            stored: String::from_utf8_lossy(&stored).into_owned(),
-                            requested: String::from_utf8_lossy(identity).into_owned(),
+            let signer =
+                match store::read_identity(conn)? {
+                    Some((stored, public)) => {
+                        if stored != identity {
+                            return Err(StoreError::WrongIdentity {
+                                path: data_dir.clone(),
+                                stored: String::from_utf8_lossy(&stored).into_owned(),
+                                requested: String::from_utf8_lossy(identity).into_owned(),
+                            }
+                            .into());
                         }
-                        .into());
+                        SignatureKeyPair::read(
+                            provider.storage(),
+                            &public,
+                            CIPHERSUITE.signature_algorithm(),
+                        )
+                        .ok_or(OpenError::MissingSignatureKey)?
                     }
-                    SignatureKeyPair::read(
-                        provider.storage(),
-                        &public,
-                        CIPHERSUITE.signature_algorithm(),
-                    )
-                    .ok_or_else(|| Error::Internal("the stored signature key is missing".into()))?
-                }
-                None => {
-                    let signer = SignatureKeyPair::new(CIPHERSUITE.signature_algorithm())
-                        .map_err(|e| Error::Internal(format!("key generation: {e:?}")))?;
-                    signer.store(provider.storage()).map_err(StoreError::from)?;
-                    store::write_identity(conn, identity, signer.public())?;
-                    signer
-                }
-            };
+                    None => {
+                        let signer = SignatureKeyPair::new(CIPHERSUITE.signature_algorithm())
+                            .map_err(|e| OpenError::KeyGeneration {
+                                detail: openmls_detail(&e),
+                            })?;
+                        signer.store(provider.storage()).map_err(StoreError::from)?;
+                        store::write_identity(conn, identity, signer.public())?;
+                        signer
+                    }
+                };
             let mut groups = HashMap::new();
             for name in store::group_names(conn)? {
                 let group = MlsGroup::load(provider.storage(), &group_id_of(&name))
                     .map_err(StoreError::from)?
-                    .ok_or_else(|| {
-                        Error::Internal(format!("the state of group {name:?} is missing"))
-                    })?;
+                    .ok_or_else(|| missing_group_state(&name))?;
                 groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
             }
-            let signer = Ed25519Signer::from_key_pair(&signer)
-                .map_err(|e| Error::Internal(format!("the stored signature key: {e}")))?;
+            let signer =
+                Ed25519Signer::from_key_pair(&signer).map_err(|e| OpenError::BadSignatureKey {
+                    detail: e.to_string(),
+                })?;
             // Committed durably (like all of this transaction) before any send of this opening.
             let sends_lost = match store::read_session(conn)? {
                 Some((Some(previous), false)) => boot_id.as_deref() != Some(previous.as_str()),
@@ -613,7 +746,9 @@ impl Engine {
                     &self.signer,
                     self.credential.clone(),
                 )
-                .map_err(|e| Error::mls("cannot create a key package", e))?;
+                .map_err(|e| KeyPackageError::Create {
+                    detail: openmls_detail(&e),
+                })?;
             serialize(&MlsMessageOut::from(bundle.key_package().clone()))
         })
     }
@@ -634,7 +769,10 @@ impl Engine {
                 group_id_of(channel),
                 self.credential.clone(),
             )
-            .map_err(|e| Error::mls("cannot create the group", e))?;
+            .map_err(|e| CreateGroupError::Create {
+                channel: channel.to_owned(),
+                detail: openmls_detail(&e),
+            })?;
             store::insert_group(conn, channel)?;
             store::set_cursor(conn, channel, Cursor::After(0))?;
             Ok::<_, Error>(group)
@@ -646,20 +784,23 @@ impl Engine {
     /// that channel and carry the ratchet tree.
     pub fn join_group(&self, channel: &str, welcome: &[u8]) -> Result<()> {
         validate_channel_name(channel)?;
-        check_len("Welcome", welcome)?;
+        check_len(welcome, JoinError::Empty, |len| JoinError::TooLarge { len })?;
         let welcome = match MlsMessageIn::tls_deserialize_exact(welcome) {
             Ok(msg) => match msg.extract() {
                 MlsMessageBodyIn::Welcome(w) => w,
-                _ => return Err(Error::Mls("the MLSMessage is not a Welcome".into())),
+                _ => return Err(JoinError::NotAWelcome.into()),
             },
-            Err(_) => Welcome::tls_deserialize_exact(welcome)
-                .map_err(|e| Error::mls("malformed Welcome", e))?,
+            Err(_) => {
+                Welcome::tls_deserialize_exact(welcome).map_err(|e| JoinError::Malformed {
+                    detail: decode_detail(&e),
+                })?
+            }
         };
         if welcome.ciphersuite() != CIPHERSUITE {
-            return Err(Error::Mls(format!(
-                "Welcome ciphersuite {:?} is not {CIPHERSUITE:?}",
-                welcome.ciphersuite()
-            )));
+            return Err(JoinError::Ciphersuite {
+                found: welcome.ciphersuite(),
+            }
+            .into());
         }
         let slot = self.new_slot(channel)?;
         let slot = lock(&slot);
@@ -667,24 +808,27 @@ impl Engine {
         let expected = group_id_of(channel);
         let group = db.transaction(|conn| {
             let provider = Provider::new(&self.crypto, conn);
+            let wrong_channel = |group: &GroupId| JoinError::WrongChannel {
+                group: String::from_utf8_lossy(group.as_slice()).into_owned(),
+                channel: channel.to_owned(),
+            };
             let processed = ProcessedWelcome::new_from_welcome(&provider, &join_config(), welcome)
-                .map_err(|e| Error::mls("invalid Welcome", e))?;
+                .map_err(welcome_error)?;
             let claimed = processed.unverified_group_info().group_id().clone();
             if claimed != expected {
-                return Err(Error::Mls(format!(
-                    "the Welcome is for group {:?}, not channel {channel:?}",
-                    String::from_utf8_lossy(claimed.as_slice())
-                )));
+                return Err(wrong_channel(&claimed).into());
             }
             let staged = processed
                 .into_staged_welcome(&provider, None)
-                .map_err(|e| Error::mls("invalid Welcome", e))?;
+                .map_err(welcome_error)?;
             if staged.group_context().group_id() != &expected {
-                return Err(Error::Mls("the Welcome's group id does not match".into()));
+                return Err(wrong_channel(staged.group_context().group_id()).into());
             }
             let group = staged
                 .into_group(&provider)
-                .map_err(|e| Error::mls("cannot join from the Welcome", e))?;
+                .map_err(|e| JoinError::Invalid {
+                    detail: openmls_detail(&e),
+                })?;
             store::insert_group(conn, channel)?;
             store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
             Ok(group)
@@ -701,16 +845,35 @@ impl Engine {
     /// Adds several members in one commit (one Welcome for all of them).
     pub fn add_members(&self, channel: &str, key_packages: &[&[u8]]) -> Result<AddMemberOutput> {
         if key_packages.is_empty() {
-            return Err(Error::Mls("no key packages to add".into()));
+            return Err(AddMemberError::NoKeyPackages.into());
         }
         let key_packages = key_packages
             .iter()
             .map(|kp| validate_key_package(&self.crypto, kp))
             .collect::<Result<Vec<_>>>()?;
         self.with_group(channel, |group, provider, conn| {
+            refuse_members_twice(group, channel, &key_packages)?;
             let (commit, welcome, _) = group
                 .add_members(provider, &self.signer, &key_packages)
-                .map_err(|e| Error::mls("cannot add the member", e))?;
+                .map_err(|e| match e {
+                    AddMembersError::GroupStateError(ref s) if is_pending_commit(s) => {
+                        AddMemberError::PendingCommit {
+                            channel: channel.to_owned(),
+                        }
+                    }
+                    AddMembersError::CreateCommitError(
+                        CreateCommitError::ProposalValidationError(
+                            ProposalValidationError::DuplicateSignatureKey,
+                        ),
+                    ) if key_packages.len() == 1 => AddMemberError::AlreadyInGroup {
+                        identity: key_package_identity(&key_packages[0]),
+                        channel: channel.to_owned(),
+                    },
+                    e => AddMemberError::Commit {
+                        channel: channel.to_owned(),
+                        detail: openmls_detail(&e),
+                    },
+                })?;
             let commit = serialize(&commit)?;
             store::set_pending_commit(conn, channel, &commit)?;
             Ok(AddMemberOutput {
@@ -725,7 +888,17 @@ impl Engine {
         self.with_group(channel, |group, provider, conn| {
             let bundle = group
                 .self_update(provider, &self.signer, LeafNodeParameters::default())
-                .map_err(|e| Error::mls("cannot update own keys", e))?;
+                .map_err(|e| match e {
+                    SelfUpdateError::GroupStateError(ref s) if is_pending_commit(s) => {
+                        CommitError::PendingCommit {
+                            channel: channel.to_owned(),
+                        }
+                    }
+                    e => CommitError::SelfUpdate {
+                        channel: channel.to_owned(),
+                        detail: openmls_detail(&e),
+                    },
+                })?;
             let commit = serialize(bundle.commit())?;
             store::set_pending_commit(conn, channel, &commit)?;
             Ok(commit)
@@ -743,17 +916,32 @@ impl Engine {
                 .map(|m| m.index)
                 .collect();
             if targets.is_empty() {
-                return Err(Error::Mls(format!(
-                    "{:?} is not a member of {channel:?}",
-                    String::from_utf8_lossy(identity)
-                )));
+                return Err(RemoveMemberError::NotAMember {
+                    identity: identity.to_vec(),
+                    channel: channel.to_owned(),
+                }
+                .into());
             }
             if targets.contains(&own) {
-                return Err(Error::Mls("cannot remove ourselves; leave instead".into()));
+                return Err(RemoveMemberError::RemoveSelf {
+                    channel: channel.to_owned(),
+                }
+                .into());
             }
             let (commit, _, _) = group
                 .remove_members(provider, &self.signer, &targets)
-                .map_err(|e| Error::mls("cannot remove the member", e))?;
+                .map_err(|e| match e {
+                    RemoveMembersError::GroupStateError(ref s) if is_pending_commit(s) => {
+                        RemoveMemberError::PendingCommit {
+                            channel: channel.to_owned(),
+                        }
+                    }
+                    e => RemoveMemberError::Commit {
+                        identity: identity.to_vec(),
+                        channel: channel.to_owned(),
+                        detail: openmls_detail(&e),
+                    },
+                })?;
             let commit = serialize(&commit)?;
             store::set_pending_commit(conn, channel, &commit)?;
             Ok(commit)
@@ -764,9 +952,13 @@ impl Engine {
     /// ([`Engine::commit_pending_proposals`]); processing that commit deletes our state.
     pub fn leave(&self, channel: &str) -> Result<Vec<u8>> {
         self.with_group(channel, |group, provider, _| {
-            let proposal = group
-                .leave_group(provider, &self.signer)
-                .map_err(|e| Error::mls("cannot leave the group", e))?;
+            let proposal =
+                group
+                    .leave_group(provider, &self.signer)
+                    .map_err(|e| LeaveError::Propose {
+                        channel: channel.to_owned(),
+                        detail: openmls_detail(&e),
+                    })?;
             serialize(&proposal)
         })
     }
@@ -791,7 +983,19 @@ impl Engine {
             }
             let (commit, _, _) = group
                 .commit_to_pending_proposals(provider, &self.signer)
-                .map_err(|e| Error::mls("cannot commit the pending proposals", e))?;
+                .map_err(|e| match e {
+                    CommitToPendingProposalsError::GroupStateError(ref s)
+                        if is_pending_commit(s) =>
+                    {
+                        CommitError::PendingCommit {
+                            channel: channel.to_owned(),
+                        }
+                    }
+                    e => CommitError::PendingProposals {
+                        channel: channel.to_owned(),
+                        detail: openmls_detail(&e),
+                    },
+                })?;
             let commit = serialize(&commit)?;
             store::set_pending_commit(conn, channel, &commit)?;
             Ok(Some(commit))
@@ -809,11 +1013,17 @@ impl Engine {
     pub fn merge_pending_commit(&self, channel: &str) -> Result<u64> {
         let epoch = self.with_group(channel, |group, provider, conn| {
             if group.pending_commit().is_none() {
-                return Err(Error::Mls("there is no pending commit".into()));
+                return Err(CommitError::NoPendingCommit {
+                    channel: channel.to_owned(),
+                }
+                .into());
             }
             group
                 .merge_pending_commit(provider)
-                .map_err(|e| Error::mls("cannot merge the pending commit", e))?;
+                .map_err(|e| CommitError::Merge {
+                    channel: channel.to_owned(),
+                    detail: openmls_detail(&e),
+                })?;
             store::own_commit_merged(conn, channel)?;
             Ok(group.epoch().as_u64())
         })?;
@@ -834,18 +1044,10 @@ impl Engine {
 
     /// Encrypts an application message (a PrivateMessage in an `MLSMessage`).
     pub fn encrypt(&self, channel: &str, payload: &[u8]) -> Result<Vec<u8>> {
-        if payload.len() > MAX_INPUT_LEN {
-            return Err(Error::Mls(format!(
-                "payload too large ({} bytes)",
-                payload.len()
-            )));
-        }
+        check_payload(payload)?;
         self.with_group(channel, |group, provider, conn| {
-            self.check_may_encrypt(conn, channel)?;
-            let msg = group
-                .create_message(provider, &self.signer, payload)
-                .map_err(|e| Error::mls("cannot encrypt", e))?;
-            serialize(&msg)
+            self.check_may_encrypt(group, conn, channel)?;
+            create_message(group, provider, &self.signer, channel, payload)
         })
     }
 
@@ -915,11 +1117,7 @@ impl Engine {
                         // it from the rolled-back store.
                         *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
                             .map_err(StoreError::from)?
-                            .ok_or_else(|| {
-                                Error::Internal(format!(
-                                    "the state of group {channel:?} is missing"
-                                ))
-                            })?;
+                            .ok_or_else(|| missing_group_state(channel))?;
                         store::set_cursor(conn, channel, Cursor::After(seq))?;
                         out.push(Applied {
                             seq,
@@ -979,16 +1177,28 @@ impl Engine {
         Ok(store::fresh_epoch_needed(&db.conn, channel)?)
     }
 
-    /// Refuses to encrypt where our sending generations of the epoch may have been lost.
-    fn check_may_encrypt(&self, conn: &rusqlite::Connection, channel: &str) -> Result<()> {
+    /// Refuses to encrypt where MLS forbids it (proposals pending: said here, in words the
+    /// caller can match, rather than by OpenMLS's refusal) or where our sending generations of
+    /// the epoch may have been lost.
+    fn check_may_encrypt(
+        &self,
+        group: &MlsGroup,
+        conn: &rusqlite::Connection,
+        channel: &str,
+    ) -> Result<()> {
+        if group.has_pending_proposals() {
+            return Err(EncryptError::PendingProposals {
+                channel: channel.to_owned(),
+            }
+            .into());
+        }
         if self.fresh_epochs_needed.load(Ordering::Relaxed)
             && store::fresh_epoch_needed(conn, channel)?
         {
-            return Err(Error::Mls(format!(
-                "cannot encrypt in channel {channel:?} before a commit of ours: the machine went \
-                 down while it was open, so messages it sent at this epoch may be unknown to it \
-                 (rotate_keys moves the channel to a new epoch)"
-            )));
+            return Err(EncryptError::FreshEpochNeeded {
+                channel: channel.to_owned(),
+            }
+            .into());
         }
         Ok(())
     }
@@ -1000,15 +1210,10 @@ impl Engine {
         durable: bool,
     ) -> Result<Vec<Vec<u8>>> {
         for payload in payloads {
-            if payload.len() > MAX_INPUT_LEN {
-                return Err(Error::Mls(format!(
-                    "payload too large ({} bytes)",
-                    payload.len()
-                )));
-            }
+            check_payload(payload)?;
         }
         self.with_group_durability(channel, durable, |group, provider, conn| {
-            self.check_may_encrypt(conn, channel)?;
+            self.check_may_encrypt(group, conn, channel)?;
             // One write of the ratchet state for the batch, not one per message (the
             // transaction commits it before any ciphertext is returned).
             if payloads.len() > 1 {
@@ -1016,12 +1221,7 @@ impl Engine {
             }
             payloads
                 .iter()
-                .map(|payload| {
-                    let msg = group
-                        .create_message(provider, &self.signer, payload)
-                        .map_err(|e| Error::mls("cannot encrypt", e))?;
-                    serialize(&msg)
-                })
+                .map(|payload| create_message(group, provider, &self.signer, channel, payload))
                 .collect()
         })
     }
@@ -1131,7 +1331,7 @@ impl Engine {
         lock(&self.groups)
             .get(channel)
             .cloned()
-            .ok_or_else(|| Error::Mls(format!("not a member of channel {channel:?}")))
+            .ok_or_else(|| unknown_group(channel))
     }
 
     /// Reserves the slot of a new group; refused if we already are a member.
@@ -1139,9 +1339,10 @@ impl Engine {
         let mut groups = lock(&self.groups);
         if let Some(existing) = groups.get(channel) {
             if lock(existing).group.is_some() {
-                return Err(Error::Mls(format!(
-                    "already a member of channel {channel:?}"
-                )));
+                return Err(GroupLookupError::AlreadyMember {
+                    channel: channel.to_owned(),
+                }
+                .into());
             }
         }
         let slot = Arc::new(Mutex::new(GroupSlot { group: None }));
@@ -1194,7 +1395,7 @@ impl Engine {
         let slot = lock(&slot);
         match slot.group.as_ref() {
             Some(group) => f(group),
-            None => Err(Error::Mls(format!("not a member of channel {channel:?}"))),
+            None => Err(unknown_group(channel)),
         }
     }
 
@@ -1224,7 +1425,7 @@ impl Engine {
         let slot = self.slot(channel)?;
         let mut slot = lock(&slot);
         let Some(group) = slot.group.as_mut() else {
-            return Err(Error::Mls(format!("not a member of channel {channel:?}")));
+            return Err(unknown_group(channel));
         };
         let db = lock(&self.db);
         let body = |conn: &rusqlite::Connection| {
@@ -1246,9 +1447,11 @@ impl Engine {
                 Ok(Some(fresh)) => *group = fresh,
                 Ok(None) => slot.group = None,
                 Err(e) => {
-                    return Err(Error::Internal(format!(
-                        "cannot reload group {channel:?} after a failure: {e}"
-                    )))
+                    return Err(InternalError::Reload {
+                        channel: channel.to_owned(),
+                        detail: e.to_string(),
+                    }
+                    .into())
                 }
             }
         }

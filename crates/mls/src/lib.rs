@@ -20,7 +20,11 @@ pub mod store;
 
 pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
 pub use engine::{AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
-pub use error::{Error, ErrorKind, Result};
+pub use error::{
+    AddMemberError, CommitError, CreateGroupError, EncryptError, Error, ErrorKind,
+    GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError, LeaveError,
+    OpenError, ProcessError, RemoveMemberError, Result,
+};
 pub use store::Cursor;
 
 /// The crate version, reported by `static._native.__version__`.
