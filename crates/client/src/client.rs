@@ -20,7 +20,7 @@ use crate::retry::Retry;
 use crate::shared::Shared;
 use crate::sync::lock;
 use crate::tokens::{Token, TokenProvider, Tokens};
-use crate::transport::{self, bounded, pb};
+use crate::transport::{self, pb};
 use static_mls::engine::Engine;
 
 /// One agent's client: see the crate docs.
@@ -133,39 +133,33 @@ impl Client {
         self.block_on(async move {
             shared.reach().await?;
             let mut retry = Retry::within(shared.options.retry_timeout);
-            let mut retried = false;
-            loop {
-                let (request, token) = shared
-                    .request(pb::CreateChannelRequest {
+            // Whether an attempt may have created it before its answer was lost.
+            let retried = std::sync::atomic::AtomicBool::new(false);
+            let answer = shared
+                .call(
+                    "CreateChannel",
+                    &mut retry,
+                    || pb::CreateChannelRequest {
                         channel: owned.clone(),
-                    })
-                    .await?;
-                let status = match bounded(shared.relay.clone().create_channel(request)).await {
-                    Ok(_) => return Ok(()),
-                    Err(status) => status,
-                };
-                match Refusal::from_status(&status) {
-                    // Our own earlier attempt may have created it before its answer was lost.
-                    Refusal::Final {
-                        code: Code::AlreadyExists,
-                        ..
-                    } if retried => return Ok(()),
-                    Refusal::Final {
-                        code: Code::AlreadyExists,
-                        ..
-                    } => {
-                        return Err(Error::Group(format!(
-                            "channel {owned:?} already exists on the relay; join it with a \
-                             Welcome from one of its members"
-                        )))
-                    }
-                    refusal => {
-                        retried |= matches!(refusal, Refusal::Transient { .. });
-                        let wait =
-                            shared.after(&mut retry, refusal, token.as_deref(), "CreateChannel")?;
-                        tokio::time::sleep(wait).await;
-                    }
-                }
+                    },
+                    |mut relay, request| async move { relay.create_channel(request).await },
+                    |refusal| {
+                        let exists = refusal.code() == Code::AlreadyExists;
+                        if matches!(refusal, Refusal::Transient { .. }) {
+                            retried.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        exists
+                    },
+                )
+                .await?;
+            match answer {
+                Ok(_) => Ok(()),
+                // Our own earlier attempt created it.
+                Err(_) if retried.load(std::sync::atomic::Ordering::Relaxed) => Ok(()),
+                Err(_) => Err(Error::Group(format!(
+                    "channel {owned:?} already exists on the relay; join it with a Welcome \
+                     from one of its members"
+                ))),
             }
         })?;
         let owned = name.to_owned();

@@ -9,7 +9,7 @@ use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::refusal::Refusal;
 use crate::retry::Retry;
-use crate::transport::{bounded, pb};
+use crate::transport::pb;
 use static_mls::engine::Engine;
 
 /// Makes a commit (and its Welcome, if it adds members), or `None` when there is nothing to
@@ -157,26 +157,24 @@ impl Committer {
     ) -> Result<Published> {
         let shared = &self.core.shared;
         let mut retry = Retry::within(shared.options.retry_timeout);
-        loop {
-            let (request, token) = shared
-                .request(pb::PublishRequest {
+        let answer = shared
+            .call(
+                "Publish",
+                &mut retry,
+                || pb::PublishRequest {
                     channel: self.core.name.clone(),
                     message: message.clone().into(),
                     welcome: welcome.clone().unwrap_or_default().into(),
                     idempotency_key: Default::default(),
-                })
-                .await?;
-            let status = match bounded(shared.relay.clone().publish(request)).await {
-                Ok(response) => return Ok(Published::Accepted(response.into_inner().seq)),
-                Err(status) => status,
-            };
-            match Refusal::from_status(&status) {
-                Refusal::StaleEpoch { current, .. } => return Ok(Published::Stale(current)),
-                refusal => {
-                    let wait = shared.after(&mut retry, refusal, token.as_deref(), "Publish")?;
-                    tokio::time::sleep(wait).await;
-                }
-            }
+                },
+                |mut relay, request| async move { relay.publish(request).await },
+                |refusal| matches!(refusal, Refusal::StaleEpoch { .. }),
+            )
+            .await?;
+        match answer {
+            Ok(response) => Ok(Published::Accepted(response.seq)),
+            Err(Refusal::StaleEpoch { current, .. }) => Ok(Published::Stale(current)),
+            Err(refusal) => Err(refusal.into_error("Publish")),
         }
     }
 }

@@ -177,17 +177,6 @@ impl Encryptor {
         self.handoff.1.notify_all();
     }
 
-    /// Whether `error` (from encrypting) is MLS refusing to send while proposals are pending.
-    fn awaits_proposal_commit(&self, error: &Error) -> bool {
-        matches!(error, Error::Mls(_))
-            && self
-                .core
-                .shared
-                .engine()
-                .and_then(|e| Ok(e.has_pending_proposals(&self.core.name)?))
-                .unwrap_or(false)
-    }
-
     /// Gets ready to send again after `trouble` (on a caller's or the sender's thread): waits
     /// for the epoch a refusal or a pending proposal calls for, or as the retry policy says;
     /// the error that ends the send otherwise. `reencrypted` counts the stale-epoch refusals
@@ -200,14 +189,14 @@ impl Encryptor {
     ) -> Result<()> {
         let core = &self.core;
         match trouble {
-            Trouble::Failed(e) if self.awaits_proposal_commit(&e) => {
+            Trouble::Failed(Error::Mls(e)) if e.is_pending_proposals() => {
                 // A member's proposal (e.g. a leave) is pending: MLS forbids application
                 // messages until a commit covers it, which a member makes at once (see the
                 // applier). Wait for that epoch, then encrypt again.
                 let epoch = core.shared.engine()?.epoch(&core.name)?;
                 core.block_on(core.wait_epoch(epoch + 1))?;
                 if retry.expired() {
-                    return Err(e);
+                    return Err(e.into());
                 }
                 Ok(())
             }

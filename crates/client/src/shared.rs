@@ -180,33 +180,40 @@ impl Shared {
         }
         let mut retry = Retry::within(self.options.connect_timeout);
         loop {
-            let (request, _) = self
-                .request(pb::FetchWelcomeRequest {
-                    channel: String::new(),
-                    key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(
-                        vec![0; 32].into(),
-                    )),
-                })
-                .await?;
-            let left = retry.deadline().map_or(Duration::ZERO, |d| {
-                d.saturating_duration_since(Instant::now())
-            });
-            let answer = tokio::time::timeout(
-                left.max(Duration::from_millis(100)),
-                self.relay.clone().fetch_welcome(request),
-            )
-            .await;
-            let refusal = match answer {
-                Ok(Ok(_)) => None,
-                Ok(Err(status)) => match Refusal::from_status(&status) {
-                    transient @ Refusal::Transient { .. } => Some(transient),
-                    // Any other answer comes from the relay.
-                    _ => None,
-                },
-                Err(_) => Some(Refusal::transient(
-                    tonic::Code::DeadlineExceeded,
-                    "no answer",
+            let probe = pb::FetchWelcomeRequest {
+                channel: String::new(),
+                key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(
+                    vec![0; 32].into(),
                 )),
+            };
+            let refusal = match self.request(probe).await {
+                Ok((request, _)) => {
+                    let left = retry.deadline().map_or(Duration::ZERO, |d| {
+                        d.saturating_duration_since(Instant::now())
+                    });
+                    let answer = tokio::time::timeout(
+                        left.max(Duration::from_millis(100)),
+                        self.relay.clone().fetch_welcome(request),
+                    )
+                    .await;
+                    match answer {
+                        Ok(Ok(_)) => None,
+                        Ok(Err(status)) => match Refusal::from_status(&status) {
+                            transient @ Refusal::Transient { .. } => Some(transient),
+                            // Any other answer comes from the relay.
+                            _ => None,
+                        },
+                        Err(_) => Some(Refusal::transient(
+                            tonic::Code::DeadlineExceeded,
+                            "no answer",
+                        )),
+                    }
+                }
+                // No token for now (the API is unreachable): tried again like the relay.
+                Err(Error::Unreachable(why)) => {
+                    Some(Refusal::transient(tonic::Code::Unavailable, why))
+                }
+                Err(e) => return Err(e),
             };
             let Some(refusal) = refusal else {
                 self.reached.store(true, Ordering::Release);
@@ -251,6 +258,41 @@ impl Shared {
         tokio::task::spawn_blocking(move || f(&engine))
             .await
             .map_err(|e| Error::task("a background task failed", e))?
+    }
+
+    /// Makes a unary call to the relay with `message` until it is answered, `refused` says a
+    /// refusal is the caller's to handle (it is returned), or the retry policy gives up. A
+    /// token provider that cannot give a token for now counts as a transient failure.
+    pub(crate) async fn call<M, R, Fut>(
+        &self,
+        name: &str,
+        retry: &mut Retry,
+        message: impl Fn() -> M,
+        send: impl Fn(RelayClient, Request<M>) -> Fut,
+        refused: impl Fn(&Refusal) -> bool,
+    ) -> Result<std::result::Result<R, Refusal>>
+    where
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, tonic::Status>>,
+    {
+        loop {
+            let (refusal, token) = match self.request(message()).await {
+                Ok((request, token)) => {
+                    match crate::transport::bounded(send(self.relay.clone(), request)).await {
+                        Ok(response) => return Ok(Ok(response.into_inner())),
+                        Err(status) => (Refusal::from_status(&status), token),
+                    }
+                }
+                Err(Error::Unreachable(why)) => {
+                    (Refusal::transient(tonic::Code::Unavailable, why), None)
+                }
+                Err(e) => return Err(e),
+            };
+            if refused(&refusal) {
+                return Ok(Err(refusal));
+            }
+            let wait = self.after(retry, refusal, token.as_deref(), name)?;
+            tokio::time::sleep(wait).await;
+        }
     }
 
     /// What a loop does after `refusal` of `call` under `retry`: the wait before its next
