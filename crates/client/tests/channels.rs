@@ -9,11 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::{
-    assert_quiet, expect_error, invite, member_names, receive, receive_n, run_parallel,
-    wait_until, watchdog, Agent, Authority, Provider, Relay, INVALID_NAME, MLS, TRANSPORT, WAIT,
+    assert_quiet, expect_error, invite, member_names, receive, receive_n, run_parallel, wait_until,
+    watchdog, Agent, Authority, Job, Provider, Relay, INVALID_NAME, MLS, TRANSPORT, WAIT,
 };
 
 const QUIET: Duration = Duration::from_millis(500);
+
+/// Each commit's outcome in a race: the Welcome of an add, or the error's text.
+type Outcomes = Vec<Result<Option<Vec<u8>>, String>>;
 
 #[test]
 fn two_members_exchange_messages() {
@@ -29,7 +32,11 @@ fn two_members_exchange_messages() {
     let key_package = bob.generate_key_package().unwrap();
     let welcome = a.add_member(key_package).unwrap();
     assert!(!welcome.is_empty());
-    assert_eq!(a.epoch().unwrap(), 1, "the add is merged when add_member returns");
+    assert_eq!(
+        a.epoch().unwrap(),
+        1,
+        "the add is merged when add_member returns"
+    );
     let b = bob.join_channel(name, &welcome).unwrap();
 
     assert_eq!(member_names(&a), ["alice", "bob"]);
@@ -89,8 +96,7 @@ fn concurrent_commits_converge() {
 
     const ROTATIONS: usize = 3;
     let key_package = newcomer.generate_key_package().unwrap();
-    let mut jobs: Vec<Box<dyn FnOnce() -> Vec<Result<Option<Vec<u8>>, String>> + Send>> =
-        Vec::new();
+    let mut jobs: Vec<Job<Outcomes>> = Vec::new();
     for channel in &channels[..3] {
         let channel = Arc::clone(channel);
         jobs.push(Box::new(move || {
@@ -140,11 +146,9 @@ fn concurrent_commits_converge() {
         channels.push(newcomer.join_channel(name, &welcome).unwrap());
     }
     let expected = start_epoch + committed;
-    wait_until(
-        "every member reaches the last epoch",
-        WAIT,
-        || channels.iter().all(|c| c.epoch().unwrap() == expected),
-    );
+    wait_until("every member reaches the last epoch", WAIT, || {
+        channels.iter().all(|c| c.epoch().unwrap() == expected)
+    });
     let authenticator = channels[0].epoch_authenticator().unwrap();
     for channel in &channels {
         assert_eq!(channel.epoch_authenticator().unwrap(), authenticator);
@@ -200,9 +204,7 @@ fn send_after_missed_commits(commits: usize) {
         "{commits} missed commits: alice sent at local epoch {sent_at} (channel at {current})"
     );
     assert_eq!(receive(&b, WAIT), b"after");
-    wait_until("alice catches up", WAIT, || {
-        a.epoch().unwrap() == current
-    });
+    wait_until("alice catches up", WAIT, || a.epoch().unwrap() == current);
     assert_eq!(
         a.epoch_authenticator().unwrap(),
         b.epoch_authenticator().unwrap()
@@ -251,9 +253,7 @@ fn final_refusals_of_names_and_welcomes() {
     expect_error(carol.join_channel(name, b"not a welcome"), MLS);
     // A Welcome for someone else.
     let bob = Agent::new(&relay, "bob");
-    let welcome = a
-        .add_member(bob.generate_key_package().unwrap())
-        .unwrap();
+    let welcome = a.add_member(bob.generate_key_package().unwrap()).unwrap();
     expect_error(carol.join_channel(name, &welcome), MLS);
     assert!(carol.channels().unwrap().is_empty());
     // The channel still works for its members.
@@ -270,7 +270,8 @@ fn join_of_another_accounts_channel_is_refused() {
     let authority = Authority::new();
     let relay = Relay::start_with(|_| {}, Some(authority.verifier()));
     let alice = support::authed_agent(&relay, "alice", &Provider::new(&authority, "acme", &[]));
-    let mallory = support::authed_agent(&relay, "mallory", &Provider::new(&authority, "other", &[]));
+    let mallory =
+        support::authed_agent(&relay, "mallory", &Provider::new(&authority, "other", &[]));
     let name = "acme/agents/private";
     let a = alice.create_channel(name).unwrap();
     let welcome = a
@@ -286,4 +287,3 @@ fn join_of_another_accounts_channel_is_refused() {
     assert_eq!(member_names(&m), ["mallory"]);
     assert_eq!(member_names(&a), ["alice", "mallory"]);
 }
-

@@ -9,15 +9,16 @@ use std::time::{Duration, Instant};
 
 use static_client::ClientOptions;
 use support::{
-    assert_quiet, authed_agent, closed_port, expect_error, invite, receive, receive_n,
-    wait_until, watchdog, Agent, Authority, Background, Provider, Relay, Step, AUTH, TRANSPORT,
-    WAIT,
+    assert_quiet, authed_agent, closed_port, expect_error, invite, receive, receive_n, wait_until,
+    watchdog, Agent, Authority, Background, Provider, Relay, Step, AUTH, TRANSPORT, WAIT,
 };
 
 const QUIET: Duration = Duration::from_millis(500);
 
 fn texts(prefix: &str, range: std::ops::Range<usize>) -> Vec<Vec<u8>> {
-    range.map(|i| format!("{prefix} {i}").into_bytes()).collect()
+    range
+        .map(|i| format!("{prefix} {i}").into_bytes())
+        .collect()
 }
 
 /// A relay allowing 50 messages/s per agent, sent more than that: RESOURCE_EXHAUSTED with
@@ -48,7 +49,10 @@ fn rate_limited_sends_arrive_once_in_order() {
     let took = started.elapsed();
     // Beyond the burst of RATE, the relay lets RATE through per second: the limit was hit.
     let floor = Duration::from_millis(((N - RATE) * 1000 / RATE) as u64) * 8 / 10;
-    assert!(took >= floor, "{N} sends took {took:?}: the rate limit never applied");
+    assert!(
+        took >= floor,
+        "{N} sends took {took:?}: the rate limit never applied"
+    );
 
     let pipelined = texts("pipelined", 0..N);
     let handles: Vec<_> = pipelined
@@ -91,7 +95,11 @@ fn refused_tokens_are_replaced() {
     let bob = authed_agent(&relay, "bob", &bob_tokens);
 
     let a = alice.create_channel("acme/agents/tokens").unwrap();
-    assert_eq!(alice_tokens.fetches(), 2, "the refused token was replaced once");
+    assert_eq!(
+        alice_tokens.fetches(),
+        2,
+        "the refused token was replaced once"
+    );
     assert!(authority.refused.load(Ordering::SeqCst) >= 1);
     let b = invite(&a, &bob);
     a.send(b"one".to_vec()).unwrap();
@@ -102,9 +110,15 @@ fn refused_tokens_are_replaced() {
     authority.revoke_all();
     let (alice_before, bob_before) = (alice_tokens.fetches(), bob_tokens.fetches());
     a.rotate_keys().unwrap();
-    assert!(alice_tokens.fetches() > alice_before, "alice kept her refused token");
+    assert!(
+        alice_tokens.fetches() > alice_before,
+        "alice kept her refused token"
+    );
     b.send(b"two".to_vec()).unwrap();
-    assert!(bob_tokens.fetches() > bob_before, "bob kept his refused token");
+    assert!(
+        bob_tokens.fetches() > bob_before,
+        "bob kept his refused token"
+    );
     assert_eq!(receive(&a, WAIT), b"two");
 
     // Expired again while the relay restarts: the subscriptions come back with fresh tokens.
@@ -276,6 +290,9 @@ fn unreachable_relay_fails_within_the_connect_timeout() {
     assert!(text.contains(&port.to_string()), "{text}");
     assert!(agent.channels().unwrap().is_empty());
     let started = Instant::now();
-    expect_error(agent.join_channel("acme/agents/nowhere", b"welcome"), TRANSPORT);
+    expect_error(
+        agent.join_channel("acme/agents/nowhere", b"welcome"),
+        TRANSPORT,
+    );
     assert!(started.elapsed() < connect_timeout + Duration::from_secs(3));
 }

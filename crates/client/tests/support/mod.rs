@@ -342,7 +342,10 @@ pub fn assert_quiet(channel: &Channel, quiet: Duration) {
 pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !condition() {
-        assert!(Instant::now() < deadline, "timed out after {timeout:?}: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?}: {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -417,12 +420,12 @@ impl<T: Send + 'static> Background<T> {
     }
 }
 
+/// Work for [`run_parallel`].
+pub type Job<T> = Box<dyn FnOnce() -> T + Send>;
+
 /// Runs each of `jobs` on a thread of its own and returns their results in order, panicking if
 /// they are not all done within `timeout` (or one panicked).
-pub fn run_parallel<T: Send + 'static>(
-    timeout: Duration,
-    jobs: Vec<Box<dyn FnOnce() -> T + Send>>,
-) -> Vec<T> {
+pub fn run_parallel<T: Send + 'static>(timeout: Duration, jobs: Vec<Job<T>>) -> Vec<T> {
     let deadline = Instant::now() + timeout;
     let running: Vec<Background<T>> = jobs
         .into_iter()
@@ -561,7 +564,12 @@ type FetchResult = static_mls::error::Result<Token>;
 impl TokenProvider for Provider {
     fn fetch(&self) -> FetchResult {
         self.fetches.fetch_add(1, Ordering::SeqCst);
-        let step = self.script.lock().unwrap().pop_front().unwrap_or(Step::Valid);
+        let step = self
+            .script
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(Step::Valid);
         let value = match step {
             Step::Valid => self.authority.issue(&self.account),
             Step::Invalid => format!("{}.forged", self.account),
