@@ -111,7 +111,6 @@ fn twenty_channels() {
 /// Fewer channels than the relay's cap of 100 streams per connection, but each channel that
 /// has sent keeps a publish call open besides its subscription: 60 + 40 reach the cap.
 #[test]
-#[ignore = "needs the multiplexed subscription (issue 18), publish calls included: today 60 Subscribe + 40 PublishBatches streams reach the relay's cap of 100 per connection"]
 fn sixty_channels_all_sending() {
     let _watchdog = watchdog("sixty_channels_all_sending", Duration::from_secs(300));
     many_channels(60);

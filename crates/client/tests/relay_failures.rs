@@ -171,7 +171,6 @@ fn auth_failures_are_final() {
 /// A provider that cannot reach its token endpoint once (an error other than auth) is
 /// retried, as `TokenProvider` documents, and the call succeeds.
 #[test]
-#[ignore = "client bug: an unreachable token endpoint fails create_channel at once (Shared::reach and the CreateChannel loop propagate the provider's error with `?`) instead of being retried as TokenProvider documents"]
 fn unreachable_token_endpoint_is_retried() {
     let _watchdog = watchdog("unreachable_token_endpoint", Duration::from_secs(120));
     let authority = Authority::new();

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use static_client::{Channel, Client, ClientOptions, Next, Token, TokenProvider};
+use static_client::{Channel, Client, ClientOptions, Next, Token, TokenError, TokenProvider};
 use static_relay::{Principal, RelayConfig, RelayError, RelayServer, Verify};
 use tempfile::TempDir;
 use tokio::runtime::Runtime;
@@ -558,8 +558,8 @@ impl Provider {
     }
 }
 
-/// The error type of [`TokenProvider::fetch`] (the one place tests name it).
-type FetchResult = static_mls::error::Result<Token>;
+/// What [`TokenProvider::fetch`] returns.
+type FetchResult = Result<Token, TokenError>;
 
 impl TokenProvider for Provider {
     fn fetch(&self) -> FetchResult {
@@ -573,13 +573,9 @@ impl TokenProvider for Provider {
         let value = match step {
             Step::Valid => self.authority.issue(&self.account),
             Step::Invalid => format!("{}.forged", self.account),
-            Step::Refused => {
-                return Err(static_mls::error::Error::Auth(
-                    "the API key is revoked".into(),
-                ))
-            }
+            Step::Refused => return Err(TokenError::Refused("the API key is revoked".into())),
             Step::Unreachable => {
-                return Err(static_mls::error::Error::Transport(
+                return Err(TokenError::Unavailable(
                     "the token endpoint is unreachable".into(),
                 ))
             }
