@@ -238,7 +238,8 @@ impl Many {
         }
         if self.stale > STALE_SWEEP && self.stale * 2 > self.ready.len() {
             let follows = &self.follows;
-            self.ready.retain(|(name, id)| is_queued(follows, name, *id));
+            self.ready
+                .retain(|(name, id)| is_queued(follows, name, *id));
             self.stale = 0;
         }
     }
