@@ -228,3 +228,22 @@ def test_hundreds_of_channels_on_one_stream(relay: Relay) -> None:
     )
     assert live < 20, f"{count} adds took {live:.1f}s"
     many.cancel()
+
+
+def test_adds_beyond_the_cap_are_refused(start_server: Start) -> None:
+    server = start_server("--allow-anonymous", "--relay-max-subscriptions", "2")
+    with Relay(server.relay_url) as relay:
+        for i in range(3):
+            relay.create(name(i))
+        many = Many(relay)
+        for i in range(3):
+            many.add(name(i))
+        assert [many.answer(name(i)) for i in range(2)] == [0, 0]
+        assert many.answer(name(2)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "this stream follows 2 channels already, the most it may",
+        )
+        many.remove(name(0))
+        many.add(name(2))
+        assert many.answer(name(2), 2) == 0
+        many.cancel()
