@@ -212,6 +212,7 @@ class RelayServer:
         application_window: int,
         keepalive_interval: float,
         max_streams_per_connection: int,
+        max_subscriptions_per_stream: int,
         reset_burst: int,
         reset_rate_per_second: float,
         publish_rate_per_agent: float,

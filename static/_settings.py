@@ -96,6 +96,8 @@ class RelaySettings:
     revocation_check_seconds: float = 0.5
     #: Concurrent streams (calls) per connection; more get RESOURCE_EXHAUSTED.
     max_streams_per_connection: int = 100
+    #: Channels one SubscribeMany stream may follow at once; more adds get RESOURCE_EXHAUSTED.
+    max_subscriptions_per_stream: int = 10_000
     #: Stream resets a connection may make: a burst, then this many a second; past it the
     #: connection is closed (HTTP/2 rapid reset).
     reset_burst: int = 200

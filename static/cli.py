@@ -93,6 +93,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     serve.add_argument(
+        "--relay-max-subscriptions",
+        type=int,
+        default=int(_env("STATIC_RELAY_MAX_SUBSCRIPTIONS", "10000")),
+        metavar="N",
+        help="channels one relay SubscribeMany stream may follow "
+        "[STATIC_RELAY_MAX_SUBSCRIPTIONS] (default %(default)s)",
+    )
+    serve.add_argument(
         "--token-ttl",
         type=int,
         default=int(_env("STATIC_TOKEN_TTL", "900")),
@@ -128,6 +136,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         raise ValueError("--relay-publish-rate must be >= 0")
     if not 1 <= args.relay_max_streams <= 10000:
         raise ValueError("--relay-max-streams must be between 1 and 10000")
+    if not 1 <= args.relay_max_subscriptions <= 1_000_000:
+        raise ValueError("--relay-max-subscriptions must be between 1 and 1000000")
     settings = ServerSettings(
         http=args.http,
         relay=args.relay,
@@ -143,6 +153,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
             keepalive_interval_seconds=args.relay_keepalive,
             publish_rate_per_agent=args.relay_publish_rate,
             max_streams_per_connection=args.relay_max_streams,
+            max_subscriptions_per_stream=args.relay_max_subscriptions,
         ),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused

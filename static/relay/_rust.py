@@ -147,6 +147,7 @@ async def serve_rust_relay(
         application_window=relay.application_epoch_window,
         keepalive_interval=relay.keepalive_interval_seconds,
         max_streams_per_connection=relay.max_streams_per_connection,
+        max_subscriptions_per_stream=relay.max_subscriptions_per_stream,
         reset_burst=relay.reset_burst,
         reset_rate_per_second=relay.reset_rate_per_second,
         publish_rate_per_agent=relay.publish_rate_per_agent,

@@ -103,8 +103,8 @@ impl RelayServer {
     #[new]
     #[pyo3(signature = (
         *, host, port, database, verify, allow_anonymous, max_message_bytes, graceful_timeout,
-        application_window, keepalive_interval, max_streams_per_connection, reset_burst,
-        reset_rate_per_second, publish_rate_per_agent,
+        application_window, keepalive_interval, max_streams_per_connection,
+        max_subscriptions_per_stream, reset_burst, reset_rate_per_second, publish_rate_per_agent,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -119,6 +119,7 @@ impl RelayServer {
         application_window: u64,
         keepalive_interval: f64,
         max_streams_per_connection: u32,
+        max_subscriptions_per_stream: usize,
         reset_burst: u32,
         reset_rate_per_second: f64,
         publish_rate_per_agent: f64,
@@ -135,6 +136,7 @@ impl RelayServer {
             application_window,
             keepalive_interval: seconds(keepalive_interval),
             max_streams_per_connection,
+            max_subscriptions_per_stream,
             reset_burst,
             reset_rate_per_second,
             publish_rate_per_agent,

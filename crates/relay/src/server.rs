@@ -55,6 +55,8 @@ pub struct RelayConfig {
     pub application_window: u64,
     pub keepalive_interval: Duration,
     pub max_streams_per_connection: u32,
+    /// Channels one SubscribeMany stream may follow at once.
+    pub max_subscriptions_per_stream: usize,
     pub reset_burst: u32,
     pub reset_rate_per_second: f64,
     /// 0 = no limit.
@@ -75,6 +77,7 @@ impl RelayConfig {
             application_window: 5,
             keepalive_interval: Duration::from_secs(2),
             max_streams_per_connection: 100,
+            max_subscriptions_per_stream: 10_000,
             reset_burst: 200,
             reset_rate_per_second: 50.0,
             publish_rate_per_agent: 10_000.0,
@@ -135,6 +138,7 @@ impl RelayServer {
             max_message_bytes: config.max_message_bytes,
             keepalive_interval: config.keepalive_interval,
             publish_rate_per_agent: config.publish_rate_per_agent,
+            max_subscriptions_per_stream: config.max_subscriptions_per_stream,
         };
         let transport_limit = settings.transport_limit();
         let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());

@@ -1,4 +1,5 @@
-//! The Relay service: the six RPCs of `proto/relay.proto` over the channel log.
+//! The Relay service: the RPCs of `proto/relay.proto` over the channel log (SubscribeMany's
+//! driver in [`many`]).
 //! Status codes and texts are the protocol's (`proto/relay.proto`, `tests/relay/`).
 //!
 //! Every call's work runs in the task that serves its HTTP/2 stream: a unary call in its
@@ -27,6 +28,8 @@ use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, Outcome, Welcome
 use crate::pb;
 use crate::rules::{self, TokenBucket};
 
+mod many;
+
 /// Rate-limit buckets kept before idle ones are dropped.
 const MAX_BUCKETS: usize = 10_000;
 /// Publishes of one PublishStream call queued ahead of their answers.
@@ -52,6 +55,8 @@ pub(crate) struct ServiceSettings {
     pub keepalive_interval: Duration,
     /// 0 = no limit.
     pub publish_rate_per_agent: f64,
+    /// Channels one SubscribeMany stream may follow at once.
+    pub max_subscriptions_per_stream: usize,
 }
 
 impl ServiceSettings {
@@ -673,18 +678,26 @@ fn consecutive(page: Vec<Entry>, cursor: u64, head: u64) -> Result<Vec<Entry>> {
     Ok(page)
 }
 
-/// A page as Subscribe responses: one `entry` each, or with `max_batch > 1` runs of at most
-/// `max_batch` entries and about [`SUBSCRIBE_BATCH_BYTES`] (a larger entry travels alone).
+/// A page as Subscribe responses: one `entry` each, or with `max_batch > 1` runs of
+/// [`batches`].
 fn responses(page: Vec<Entry>, max_batch: usize) -> Vec<pb::SubscribeResponse> {
     use pb::subscribe_response::Item;
-    if max_batch <= 1 {
-        return page
-            .into_iter()
-            .map(|e| pb::SubscribeResponse {
-                item: Some(Item::Entry(wire_entry(e))),
-            })
-            .collect();
-    }
+    let single = max_batch <= 1;
+    batches(page, max_batch)
+        .into_iter()
+        .map(|mut entries| {
+            // batches() gives runs of one entry each when `single`.
+            let entry = if single { entries.pop() } else { None };
+            let item = entry.map_or_else(|| Item::Entries(pb::Entries { entries }), Item::Entry);
+            pb::SubscribeResponse { item: Some(item) }
+        })
+        .collect()
+}
+
+/// A page cut into runs of at most `max_batch` entries (one each for 0 or 1) and about
+/// [`SUBSCRIBE_BATCH_BYTES`] (a larger entry travels alone), in order.
+fn batches(page: Vec<Entry>, max_batch: usize) -> Vec<Vec<pb::Entry>> {
+    let max_batch = max_batch.max(1);
     let mut out = Vec::new();
     let mut current: Vec<pb::Entry> = Vec::new();
     let mut size = 0;
@@ -701,11 +714,7 @@ fn responses(page: Vec<Entry>, max_batch: usize) -> Vec<pb::SubscribeResponse> {
     if !current.is_empty() {
         out.push(current);
     }
-    out.into_iter()
-        .map(|entries| pb::SubscribeResponse {
-            item: Some(Item::Entries(pb::Entries { entries })),
-        })
-        .collect()
+    out
 }
 
 #[tonic::async_trait]
@@ -780,6 +789,15 @@ impl pb::relay_server::Relay for Relay {
         Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
             inner.follow(channel, after_seq, max_batch, guard, tx)
         })))
+    }
+
+    type SubscribeManyStream = Driven<Result<pb::SubscribeManyResponse, Status>>;
+
+    async fn subscribe_many(
+        &self,
+        request: Request<Streaming<pb::SubscribeManyRequest>>,
+    ) -> Result<Response<Self::SubscribeManyStream>, Status> {
+        self.driven(request, Inner::subscribe_many).await
     }
 
     async fn fetch_welcome(
