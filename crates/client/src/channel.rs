@@ -18,6 +18,7 @@ use crate::reader::Follower;
 use crate::retry::Retry;
 use crate::sender::Sender;
 use crate::shared::Shared;
+use crate::subscriber::Subscriptions;
 use crate::sync::lock;
 use static_mls::engine::{Engine, Member};
 use static_mls::store::Cursor;
@@ -58,7 +59,8 @@ pub struct Channel {
     core: Arc<ChannelCore>,
     encryptor: Arc<Encryptor>,
     committer: Arc<Committer>,
-    /// The channel's tasks (its subscription, its commits of members' proposals).
+    /// The channel's tasks (its commits of members' proposals; it is followed on the client's
+    /// subscriptions).
     pub(crate) tasks: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -68,6 +70,7 @@ impl Channel {
         name: &str,
         outbound: mpsc::UnboundedSender<Vec<Outbound>>,
         pool: &Arc<Pool>,
+        subscriptions: &Subscriptions,
     ) -> Result<Arc<Self>> {
         let engine = shared.engine()?;
         let cursor = engine.cursor(name)?;
@@ -106,10 +109,8 @@ impl Channel {
                 }
             }
         };
-        *lock(&channel.tasks) = vec![
-            shared.handle.spawn(crate::subscriber::subscribe(follower)),
-            shared.handle.spawn(proposals),
-        ];
+        subscriptions.follow(follower);
+        *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
         Ok(channel)
     }
 

@@ -259,40 +259,45 @@ impl ChannelCore {
 
     /// Waits until the applier has passed `seq`.
     pub(crate) async fn wait_applied(&self, seq: u64) -> Result<()> {
-        let mut rx = self.progress.subscribe();
-        let waited = tokio::time::timeout(
-            PROGRESS_TIMEOUT,
-            rx.wait_for(|p| p.applied_seq >= seq || p.ended.is_some()),
+        self.wait_until(
+            |p| p.applied_seq >= seq,
+            || format!("the channel's log did not reach seq {seq}"),
         )
-        .await;
-        if waited.is_err() {
-            return Err(Error::Unreachable(format!(
-                "the channel's log did not reach seq {seq} within {PROGRESS_TIMEOUT:?}"
-            )));
-        }
-        let p = self.progress.borrow().clone();
-        match p.ended {
-            Some(end) if p.applied_seq < seq => Err(end.error(&self.name)),
-            _ => Ok(()),
-        }
+        .await
     }
 
     /// Waits until the applier has reached `epoch` (the winner of a lost commit race).
     pub(crate) async fn wait_epoch(&self, epoch: u64) -> Result<()> {
+        self.wait_until(
+            |p| p.epoch >= epoch,
+            || format!("the channel did not reach epoch {epoch}"),
+        )
+        .await
+    }
+
+    /// Waits up to [`PROGRESS_TIMEOUT`] until the progress is `reached`; the channel's end
+    /// if it ended before.
+    async fn wait_until(
+        &self,
+        reached: impl Fn(&Progress) -> bool,
+        not_reached: impl Fn() -> String,
+    ) -> Result<()> {
         let mut rx = self.progress.subscribe();
         let waited = tokio::time::timeout(
             PROGRESS_TIMEOUT,
-            rx.wait_for(|p| p.epoch >= epoch || p.ended.is_some()),
+            rx.wait_for(|p| reached(p) || p.ended.is_some()),
         )
         .await;
         if waited.is_err() {
             return Err(Error::Unreachable(format!(
-                "the channel did not reach epoch {epoch} within {PROGRESS_TIMEOUT:?}"
+                "{} within {PROGRESS_TIMEOUT:?}",
+                not_reached()
             )));
         }
-        match self.progress.borrow().ended.clone() {
-            Some(end) => Err(end.error(&self.name)),
-            None => Ok(()),
+        let p = self.progress.borrow().clone();
+        match p.ended {
+            Some(end) if !reached(&p) => Err(end.error(&self.name)),
+            _ => Ok(()),
         }
     }
 

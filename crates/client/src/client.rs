@@ -18,6 +18,7 @@ use crate::publisher::{publisher, Outbound};
 use crate::refusal::Refusal;
 use crate::retry::Retry;
 use crate::shared::Shared;
+use crate::subscriber::Subscriptions;
 use crate::sync::lock;
 use crate::tokens::{Token, TokenProvider, Tokens};
 use crate::transport::{self, pb};
@@ -31,6 +32,8 @@ pub struct Client {
     /// The client's one publisher (see `publisher`), shared by its channels.
     outbound: mpsc::UnboundedSender<Vec<Outbound>>,
     appliers: Arc<Pool>,
+    /// The client's subscriptions (see `subscriber`), shared by its channels.
+    subscriptions: Subscriptions,
     applier_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     identity: Vec<u8>,
     data_dir: PathBuf,
@@ -85,6 +88,7 @@ impl Client {
         let (appliers, applier_threads) = Pool::start()?;
         Ok(Self {
             runtime: Mutex::new(Some(runtime)),
+            subscriptions: Subscriptions::new(Arc::clone(&shared)),
             shared,
             channels: Mutex::new(HashMap::new()),
             outbound,
@@ -230,6 +234,7 @@ impl Client {
             name,
             self.outbound.clone(),
             &self.appliers,
+            &self.subscriptions,
         )?;
         channels.insert(name.to_owned(), Arc::clone(&channel));
         Ok(channel)

@@ -117,14 +117,14 @@ fn sixty_channels_all_sending() {
 }
 
 #[test]
-#[ignore = "needs the multiplexed subscription (issue 18)"]
+
 fn a_hundred_and_fifty_channels() {
     let _watchdog = watchdog("a_hundred_and_fifty_channels", Duration::from_secs(300));
     many_channels(150);
 }
 
 #[test]
-#[ignore = "needs the multiplexed subscription (issue 18)"]
+
 fn ten_thousand_channels() {
     let _watchdog = watchdog("ten_thousand_channels", Duration::from_secs(3600));
     many_channels(10_000);
