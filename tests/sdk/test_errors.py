@@ -65,6 +65,37 @@ def test_mls_engine_errors(relay: ServerProcess, clients: Clients) -> None:
     assert bobs.receive(WAIT) == b"ok"
 
 
+def test_adding_a_member_twice_says_so(relay: ServerProcess, clients: Clients) -> None:
+    alice, bob = clients(relay, b"alice"), clients(relay, b"bob")
+    channel = alice.create_channel(channel_name())
+    channel.add_member(bob.generate_key_package())
+    epoch = channel.epoch()
+    # A fresh key package of a member already in the group: refused before any commit.
+    with pytest.raises(MLSEngineError) as info:
+        channel.add_member(bob.generate_key_package())
+    message = str(info.value)
+    assert message.startswith("MLS engine error: cannot add b'bob'")
+    assert "is already in channel" in message and channel.name in message
+    assert "DuplicateSignatureKey" not in message
+    assert channel.epoch() == epoch
+    # Nothing was left pending: the channel goes on.
+    channel.rotate_keys()
+
+
+def test_someone_elses_welcome_says_so(relay: ServerProcess, clients: Clients) -> None:
+    alice, bob, carol = clients(relay, b"alice"), clients(relay, b"bob"), clients(relay, b"carol")
+    channel = alice.create_channel(channel_name())
+    welcome = channel.add_member(bob.generate_key_package())
+    with pytest.raises(MLSEngineError) as info:
+        carol.join_channel(channel.name, welcome)
+    message = str(info.value)
+    assert message.startswith("MLS engine error: this Welcome is not addressed to this client")
+    assert "NoMatchingKeyPackage" not in message
+    assert carol.channels() == []
+    # Bob's own Welcome still works.
+    bob.join_channel(channel.name, welcome)
+
+
 def test_channel_existing_on_the_relay(relay: ServerProcess, clients: Clients) -> None:
     name = channel_name()
     clients(relay, b"alice").create_channel(name)
