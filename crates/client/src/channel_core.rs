@@ -46,7 +46,7 @@ pub struct Progress {
     pub applied_seq: u64,
     /// The group's epoch after it.
     pub epoch: u64,
-    /// The channel's last seq as of the latest keep-alive.
+    /// The channel's last seq when its subscription was last (re)established.
     pub head_seq: u64,
     /// Whether a subscription is currently established.
     pub connected: bool,
