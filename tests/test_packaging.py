@@ -19,6 +19,11 @@ from tests.support.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Above the global per-test timeout (pyproject.toml): the module's first test also builds the
+# wheel, a release build of the Rust extension that may start cold (over 5 minutes on 2 shared
+# cores); each of the fixture's subprocesses is bounded by _run's own timeout.
+pytestmark = pytest.mark.timeout(2400)
+
 ROUND_TRIP = textwrap.dedent(
     """
     import sys, tempfile

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from static_sdk import Channel, StaticClient
 from tests.support.server import ServerProcess
 
-__all__ = ["Clients", "channel_name", "receive_n"]
+__all__ = ["Clients", "channel_name", "next_within", "read_to_end", "receive_n", "within"]
+
+T = TypeVar("T")
 
 #: Upper bound of any single wait in these tests (nothing may hang).
 WAIT = 20.0
@@ -78,3 +82,39 @@ def clients(tmp_path: Path) -> Iterator[Clients]:
 def receive_n(channel: Channel, n: int, timeout: float = WAIT) -> list[bytes]:
     """Exactly ``n`` messages, each within ``timeout``."""
     return [channel.receive(timeout) for _ in range(n)]
+
+
+def within(call: Callable[[], T], what: str, timeout: float = WAIT) -> T:
+    """``call()``, for a blocking call that has no timeout of its own: run in a daemon thread
+    and waited for at most ``timeout`` seconds. Its result, or its exception raised here; the
+    test fails (naming ``what`` it waited for) if it is still blocked then, the thread left
+    behind."""
+    outcome: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name=f"within: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"still waiting for {what} after {timeout} s")
+    if error:
+        raise error[0]
+    return outcome[0]
+
+
+def next_within(messages: Iterator[bytes], timeout: float = WAIT) -> bytes:
+    """``next(messages)`` (the spec's blocking iterator, which has no timeout), failing the test
+    if no message comes within ``timeout``."""
+    return within(lambda: next(messages), "the iterator's next message", timeout)
+
+
+def read_to_end(messages: Iterator[bytes], timeout: float = WAIT) -> list[bytes]:
+    """``list(messages)``: what the iterator yields until it ends, failing the test if it has not
+    ended within ``timeout``."""
+    return within(lambda: list(messages), "the iterator to end", timeout)

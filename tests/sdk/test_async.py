@@ -67,13 +67,14 @@ async def test_trio_flow_and_cancellation(relay: ServerProcess, clients: Clients
     assert sorted(got) == sorted(b"w%d" % i for i in range(20))
     assert ticks > 10
     # async for, and the rest of the async surface.
-    await bobs.send_async(b"from bob")
-    async for message in alices.messages_async():
-        assert message == b"from bob"
-        break
-    await bobs.rotate_keys_async()
-    assert sorted(await alices.members_async()) == [b"alice", b"bob"]
-    await alices.close_async()
+    with trio.fail_after(WAIT):
+        await bobs.send_async(b"from bob")
+        async for message in alices.messages_async():
+            assert message == b"from bob"
+            break
+        await bobs.rotate_keys_async()
+        assert sorted(await alices.members_async()) == [b"alice", b"bob"]
+        await alices.close_async()
 
 
 def test_asyncio_flow_and_cancellation(relay: ServerProcess, clients: Clients) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from static_sdk import AuthError, MLSEngineError, StaticClient, TransportError
-from tests.sdk.conftest import WAIT, Clients, channel_name
+from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.api import Api
 from tests.support.server import ServerProcess
 
@@ -61,8 +61,7 @@ def test_bad_key_and_revoked_key(authed: ServerProcess, api: Api, clients: Clien
     assert api.revoke(account.key, second["id"]).status_code == 204
     # Bob's stream is ended, the refresh is refused: his iterator raises the auth error.
     with pytest.raises(AuthError, match=r"^auth error: "):
-        for _ in bobs.messages():
-            pass
+        read_to_end(bobs.messages())
     with pytest.raises(AuthError, match=r"^auth error: "):
         bobs.send(b"no")
     alices.send(b"alice still works")

@@ -11,7 +11,7 @@ import pytest
 
 import static_sdk
 from static_sdk import MAX_PAYLOAD, MLSEngineError, StaticClient, TransportError
-from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.sdk.conftest import WAIT, Clients, channel_name, next_within, read_to_end, receive_n
 from tests.support.server import ServerProcess
 
 
@@ -35,10 +35,11 @@ def test_typical_flow(relay: ServerProcess, clients: Clients) -> None:
     bobs = bob.join_channel(name, welcome)
     channel.send(b"hello bob")
     bobs.send(b"hello alice")
-    assert next(iter(bobs.messages())) == b"hello bob"
+    # The spec's blocking iterator (each next() bounded: it has no timeout of its own).
+    assert next_within(iter(bobs.messages())) == b"hello bob"
     messages = channel.messages()
     assert iter(messages) is messages
-    assert next(messages) == b"hello alice"
+    assert next_within(messages) == b"hello alice"
     assert sorted(channel.members()) == sorted(bobs.members()) == [b"alice", b"bob"]
     assert channel.epoch() == bobs.epoch() == 1
     assert channel.epoch_authenticator() == bobs.epoch_authenticator()
@@ -199,7 +200,7 @@ def test_remove_member_rotate_keys_and_leave(relay: ServerProcess, clients: Clie
     alices.remove_member(b"carol")
     assert sorted(alices.members()) == [b"alice", b"bob"]
     # Carol's channel ends: her iterator stops once she has read what she received.
-    assert list(carols.messages()) == []
+    assert read_to_end(carols.messages()) == []
     alices.send(b"carol cannot read this")
     assert bobs.receive(WAIT) == b"carol cannot read this"
     # Bob leaves: Alice's client commits his proposal by itself.
@@ -218,7 +219,7 @@ def test_closing_and_reopening_in_the_same_process(relay: ServerProcess, clients
     alices.send(b"one")
     assert bobs.receive(WAIT) == b"one"
     bobs.close()
-    assert list(bobs.messages()) == []
+    assert read_to_end(bobs.messages()) == []
     alices.send(b"two")
     alices.send(b"three")
     assert bob.channels() == [alices.name]

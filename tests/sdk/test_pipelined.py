@@ -162,8 +162,9 @@ async def test_a_cancelled_flush_async_returns_promptly_and_loses_nothing(
     server = start_server("--allow-anonymous", "--relay-publish-rate", "200")
     alices, bobs = clients.pair(server)
     payloads = _payloads(600)
-    for p in payloads:
-        await alices.send_pipelined_async(p)
+    with trio.fail_after(WAIT):
+        for p in payloads:
+            await alices.send_pipelined_async(p)
     started = time.monotonic()
     with trio.move_on_after(0.2) as scope:
         await alices.flush_async()

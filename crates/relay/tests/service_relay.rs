@@ -107,11 +107,7 @@ async fn concurrent_publishers_see_one_order() {
                 .await
                 .unwrap()
                 .into_inner();
-            let mut count = 0;
-            while answers.message().await.unwrap().is_some() {
-                count += 1;
-            }
-            assert_eq!(count, per_publisher / 2);
+            assert_eq!(all_answers(&mut answers).await.len(), per_publisher / 2);
         }));
     }
     for task in tasks {
@@ -271,10 +267,11 @@ async fn idempotent_retries_return_the_original_seq() {
         .await
         .unwrap()
         .into_inner();
-    let mut got = Vec::new();
-    while let Some(a) = answers.message().await.unwrap() {
-        got.push((a.seq, a.duplicate));
-    }
+    let got: Vec<_> = all_answers(&mut answers)
+        .await
+        .into_iter()
+        .map(|a| (a.seq, a.duplicate))
+        .collect();
     assert_eq!(
         got,
         [
@@ -552,7 +549,7 @@ async fn publish_stream_stops_at_the_first_refusal() {
         .into_inner();
     let mut got = Vec::new();
     let status = loop {
-        match answers.message().await {
+        match next_answer(&mut answers).await {
             Ok(Some(a)) => got.push((a.seq, a.epoch)),
             Ok(None) => panic!("the call ended without the refusal"),
             Err(status) => break status,
@@ -588,10 +585,11 @@ async fn publish_stream_stops_at_the_first_refusal() {
         .await
         .unwrap()
         .into_inner();
-    let mut seqs = Vec::new();
-    while let Some(a) = answers.message().await.unwrap() {
-        seqs.push(a.seq);
-    }
+    let seqs: Vec<_> = all_answers(&mut answers)
+        .await
+        .into_iter()
+        .map(|a| a.seq)
+        .collect();
     let start = got.len() as u64 + log.entries.len() as u64 - 2 + 1;
     assert_eq!(seqs.len(), 500);
     assert!(
@@ -628,10 +626,7 @@ async fn publish_batches_answers_every_item_and_goes_on() {
         .await
         .unwrap()
         .into_inner();
-    let mut responses = Vec::new();
-    while let Some(a) = answers.message().await.unwrap() {
-        responses.push(a);
-    }
+    let responses = all_answers(&mut answers).await;
     assert_eq!(
         responses
             .iter()
@@ -695,7 +690,7 @@ async fn publish_batches_refuses_oversized_batches() {
         .await
         .unwrap()
         .into_inner();
-    let status = answers.message().await.unwrap_err();
+    let status = next_answer(&mut answers).await.unwrap_err();
     assert_status(
         &status,
         Code::InvalidArgument,
@@ -755,7 +750,7 @@ async fn subscribe_in_batches_replays_then_follows_without_gaps() {
         .await
         .unwrap()
         .into_inner();
-    while answers.message().await.unwrap().is_some() {}
+    all_answers(&mut answers).await;
     let mut sub = Subscription::open(
         &mut client,
         pb::SubscribeRequest {
@@ -775,7 +770,7 @@ async fn subscribe_in_batches_replays_then_follows_without_gaps() {
         .await
         .unwrap()
         .into_inner();
-    while answers.message().await.unwrap().is_some() {}
+    all_answers(&mut answers).await;
     sub.wait_for(340).await;
     assert_eq!(sub.seqs(), (11..=350).collect::<Vec<_>>());
     let live: Vec<_> = sub.entries[290..]
@@ -801,7 +796,7 @@ async fn streaming_calls_send_headers_before_any_request() {
         .unwrap()
         .into_inner();
     drop(tx);
-    assert!(answers.message().await.unwrap().is_none());
+    assert!(next_answer(&mut answers).await.unwrap().is_none());
 
     let (tx, rx) = tokio::sync::mpsc::channel::<pb::PublishBatchRequest>(1);
     let call = client.publish_batches(tokio_stream::wrappers::ReceiverStream::new(rx));
@@ -815,8 +810,8 @@ async fn streaming_calls_send_headers_before_any_request() {
     })
     .await
     .unwrap();
-    let answer = answers.message().await.unwrap().unwrap();
+    let answer = next_answer(&mut answers).await.unwrap().unwrap();
     assert_eq!(answer.results.len(), 1);
     drop(tx);
-    assert!(answers.message().await.unwrap().is_none());
+    assert!(next_answer(&mut answers).await.unwrap().is_none());
 }

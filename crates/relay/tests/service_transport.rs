@@ -131,8 +131,12 @@ async fn a_vanished_subscriber_is_noticed_without_traffic() {
     let (response, mut body) = send.send_request(request, false).unwrap();
     body.send_data(grpc_frame(&subscribe_request(CHANNEL, 0)), true)
         .unwrap();
-    let mut response = response.await.unwrap().into_body();
-    assert!(response.data().await.unwrap().is_ok(), "no keep-alive");
+    let mut response = within("the response headers", response)
+        .await
+        .unwrap()
+        .into_body();
+    let keepalive = within("a keep-alive", response.data()).await;
+    assert!(keepalive.unwrap().is_ok(), "no keep-alive");
     assert_eq!(relay.server().live_keys(), ["gone"]);
     // Gone: no RST_STREAM, no GOAWAY, the socket just closes.
     connection.abort();
@@ -250,7 +254,7 @@ async fn a_slow_subscriber_stalls_nobody_and_catches_up() {
             .await
             .unwrap()
             .into_inner();
-        while answers.message().await.unwrap().is_some() {}
+        all_answers(&mut answers).await;
     }
     fast.wait_for(count as usize).await;
     assert_eq!(fast.seqs(), (1..=count).collect::<Vec<_>>());
@@ -286,7 +290,7 @@ async fn graceful_shutdown_ends_streams_cleanly() {
             (Code::Unavailable, "relay is shutting down")
         );
     }
-    let status = batches.message().await.unwrap_err();
+    let status = next_answer(&mut batches).await.unwrap_err();
     assert_eq!(
         (status.code(), status.message()),
         (Code::Unavailable, "relay is shutting down")

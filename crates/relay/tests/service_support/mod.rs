@@ -14,6 +14,7 @@ use static_relay::pb::relay_client::RelayClient;
 use static_relay::pb::{self, subscribe_response::Item};
 use static_relay::{Principal, RelayConfig, RelayError, RelayServer, Verify};
 use tempfile::TempDir;
+use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status, Streaming};
 
@@ -21,7 +22,9 @@ pub const CHANNEL: &str = "acme/agents/chat";
 pub const APPLICATION: u8 = 1;
 pub const PROPOSAL: u8 = 2;
 pub const COMMIT: u8 = 3;
-const WAIT: Duration = Duration::from_secs(10);
+/// How long any wait of these helpers lasts before it fails the test (no wait is unbounded: a
+/// relay that skips an entry or never answers fails the test, it does not hang it).
+pub const WAIT: Duration = Duration::from_secs(10);
 
 /// A relay serving a database of its own.
 pub struct Relay {
@@ -250,11 +253,16 @@ impl Subscription {
         }
     }
 
-    /// The next response; Err: the call ended (with its status, or OK as `Code::Ok`).
-    async fn next(&mut self) -> Result<(), Status> {
-        let response = tokio::time::timeout(WAIT, self.stream.message())
-            .await
-            .expect("the subscription went silent")?;
+    /// The next response; Err: the call ended (with its status, or OK as `Code::Ok`). Panics
+    /// at `deadline`, saying it was waiting for `what` and what had arrived.
+    async fn next(&mut self, deadline: Instant, what: &str) -> Result<(), Status> {
+        let response = match tokio::time::timeout_at(deadline, self.stream.message()).await {
+            Ok(response) => response?,
+            Err(_) => panic!(
+                "waited for {what}, nothing new for {WAIT:?}; the subscription had {}",
+                self.seen()
+            ),
+        };
         match response.and_then(|r| r.item) {
             Some(Item::Entry(entry)) => self.entries.push(entry),
             Some(Item::Entries(batch)) => {
@@ -267,36 +275,109 @@ impl Subscription {
         Ok(())
     }
 
-    /// Until `count` entries arrived in all.
+    /// Until `count` entries arrived in all. Fails the test when no new entry came for
+    /// `WAIT` (keep-alives alone do not count: a relay that skips an entry fails, not hangs).
     pub async fn wait_for(&mut self, count: usize) -> &[pb::Entry] {
+        let what = format!("{count} entries");
+        let mut deadline = Instant::now() + WAIT;
         while self.entries.len() < count {
-            if let Err(status) = self.next().await {
-                panic!(
-                    "ended after {} of {count} entries: {status:?}",
-                    self.entries.len()
-                );
+            let had = self.entries.len();
+            if let Err(status) = self.next(deadline, &what).await {
+                panic!("ended with {} of {what}: {status:?}", self.seen());
+            }
+            if self.entries.len() > had {
+                deadline = Instant::now() + WAIT;
             }
         }
         &self.entries
     }
 
+    /// Until `count` keep-alives arrived in all; fails the test when none came for `WAIT`.
     pub async fn wait_keepalives(&mut self, count: usize) {
+        let what = format!("{count} keep-alives");
+        let mut deadline = Instant::now() + WAIT;
         while self.keepalives < count {
-            self.next().await.unwrap();
+            let had = self.keepalives;
+            if let Err(status) = self.next(deadline, &what).await {
+                panic!("ended with {} of {what}: {status:?}", self.seen());
+            }
+            if self.keepalives > had {
+                deadline = Instant::now() + WAIT;
+            }
         }
     }
 
-    /// Until the call ends: its status.
+    /// Until the call ends (within `WAIT`): its status.
     pub async fn wait_end(&mut self) -> Status {
+        let deadline = Instant::now() + WAIT;
         loop {
-            if let Err(status) = self.next().await {
+            if let Err(status) = self.next(deadline, "the call to end").await {
                 return status;
             }
         }
     }
 
+    /// What arrived so far, for failure messages: the entries' seqs as runs, the keep-alives.
+    pub fn seen(&self) -> String {
+        format!(
+            "{} entries (seqs {}) and {} keep-alives",
+            self.entries.len(),
+            runs(&self.seqs()),
+            self.keepalives
+        )
+    }
+
     pub fn seqs(&self) -> Vec<u64> {
         self.entries.iter().map(|e| e.seq).collect()
+    }
+}
+
+/// `seqs` as consecutive runs, `[]`, or like `[1..=300, 302]` (a gap shows at a glance).
+pub fn runs(seqs: &[u64]) -> String {
+    let mut runs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < seqs.len() {
+        let mut j = i;
+        while j + 1 < seqs.len() && seqs[j + 1] == seqs[j] + 1 {
+            j += 1;
+        }
+        runs.push(if i == j {
+            seqs[i].to_string()
+        } else {
+            format!("{}..={}", seqs[i], seqs[j])
+        });
+        i = j + 1;
+    }
+    format!("[{}]", runs.join(", "))
+}
+
+/// `future`, or a panic naming `what` was awaited if it takes longer than `WAIT`.
+pub async fn within<F: Future>(what: &str, future: F) -> F::Output {
+    match tokio::time::timeout(WAIT, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("waited {WAIT:?} for {what}"),
+    }
+}
+
+/// The next answer of a response stream (at most `WAIT`).
+pub async fn next_answer<T>(answers: &mut Streaming<T>) -> Result<Option<T>, Status> {
+    within("the next answer of the call", answers.message()).await
+}
+
+/// Every answer of a response stream until it ends OK; panics on an error status, or when
+/// nothing came for `WAIT`, saying how many answers came.
+pub async fn all_answers<T>(answers: &mut Streaming<T>) -> Vec<T> {
+    let mut got = Vec::new();
+    loop {
+        match tokio::time::timeout(WAIT, answers.message()).await {
+            Ok(Ok(Some(answer))) => got.push(answer),
+            Ok(Ok(None)) => return got,
+            Ok(Err(status)) => panic!("the call failed after {} answers: {status:?}", got.len()),
+            Err(_) => panic!(
+                "waited for the call to end, nothing new for {WAIT:?}; it had {} answers",
+                got.len()
+            ),
+        }
     }
 }
 
