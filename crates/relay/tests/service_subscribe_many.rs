@@ -183,7 +183,7 @@ async fn publish_all(client: &mut RelayClient<Channel>, requests: Vec<pb::Publis
         .await
         .unwrap()
         .into_inner();
-    while let Some(answer) = answers.message().await.unwrap() {
+    for answer in all_answers(&mut answers).await {
         assert!(answer
             .results
             .iter()
