@@ -97,56 +97,66 @@ impl ApplierQueue {
         }
     }
 
-    /// Applies one turn's worth (up to [`BATCH`] entries); reschedules itself if more wait.
+    /// Applies what is queued, a batch (up to [`BATCH`] entries) at a time, for as long as
+    /// no other channel waits for a thread; then goes to the back of the run queue if more is
+    /// left. Staying on the thread saves a hand-over (a thread wake-up) per batch when the
+    /// channel is alone: pipelined receiving was ~7% slower handing over after every batch.
     fn turn(self: &Arc<Self>) {
-        if self.core.is_closed() {
-            // Nothing more is applied once the channel ended (closed, removed, failed).
-            let dropped = std::mem::take(&mut *lock(&self.batches)).len();
-            let _applied = Applying(&self.core.queued, dropped);
-            self.room.close();
-            return;
-        }
-        let (first_at, batch, taken) = {
-            let mut batches = lock(&self.batches);
-            let Some(first) = batches.pop_front() else {
-                drop(batches);
+        loop {
+            if self.core.is_closed() {
+                self.drop_queued();
+                return;
+            }
+            let (first_at, batch, taken) = {
+                let mut batches = lock(&self.batches);
+                let Some(first) = batches.pop_front() else {
+                    drop(batches);
+                    self.scheduled.store(false, Ordering::Release);
+                    // A batch handed over after the pop and before the flag came down.
+                    if !lock(&self.batches).is_empty() {
+                        self.schedule();
+                    }
+                    return;
+                };
+                let at = first.at;
+                let mut batch = first.entries;
+                let mut taken = 1;
+                while batch.len() < BATCH {
+                    match batches.pop_front() {
+                        Some(more) => {
+                            batch.extend(more.entries);
+                            taken += 1;
+                        }
+                        None => break,
+                    }
+                }
+                (at, batch, taken)
+            };
+            {
+                // Counted as applied once the batch is (whatever happens to it).
+                let _applied = Applying(&self.core.queued, taken);
+                let ended = apply_batch(&self.core, batch, first_at) == Applied::ChannelEnded;
+                self.room.add_permits(taken);
+                if ended {
+                    self.drop_queued();
+                    return;
+                }
+            }
+            if self.pool.has_waiting() {
                 self.scheduled.store(false, Ordering::Release);
-                // A batch handed over after the pop and before the flag came down.
                 if !lock(&self.batches).is_empty() {
                     self.schedule();
                 }
                 return;
-            };
-            let at = first.at;
-            let mut batch = first.entries;
-            let mut taken = 1;
-            while batch.len() < BATCH {
-                match batches.pop_front() {
-                    Some(more) => {
-                        batch.extend(more.entries);
-                        taken += 1;
-                    }
-                    None => break,
-                }
-            }
-            (at, batch, taken)
-        };
-        {
-            // Counted as applied once the batch is (whatever happens to it).
-            let _applied = Applying(&self.core.queued, taken);
-            let ended = apply_batch(&self.core, batch, first_at) == Applied::ChannelEnded;
-            self.room.add_permits(taken);
-            if ended {
-                lock(&self.batches).clear();
-                // Readers waiting for room see the end.
-                self.room.close();
-                return;
             }
         }
-        self.scheduled.store(false, Ordering::Release);
-        if !lock(&self.batches).is_empty() {
-            self.schedule();
-        }
+    }
+
+    /// The channel ended: nothing more is applied, and readers waiting for room see the end.
+    fn drop_queued(&self) {
+        let dropped = std::mem::take(&mut *lock(&self.batches)).len();
+        let _applied = Applying(&self.core.queued, dropped);
+        self.room.close();
     }
 }
 
@@ -179,6 +189,11 @@ impl Pool {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok((pool, threads))
+    }
+
+    /// Whether a channel waits for a thread.
+    fn has_waiting(&self) -> bool {
+        !lock(&self.ready).queue.is_empty()
     }
 
     fn run(&self, queue: Arc<ApplierQueue>) {

@@ -75,11 +75,11 @@ pub(crate) async fn publisher(
                 }
             }
             let Some(open) = call.as_mut() else { break };
-            drop_ended(&mut queue);
-            if queue.is_empty() {
-                break;
-            }
             let batch = take_batch(&mut queue);
+            if batch.items.is_empty() {
+                // Only messages of channels that ended were left.
+                continue;
+            }
             let request = pb::PublishBatchRequest {
                 requests: batch
                     .items
@@ -213,22 +213,6 @@ pub(crate) async fn publisher(
     }
 }
 
-/// Fails the queued messages of channels that ended: nothing of a closed channel goes out
-/// after its end (its pipelined sends are reported failed).
-fn drop_ended(queue: &mut VecDeque<Outbound>) {
-    if queue.iter().all(|o| o.channel.ended().is_none()) {
-        return;
-    }
-    let mut live = VecDeque::with_capacity(queue.len());
-    for item in queue.drain(..) {
-        match item.channel.ended() {
-            Some(e) => item.fail(e),
-            None => live.push_back(item),
-        }
-    }
-    *queue = live;
-}
-
 /// Where an [`Outbound`] goes: its channel, as far as the publisher needs to know it.
 pub(crate) trait Destination: Send + Sync {
     fn name(&self) -> &str;
@@ -331,11 +315,18 @@ impl InFlight {
 }
 
 /// Takes the next batch off the queue: up to [`MAX_BATCH_ITEMS`] items and
-/// [`MAX_BATCH_BYTES`], at least one.
+/// [`MAX_BATCH_BYTES`], at least one unless only messages of channels that ended are left.
+/// Those are not sent: nothing of a closed channel goes out after its end (they fail with it).
 fn take_batch(queue: &mut VecDeque<Outbound>) -> InFlight {
     let mut items = Vec::with_capacity(queue.len().min(MAX_BATCH_ITEMS));
     let mut bytes = 0;
     while let Some(next) = queue.front() {
+        if let Some(e) = next.channel.ended() {
+            if let Some(item) = queue.pop_front() {
+                item.fail(e);
+            }
+            continue;
+        }
         let size = next.message.len() + ITEM_OVERHEAD;
         if !items.is_empty() {
             let full = items.len() >= MAX_BATCH_ITEMS || bytes + size > MAX_BATCH_BYTES;
@@ -412,6 +403,33 @@ mod tests {
         fn ended(&self) -> Option<Error> {
             None
         }
+    }
+
+    struct Gone;
+
+    impl Destination for Gone {
+        fn name(&self) -> &str {
+            "a/b/gone"
+        }
+
+        fn ended(&self) -> Option<Error> {
+            Some(Error::Closed("channel \"a/b/gone\" is closed".into()))
+        }
+    }
+
+    #[test]
+    fn messages_of_channels_that_ended_are_not_sent() {
+        let (mut gone, mut answer) = outbound(10);
+        gone.channel = Arc::new(Gone);
+        let mut queue: VecDeque<Outbound> = [gone, outbound(10).0].into();
+        let batch = take_batch(&mut queue);
+        assert_eq!(batch.items.len(), 1);
+        assert_eq!(batch.items[0].channel.name(), "a/b/c");
+        assert!(matches!(
+            answer.try_recv(),
+            Ok(Outcome::Failed(Error::Closed(_)))
+        ));
+        assert!(queue.is_empty());
     }
 
     fn outbound(len: usize) -> (Outbound, oneshot::Receiver<Outcome>) {
