@@ -39,12 +39,7 @@ async fn a_rate_limited_item_refuses_the_rest_of_its_request() {
             pb::PublishBatchRequest { requests }
         })
         .collect();
-    let mut answers = client
-        .publish_batches(tokio_stream::iter(batches))
-        .await
-        .unwrap()
-        .into_inner();
-    let responses = all_answers(&mut answers).await;
+    let responses = publish_batches(&mut client, batches).await;
     assert_eq!(responses.len(), BATCHES);
     let mut seqs = Vec::new();
     let mut longest_refused_run = 0;

@@ -621,12 +621,7 @@ async fn publish_batches_answers_every_item_and_goes_on() {
         .into_iter()
         .map(|requests| pb::PublishBatchRequest { requests })
         .collect();
-    let mut answers = client
-        .publish_batches(tokio_stream::iter(batches))
-        .await
-        .unwrap()
-        .into_inner();
-    let responses = all_answers(&mut answers).await;
+    let responses = publish_batches(&mut client, batches).await;
     assert_eq!(
         responses
             .iter()

@@ -178,12 +178,7 @@ async fn publish_all(client: &mut RelayClient<Channel>, requests: Vec<pb::Publis
             requests: chunk.to_vec(),
         })
         .collect();
-    let mut answers = client
-        .publish_batches(tokio_stream::iter(batches))
-        .await
-        .unwrap()
-        .into_inner();
-    for answer in all_answers(&mut answers).await {
+    for answer in publish_batches(client, batches).await {
         assert!(answer
             .results
             .iter()

@@ -364,6 +364,19 @@ pub async fn next_answer<T>(answers: &mut Streaming<T>) -> Result<Option<T>, Sta
     within("the next answer of the call", answers.message()).await
 }
 
+/// Sends `batches` on one PublishBatches call; every answer, as [`all_answers`].
+pub async fn publish_batches(
+    client: &mut RelayClient<Channel>,
+    batches: Vec<pb::PublishBatchRequest>,
+) -> Vec<pb::PublishBatchResponse> {
+    let mut answers = client
+        .publish_batches(tokio_stream::iter(batches))
+        .await
+        .unwrap()
+        .into_inner();
+    all_answers(&mut answers).await
+}
+
 /// Every answer of a response stream until it ends OK; panics on an error status, or when
 /// nothing came for `WAIT`, saying how many answers came.
 pub async fn all_answers<T>(answers: &mut Streaming<T>) -> Vec<T> {
