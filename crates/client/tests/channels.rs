@@ -273,13 +273,21 @@ fn join_of_another_accounts_channel_is_refused() {
     let mallory =
         support::authed_agent(&relay, "mallory", &Provider::new(&authority, "other", &[]));
     let name = "acme/agents/private";
+    // A channel of mallory's own, followed on the same subscription as the refused one.
+    let own = mallory.create_channel("other/agents/own").unwrap();
+    let own_peer = support::authed_agent(&relay, "trent", &Provider::new(&authority, "other", &[]));
+    let theirs = invite(&own, &own_peer);
     let a = alice.create_channel(name).unwrap();
     let welcome = a
         .add_member(mallory.generate_key_package().unwrap())
         .unwrap();
     let text = expect_error(mallory.join_channel(name, &welcome), TRANSPORT);
     assert!(text.contains("not on the relay for this account"), "{text}");
-    assert!(mallory.channels().unwrap().is_empty());
+    // The refusal ended that channel only.
+    theirs.send(b"still here".to_vec()).unwrap();
+    assert_eq!(receive(&own, WAIT), b"still here");
+    assert!(!own.is_closed());
+    assert_eq!(mallory.channels().unwrap(), ["other/agents/own"]);
     let text = expect_error(mallory.open_channel(name), MLS);
     assert!(text.contains("not a member"), "{text}");
     // Creating the same name in its own account is another channel altogether.
