@@ -245,6 +245,11 @@ pub(crate) fn apply_batch(
     mut batch: Vec<(u64, u32, Vec<u8>)>,
     received_at: u64,
 ) -> Applied {
+    let _applying = lock(&core.applying);
+    if core.is_closed() {
+        // Nothing is applied once the channel ended (closed, removed, failed).
+        return Applied::ChannelEnded;
+    }
     let passed = batch.last().map(|&(seq, _, _)| seq);
     {
         // Our own application messages come back from the relay too; applying one changes

@@ -146,6 +146,13 @@ impl Channel {
         self.core.end(End::Closed);
     }
 
+    /// Closes the channel and waits until nothing applies its entries any more (what is
+    /// being applied is finished), so that a successor may apply the same log.
+    pub(crate) fn close_and_settle(&self) {
+        self.close();
+        drop(lock(&self.core.applying));
+    }
+
     /// Waits for the channel's sender thread, if one runs (the channel has ended).
     pub(crate) fn join_sender(&self) {
         Sender::join(&self.core);

@@ -126,6 +126,9 @@ pub(crate) struct ChannelCore {
     pub(crate) proposals: Notify,
     /// Pipelined sends (see [`Channel::send_pipelined`](crate::Channel::send_pipelined)).
     pub(crate) pipeline: Arc<Pipeline>,
+    /// Held while entries are applied (by the pool or inline): a reopened channel takes it
+    /// once after closing its predecessor, so two appliers never apply the same log at once.
+    pub(crate) applying: Mutex<()>,
 }
 
 impl ChannelCore {
@@ -148,6 +151,7 @@ impl ChannelCore {
             shutdown,
             proposals: Notify::new(),
             pipeline: Arc::new(Pipeline::default()),
+            applying: Mutex::new(()),
         }
     }
 

@@ -220,7 +220,9 @@ impl Client {
             if !open.is_closed() {
                 return Ok(Arc::clone(open));
             }
-            // A closed predecessor's tasks must be gone before new ones apply the same log.
+            // A closed predecessor's work must be over before a successor applies the same
+            // log.
+            open.close_and_settle();
             let tasks: Vec<_> = lock(&open.tasks).drain(..).collect();
             self.block_on(async move {
                 for task in tasks {
