@@ -251,6 +251,7 @@ class Figures:
 
     single: float
     pipelined: float
+    pipelined_cpu: dict[str, float]
     many: list[tuple[int, float, dict[str, float]]]
     rtts: list[float]
     rtt_cpu: dict[str, float]
@@ -278,11 +279,16 @@ def measure(database_url: str | None, args: argparse.Namespace, tmp: str) -> Fig
 
             single = one_way(channel, ours, min(args.messages, 2_000), 1)
             one_way_pipelined(channel, ours, 1_000)  # warm up the sender thread
-            pipelined = one_way_pipelined(channel, ours, args.messages)
             pids = {
                 "alice": os.getpid(),
                 "relay": server.proc.pid if server.proc else 0,
                 "bob": receiver.pid or 0,
+            }
+            before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+            pipelined = one_way_pipelined(channel, ours, args.messages)
+            pipelined_cpu = {
+                name: (_cpu_seconds(pid) - before[name]) / args.messages * 1e6
+                for name, pid in pids.items()
             }
             many: list[tuple[int, float, dict[str, float]]] = []
             for senders in sender_counts:
@@ -314,7 +320,7 @@ def measure(database_url: str | None, args: argparse.Namespace, tmp: str) -> Fig
     finally:
         receiver.join(30)
         server.stop(30)
-    return Figures(single, pipelined, many, sorted(rtts), rtt_cpu, stages)
+    return Figures(single, pipelined, pipelined_cpu, many, sorted(rtts), rtt_cpu, stages)
 
 
 def report(store: str, f: Figures) -> None:
@@ -325,6 +331,10 @@ def report(store: str, f: Figures) -> None:
         f"  one-way, 1 thread, pipelined:    {f.pipelined:9,.0f} msg/s   "
         f"({f.pipelined / f.single:.1f}x the blocking thread above;"
         f" {f.pipelined / SLIM_PIPELINED:.1f}x SLIM's pipelined publish; target >= 2x)"
+    )
+    print(
+        "    CPU per message in that run: "
+        + ", ".join(f"{name} {us:.0f} us" for name, us in f.pipelined_cpu.items())
     )
     for senders, rate, cpu in f.many:
         print(f"  one-way, {senders} sending threads: {rate:9,.0f} msg/s   (target >= 7,000)")
