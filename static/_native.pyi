@@ -213,6 +213,7 @@ class RelayServer:
         keepalive_interval: float,
         max_streams_per_connection: int,
         max_subscriptions_per_stream: int,
+        max_follows_per_account: int,
         reset_burst: int,
         reset_rate_per_second: float,
         publish_rate_per_agent: float,

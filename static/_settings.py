@@ -98,6 +98,9 @@ class RelaySettings:
     max_streams_per_connection: int = 100
     #: Channels one SubscribeMany stream may follow at once; more adds get RESOURCE_EXHAUSTED.
     max_subscriptions_per_stream: int = 10_000
+    #: Follows one account may hold on all its SubscribeMany streams together (~650 bytes of
+    #: relay memory each); more adds get RESOURCE_EXHAUSTED.
+    max_follows_per_account: int = 100_000
     #: Stream resets a connection may make: a burst, then this many a second; past it the
     #: connection is closed (HTTP/2 rapid reset).
     reset_burst: int = 200

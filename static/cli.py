@@ -101,6 +101,14 @@ def _parser() -> argparse.ArgumentParser:
         "[STATIC_RELAY_MAX_SUBSCRIPTIONS] (default %(default)s)",
     )
     serve.add_argument(
+        "--relay-max-follows",
+        type=int,
+        default=int(_env("STATIC_RELAY_MAX_FOLLOWS", "100000")),
+        metavar="N",
+        help="channels one account may follow on all its relay SubscribeMany streams together "
+        "[STATIC_RELAY_MAX_FOLLOWS] (default %(default)s)",
+    )
+    serve.add_argument(
         "--token-ttl",
         type=int,
         default=int(_env("STATIC_TOKEN_TTL", "900")),
@@ -138,6 +146,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         raise ValueError("--relay-max-streams must be between 1 and 10000")
     if not 1 <= args.relay_max_subscriptions <= 1_000_000:
         raise ValueError("--relay-max-subscriptions must be between 1 and 1000000")
+    if not 1 <= args.relay_max_follows <= 100_000_000:
+        raise ValueError("--relay-max-follows must be between 1 and 100000000")
     settings = ServerSettings(
         http=args.http,
         relay=args.relay,
@@ -154,6 +164,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
             publish_rate_per_agent=args.relay_publish_rate,
             max_streams_per_connection=args.relay_max_streams,
             max_subscriptions_per_stream=args.relay_max_subscriptions,
+            max_follows_per_account=args.relay_max_follows,
         ),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused

@@ -148,6 +148,7 @@ async def serve_rust_relay(
         keepalive_interval=relay.keepalive_interval_seconds,
         max_streams_per_connection=relay.max_streams_per_connection,
         max_subscriptions_per_stream=relay.max_subscriptions_per_stream,
+        max_follows_per_account=relay.max_follows_per_account,
         reset_burst=relay.reset_burst,
         reset_rate_per_second=relay.reset_rate_per_second,
         publish_rate_per_agent=relay.publish_rate_per_agent,

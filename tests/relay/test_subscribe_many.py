@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -247,3 +248,33 @@ def test_adds_beyond_the_cap_are_refused(start_server: Start) -> None:
         many.add(name(2))
         assert many.answer(name(2), 2) == 0
         many.cancel()
+
+
+def test_an_accounts_follows_are_bounded_over_its_streams(start_server: Start) -> None:
+    server = start_server("--allow-anonymous", "--relay-max-follows", "2")
+    with Relay(server.relay_url) as relay:
+        for i in range(3):
+            relay.create(name(i))
+        first, second = Many(relay), Many(relay)
+        first.add(name(0))
+        assert first.answer(name(0)) == 0
+        second.add(name(1))
+        second.add(name(2))
+        assert second.answer(name(1)) == 0
+        assert second.answer(name(2)) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "this account follows 2 channels already on its SubscribeMany streams, the most it may",
+        )
+        # The remove gives the place back once the first stream has read it.
+        first.remove(name(0))
+        deadline = time.monotonic() + 10
+        for attempt in itertools.count(2):
+            second.add(name(2))
+            answer = second.answer(name(2), attempt)
+            if answer == 0:
+                break
+            assert isinstance(answer, tuple) and answer[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() < deadline, "the removed follow's place was not given back"
+            time.sleep(0.05)
+        first.cancel()
+        second.cancel()

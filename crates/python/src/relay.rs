@@ -104,7 +104,7 @@ impl RelayServer {
     #[pyo3(signature = (
         *, host, port, database, verify, allow_anonymous, max_message_bytes, graceful_timeout,
         application_window, keepalive_interval, max_streams_per_connection,
-        max_subscriptions_per_stream, reset_burst, reset_rate_per_second, publish_rate_per_agent,
+        max_subscriptions_per_stream, max_follows_per_account, reset_burst, reset_rate_per_second, publish_rate_per_agent,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -120,6 +120,7 @@ impl RelayServer {
         keepalive_interval: f64,
         max_streams_per_connection: u32,
         max_subscriptions_per_stream: usize,
+        max_follows_per_account: usize,
         reset_burst: u32,
         reset_rate_per_second: f64,
         publish_rate_per_agent: f64,
@@ -137,6 +138,7 @@ impl RelayServer {
             keepalive_interval: seconds(keepalive_interval),
             max_streams_per_connection,
             max_subscriptions_per_stream,
+            max_follows_per_account,
             reset_burst,
             reset_rate_per_second,
             publish_rate_per_agent,

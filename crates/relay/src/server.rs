@@ -57,6 +57,8 @@ pub struct RelayConfig {
     pub max_streams_per_connection: u32,
     /// Channels one SubscribeMany stream may follow at once.
     pub max_subscriptions_per_stream: usize,
+    /// Follows one account may hold on all its SubscribeMany streams together.
+    pub max_follows_per_account: usize,
     pub reset_burst: u32,
     pub reset_rate_per_second: f64,
     /// 0 = no limit.
@@ -78,6 +80,7 @@ impl RelayConfig {
             keepalive_interval: Duration::from_secs(2),
             max_streams_per_connection: 100,
             max_subscriptions_per_stream: 10_000,
+            max_follows_per_account: 100_000,
             reset_burst: 200,
             reset_rate_per_second: 50.0,
             publish_rate_per_agent: 10_000.0,
@@ -139,6 +142,7 @@ impl RelayServer {
             keepalive_interval: config.keepalive_interval,
             publish_rate_per_agent: config.publish_rate_per_agent,
             max_subscriptions_per_stream: config.max_subscriptions_per_stream,
+            max_follows_per_account: config.max_follows_per_account,
         };
         let transport_limit = settings.transport_limit();
         let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());

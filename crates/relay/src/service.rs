@@ -57,6 +57,8 @@ pub(crate) struct ServiceSettings {
     pub publish_rate_per_agent: f64,
     /// Channels one SubscribeMany stream may follow at once.
     pub max_subscriptions_per_stream: usize,
+    /// Follows one account may hold on all its SubscribeMany streams together.
+    pub max_follows_per_account: usize,
 }
 
 impl ServiceSettings {
@@ -140,6 +142,8 @@ struct Inner {
     auth: Arc<Authenticator>,
     settings: ServiceSettings,
     buckets: Mutex<HashMap<String, TokenBucket>>,
+    /// Follows held per account (scope) on SubscribeMany streams (see `many`).
+    follows: Mutex<HashMap<String, usize>>,
     drain: Drain,
 }
 
@@ -155,6 +159,7 @@ impl Relay {
             auth,
             settings,
             buckets: Mutex::new(HashMap::new()),
+            follows: Mutex::new(HashMap::new()),
             drain,
         }))
     }

@@ -324,6 +324,85 @@ async fn removed_channels_stop_and_readded_ones_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_account_follows_at_most_its_budget_over_all_its_streams() {
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.max_follows_per_account = 3;
+        // A gone peer is noticed at the stream's next keep-alive.
+        c.keepalive_interval = Duration::from_millis(50);
+    })
+    .await;
+    let mut client = relay.client().await;
+    for i in 1..=4 {
+        create(&mut client, &name(i)).await;
+    }
+    let mut first = Many::open(&mut client, None).await;
+    first.add(from_seq(&name(1), 0));
+    first.add(from_seq(&name(2), 0));
+    first.live(&name(1)).await;
+    first.live(&name(2)).await;
+    let mut second = Many::open(&mut client, None).await;
+    second.add(from_seq(&name(3), 0));
+    second.add(from_seq(&name(4), 0));
+    second.live(&name(3)).await;
+    let full =
+        "this account follows 3 channels already on its SubscribeMany streams, the most it may";
+    assert_refusal(
+        second.answer(&name(4), 1).await,
+        Code::ResourceExhausted,
+        full,
+    );
+    // A restart takes no new place.
+    first.add(from_seq(&name(1), 0));
+    assert_eq!(first.answer(&name(1), 2).await, Ok(0));
+    // A remove gives its place back (once the first stream has read it).
+    first.remove(&name(1));
+    add_when_room(&mut second, &name(4), 2).await;
+    // A refused add (no such channel) keeps no place: the budget is full again, so it is
+    // refused for the budget; after a remove, for the name.
+    second.add(from_seq("acme/agents/none", 0));
+    assert_refusal(
+        second.answer("acme/agents/none", 1).await,
+        Code::ResourceExhausted,
+        full,
+    );
+    second.remove(&name(4));
+    second.add(from_seq("acme/agents/none", 0));
+    assert_eq!(
+        second
+            .answer("acme/agents/none", 2)
+            .await
+            .map_err(|r| r.code),
+        Err(Code::NotFound as u32)
+    );
+    second.add(from_seq(&name(4), 0));
+    assert_eq!(second.answer(&name(4), 3).await, Ok(0));
+    // A stream that ends gives all its places back.
+    drop(first);
+    add_when_room(&mut second, &name(1), 1).await;
+}
+
+/// Adds `channel` on `many` until the account's budget has room for it (another stream gives
+/// places back asynchronously); `answers` is the number its next answer will be.
+async fn add_when_room(many: &mut Many, channel: &str, answers: usize) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    for answer in answers.. {
+        many.add(from_seq(channel, 0));
+        match many.answer(channel, answer).await {
+            Ok(head) => {
+                assert_eq!(head, 0);
+                return;
+            }
+            Err(refusal) if tokio::time::Instant::now() < deadline => {
+                assert_eq!(refusal.code, Code::ResourceExhausted as u32);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(refusal) => panic!("no place was given back for {channel}: {refusal:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_follows_at_most_its_cap() {
     let relay = Relay::start(|c| {
         c.allow_anonymous = true;

@@ -14,7 +14,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use futures_util::future::{abortable, AbortHandle};
@@ -143,6 +143,41 @@ impl Inner {
     }
 }
 
+impl Drop for Many {
+    /// The stream ended: its follows leave its account's budget.
+    fn drop(&mut self) {
+        self.inner
+            .give_back_follows(&self.caller.scope, self.follows.len());
+    }
+}
+
+impl Inner {
+    /// Takes a place in `scope`'s budget of follows; false when it is full.
+    fn take_follow(&self, scope: &str) -> bool {
+        let mut follows = self.follows.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = follows.entry(scope.to_owned()).or_insert(0);
+        if *held >= self.settings.max_follows_per_account {
+            return false;
+        }
+        *held += 1;
+        true
+    }
+
+    /// Gives `count` places back to `scope`'s budget (an account holding none is forgotten).
+    fn give_back_follows(&self, scope: &str, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let mut follows = self.follows.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(held) = follows.get_mut(scope) {
+            *held = held.saturating_sub(count);
+            if *held == 0 {
+                follows.remove(scope);
+            }
+        }
+    }
+}
+
 impl Many {
     /// One thing done: a request handled, a wake-up taken, a follow's turn, or a keep-alive.
     /// Among those ready, tokio's select picks at random: requests and turns both progress.
@@ -191,20 +226,36 @@ impl Many {
 
     /// Starts (or restarts) a follow and answers the add: a keep-alive tagged with the
     /// channel before any of its entries, or `ended` (and the channel is no longer followed).
+    /// A new follow must fit in the stream's cap and in its account's budget of follows (taken
+    /// before the channel is looked up, so a refusal costs no store read).
     async fn add(&mut self, request: pb::SubscribeRequest) -> Result<(), Stop> {
         let name: Arc<str> = Arc::from(request.channel.as_str());
+        let restart = self.follows.contains_key(&name);
         let cap = self.inner.settings.max_subscriptions_per_stream;
-        let started = if self.follows.len() >= cap && !self.follows.contains_key(&name) {
+        let budget = self.inner.settings.max_follows_per_account;
+        let started = if restart {
+            start(&self.inner, &self.caller.scope, request).await
+        } else if self.follows.len() >= cap {
             Err(RelayError::resource_exhausted(format!(
                 "this stream follows {cap} channels already, the most it may"
             )))
+        } else if !self.inner.take_follow(&self.caller.scope) {
+            Err(RelayError::resource_exhausted(format!(
+                "this account follows {budget} channels already on its SubscribeMany streams, \
+                 the most it may"
+            )))
         } else {
-            start(&self.inner, &self.caller.scope, request).await
+            let started = start(&self.inner, &self.caller.scope, request).await;
+            if started.is_err() {
+                self.inner.give_back_follows(&self.caller.scope, 1);
+            }
+            started
         };
         match started {
             Ok((channel, cursor, max_batch)) => {
                 let head = channel.head_seq();
-                self.unfollow(&name);
+                // A restart keeps its place in the budget.
+                self.remove(&name);
                 self.next_id += 1;
                 let id = self.next_id;
                 let follow = Follow {
@@ -225,12 +276,20 @@ impl Many {
         }
     }
 
-    /// Stops the follow of `name`, if any: its wake-up is aborted (the future then leaves
-    /// `wakes` at its next poll), its queue entry left stale. Stale entries are swept once
-    /// they are many and at least half the queue, so that sweeping costs O(1) a removal.
+    /// Stops the follow of `name`, if any, and gives its place back to the account's budget.
     fn unfollow(&mut self, name: &str) {
+        if self.remove(name) {
+            self.inner.give_back_follows(&self.caller.scope, 1);
+        }
+    }
+
+    /// Drops the follow of `name`, if any (whether there was one): its wake-up is aborted (the
+    /// future then leaves `wakes` at its next poll), its queue entry left stale. Stale entries
+    /// are swept once they are many and at least half the queue, so that sweeping costs O(1)
+    /// a removal.
+    fn remove(&mut self, name: &str) -> bool {
         let Some(gone) = self.follows.remove(name) else {
-            return;
+            return false;
         };
         match gone.armed {
             Some(wake) => wake.abort(),
@@ -242,6 +301,7 @@ impl Many {
                 .retain(|(name, id)| is_queued(follows, name, *id));
             self.stale = 0;
         }
+        true
     }
 
     /// A follow after its start or its turn: queued when its channel has entries beyond its
