@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import trio
 
@@ -22,6 +25,86 @@ _TRUE = {"1", "true", "yes", "on"}
 
 def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class _RelayOption:
+    """A numeric option of the relay: its flag, the ``RelaySettings`` field it sets (whose
+    default is the option's), and its bounds. The environment variable is the flag's name."""
+
+    flag: str
+    field: str
+    type: type[int] | type[float]
+    metavar: str
+    low: float
+    high: float
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return "STATIC_" + self.dest.upper()
+
+    def check(self, value: float) -> None:
+        if not self.low <= value <= self.high:
+            bounds = (
+                f">= {self.low:,.10g}"
+                if math.isinf(self.high)
+                else f"between {self.low:,.10g} and {self.high:,.10g}"
+            )
+            raise ValueError(f"{self.flag} must be {bounds}")
+
+
+_RELAY_OPTIONS: Final = (
+    _RelayOption(
+        "--relay-keepalive",
+        "keepalive_interval_seconds",
+        float,
+        "SECONDS",
+        0.05,
+        300,
+        "keep-alive interval of relay subscriptions, in seconds",
+    ),
+    _RelayOption(
+        "--relay-publish-rate",
+        "publish_rate_per_agent",
+        float,
+        "PER_SECOND",
+        0,
+        math.inf,
+        "relay publishes per second per agent, 0 for no limit",
+    ),
+    _RelayOption(
+        "--relay-max-streams",
+        "max_streams_per_connection",
+        int,
+        "N",
+        1,
+        10_000,
+        "concurrent relay streams per connection",
+    ),
+    _RelayOption(
+        "--relay-max-subscriptions",
+        "max_subscriptions_per_stream",
+        int,
+        "N",
+        1,
+        1_000_000,
+        "channels one relay SubscribeMany stream may follow",
+    ),
+    _RelayOption(
+        "--relay-max-follows",
+        "max_follows_per_account",
+        int,
+        "N",
+        1,
+        100_000_000,
+        "channels one account may follow on all its relay SubscribeMany streams together",
+    ),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,46 +151,15 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("STATIC_ALLOW_ANONYMOUS", "").lower() in _TRUE,
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
-    serve.add_argument(
-        "--relay-keepalive",
-        type=float,
-        default=float(_env("STATIC_RELAY_KEEPALIVE", "2")),
-        metavar="SECONDS",
-        help="keep-alive interval of relay subscriptions [STATIC_RELAY_KEEPALIVE] "
-        "(default %(default)s)",
-    )
-    serve.add_argument(
-        "--relay-publish-rate",
-        type=float,
-        default=float(_env("STATIC_RELAY_PUBLISH_RATE", "10000")),
-        metavar="PER_SECOND",
-        help="relay publishes per second per agent, 0 for no limit [STATIC_RELAY_PUBLISH_RATE] "
-        "(default %(default)s)",
-    )
-    serve.add_argument(
-        "--relay-max-streams",
-        type=int,
-        default=int(_env("STATIC_RELAY_MAX_STREAMS", "100")),
-        metavar="N",
-        help="concurrent relay streams per connection [STATIC_RELAY_MAX_STREAMS] "
-        "(default %(default)s)",
-    )
-    serve.add_argument(
-        "--relay-max-subscriptions",
-        type=int,
-        default=int(_env("STATIC_RELAY_MAX_SUBSCRIPTIONS", "10000")),
-        metavar="N",
-        help="channels one relay SubscribeMany stream may follow "
-        "[STATIC_RELAY_MAX_SUBSCRIPTIONS] (default %(default)s)",
-    )
-    serve.add_argument(
-        "--relay-max-follows",
-        type=int,
-        default=int(_env("STATIC_RELAY_MAX_FOLLOWS", "100000")),
-        metavar="N",
-        help="channels one account may follow on all its relay SubscribeMany streams together "
-        "[STATIC_RELAY_MAX_FOLLOWS] (default %(default)s)",
-    )
+    relay_defaults = RelaySettings()
+    for option in _RELAY_OPTIONS:
+        serve.add_argument(
+            option.flag,
+            type=option.type,
+            default=option.type(_env(option.env, str(getattr(relay_defaults, option.field)))),
+            metavar=option.metavar,
+            help=f"{option.help} [{option.env}] (default %(default)s)",
+        )
     serve.add_argument(
         "--token-ttl",
         type=int,
@@ -138,16 +190,8 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if not 1 <= args.token_ttl <= 86400:
         raise ValueError("--token-ttl must be between 1 and 86400 seconds")
-    if not 0.05 <= args.relay_keepalive <= 300:
-        raise ValueError("--relay-keepalive must be between 0.05 and 300 seconds")
-    if args.relay_publish_rate < 0:
-        raise ValueError("--relay-publish-rate must be >= 0")
-    if not 1 <= args.relay_max_streams <= 10000:
-        raise ValueError("--relay-max-streams must be between 1 and 10000")
-    if not 1 <= args.relay_max_subscriptions <= 1_000_000:
-        raise ValueError("--relay-max-subscriptions must be between 1 and 1000000")
-    if not 1 <= args.relay_max_follows <= 100_000_000:
-        raise ValueError("--relay-max-follows must be between 1 and 100000000")
+    for option in _RELAY_OPTIONS:
+        option.check(getattr(args, option.dest))
     settings = ServerSettings(
         http=args.http,
         relay=args.relay,
@@ -160,11 +204,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         ),
         relay_settings=RelaySettings(
             allow_anonymous=args.allow_anonymous,
-            keepalive_interval_seconds=args.relay_keepalive,
-            publish_rate_per_agent=args.relay_publish_rate,
-            max_streams_per_connection=args.relay_max_streams,
-            max_subscriptions_per_stream=args.relay_max_subscriptions,
-            max_follows_per_account=args.relay_max_follows,
+            **{option.field: getattr(args, option.dest) for option in _RELAY_OPTIONS},
         ),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused

@@ -48,6 +48,29 @@ def test_bad_arguments_exit_2() -> None:
 
 
 @pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--relay-keepalive", "0.01", "--relay-keepalive must be between 0.05 and 300"),
+        ("--relay-publish-rate", "-1", "--relay-publish-rate must be >= 0"),
+        ("--relay-max-streams", "0", "--relay-max-streams must be between 1 and 10,000"),
+        ("--relay-max-subscriptions", "0", "must be between 1 and 1,000,000"),
+        ("--relay-max-follows", "100000001", "must be between 1 and 100,000,000"),
+    ],
+)
+def test_relay_options_out_of_bounds_exit_2(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "static", "serve", "--data-dir", str(tmp_path), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert says in result.stderr
+
+
+@pytest.mark.parametrize(
     ("database", "says"),
     [
         ("sqlite:///:memory:", "cannot be shared"),
