@@ -73,20 +73,20 @@ pub(crate) struct Inbox {
     /// The last row read into `ahead`.
     pub(crate) loaded: i64,
     pub(crate) ahead: VecDeque<static_mls::store::InboxMessage>,
-    /// Whether `ahead` holds every row stored so far: the applier reads in what it stores
-    /// (see [`applier`](super::applier::applier)), so a reader finding `ahead` empty need not
-    /// ask the store.
+    /// Whether `ahead` holds every row stored so far: the applier puts in what it stores (see
+    /// `applier::apply_batch`), so a reader finding `ahead` empty need not ask the store.
     pub(crate) complete: bool,
     /// Rows handed out and not yet deleted.
     pub(crate) unpruned: usize,
-    /// Appliers of the channel running (see [`ApplierCount`]): normally one, two while a
-    /// closed channel's applier outlives the wait for it when the channel is reopened.
+    /// Appliers of the channel alive (see [`ApplierCount`]): normally one, two while a closed
+    /// channel's queue is still referenced when the channel is reopened.
     pub(crate) appliers: usize,
 }
 
-/// Counts an applier thread in its channel's inbox while it runs. Rows it stored are pushed
-/// into the read-ahead only while it is the only one: ids follow the order of commits, and
-/// with two appliers one could push its row ahead of a row the other committed before.
+/// Counts a channel's applier (its queue on the pool) in its inbox while it lives. Rows it
+/// stored are pushed into the read-ahead only while it is the only one: ids follow the order
+/// of commits, and with two appliers one could push its row ahead of a row the other
+/// committed before.
 pub(crate) struct ApplierCount(Arc<Mutex<Inbox>>);
 
 impl ApplierCount {
