@@ -118,14 +118,13 @@ class Relay:
         return Subscription(call)
 
 
-class Subscription:
-    """A Subscribe call read by a background thread into a list."""
+class StreamReader:
+    """A response stream read by a background thread: subclasses say what each response adds
+    (under the condition, which is notified after each); ``error`` and ``ended`` say how it
+    ended."""
 
     def __init__(self, call: Any) -> None:
         self.call = call
-        self.entries: list[Any] = []
-        #: How many entries each batched response (``entries``) carried.
-        self.batch_sizes: list[int] = []
         self.keepalives = 0
         self.error: grpc.RpcError | None = None
         self.ended = threading.Event()
@@ -133,17 +132,14 @@ class Subscription:
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
+    def _take(self, response: Any) -> None:
+        raise NotImplementedError
+
     def _read(self) -> None:
         try:
             for response in self.call:
                 with self._changed:
-                    if response.HasField("entry"):
-                        self.entries.append(response.entry)
-                    elif response.HasField("entries"):
-                        self.entries.extend(response.entries.entries)
-                        self.batch_sizes.append(len(response.entries.entries))
-                    else:
-                        self.keepalives += 1
+                    self._take(response)
                     self._changed.notify_all()
         except grpc.RpcError as exc:
             self.error = exc
@@ -151,6 +147,29 @@ class Subscription:
             self.ended.set()
             with self._changed:
                 self._changed.notify_all()
+
+    def wait_end(self, timeout: float = 10.0) -> grpc.RpcError | None:
+        assert self.ended.wait(timeout), "the stream did not end"
+        return self.error
+
+
+class Subscription(StreamReader):
+    """A Subscribe call read by a background thread into a list."""
+
+    def __init__(self, call: Any) -> None:
+        self.entries: list[Any] = []
+        #: How many entries each batched response (``entries``) carried.
+        self.batch_sizes: list[int] = []
+        super().__init__(call)
+
+    def _take(self, response: Any) -> None:
+        if response.HasField("entry"):
+            self.entries.append(response.entry)
+        elif response.HasField("entries"):
+            self.entries.extend(response.entries.entries)
+            self.batch_sizes.append(len(response.entries.entries))
+        else:
+            self.keepalives += 1
 
     def wait_for(self, count: int, timeout: float = 10.0) -> list[Any]:
         """Wait until ``count`` entries arrived; return them all."""
@@ -166,10 +185,6 @@ class Subscription:
     def wait_keepalives(self, count: int, timeout: float = 10.0) -> None:
         with self._changed:
             assert self._changed.wait_for(lambda: self.keepalives >= count, timeout)
-
-    def wait_end(self, timeout: float = 10.0) -> grpc.RpcError | None:
-        assert self.ended.wait(timeout), "the subscription did not end"
-        return self.error
 
     def cancel(self) -> None:
         self.call.cancel()

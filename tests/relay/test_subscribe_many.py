@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,7 +12,7 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, pb, status_of
+from tests.relay.client import Relay, StreamReader, pb, status_of
 from tests.support.api import Api
 from tests.support.server import ServerProcess
 
@@ -28,49 +27,33 @@ def name(i: int) -> str:
     return f"acme/many/c{i}"
 
 
-class Many:
+class Many(StreamReader):
     """A SubscribeMany call: requests queued by the test, responses read by a thread."""
 
     def __init__(self, relay: Relay, timeout: float = 60.0) -> None:
         self._requests: queue.Queue[Any] = queue.Queue()
-        self.call = relay.stub.SubscribeMany(self._send(), timeout=timeout, metadata=relay.metadata)
         self.entries: dict[str, list[Any]] = {}
         self.answers: dict[str, list[Answer]] = {}
-        self.keepalives = 0
-        self.error: grpc.RpcError | None = None
-        self.ended = threading.Event()
-        self._changed = threading.Condition()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
+        super().__init__(
+            relay.stub.SubscribeMany(self._send(), timeout=timeout, metadata=relay.metadata)
+        )
 
     def _send(self) -> Iterator[Any]:
         while (request := self._requests.get()) is not None:
             yield request
 
-    def _read(self) -> None:
-        try:
-            for response in self.call:
-                with self._changed:
-                    kind = response.WhichOneof("item")
-                    if kind == "entries":
-                        self.entries.setdefault(response.channel, []).extend(
-                            response.entries.entries
-                        )
-                    elif kind == "keep_alive" and not response.channel:
-                        self.keepalives += 1
-                    elif kind == "keep_alive":
-                        answer: Answer = response.keep_alive.head_seq
-                        self.answers.setdefault(response.channel, []).append(answer)
-                    elif kind == "ended":
-                        refusal = (CODES[response.ended.code], response.ended.message)
-                        self.answers.setdefault(response.channel, []).append(refusal)
-                    self._changed.notify_all()
-        except grpc.RpcError as exc:
-            self.error = exc
-        finally:
-            self.ended.set()
-            with self._changed:
-                self._changed.notify_all()
+    def _take(self, response: Any) -> None:
+        kind = response.WhichOneof("item")
+        if kind == "entries":
+            self.entries.setdefault(response.channel, []).extend(response.entries.entries)
+        elif kind == "keep_alive" and not response.channel:
+            self.keepalives += 1
+        elif kind == "keep_alive":
+            answer: Answer = response.keep_alive.head_seq
+            self.answers.setdefault(response.channel, []).append(answer)
+        elif kind == "ended":
+            refusal = (CODES[response.ended.code], response.ended.message)
+            self.answers.setdefault(response.channel, []).append(refusal)
 
     def add(self, channel: str, *, after_seq: int = 0, from_epoch: int | None = None) -> None:
         request = (
@@ -99,10 +82,6 @@ class Many:
     def wait_for(self, channel: str, count: int) -> list[Any]:
         self.wait(lambda: len(self.seqs(channel)) >= count, f"too few entries on {channel}")
         return list(self.entries[channel])
-
-    def wait_end(self, timeout: float = 10.0) -> grpc.RpcError | None:
-        assert self.ended.wait(timeout), "the stream did not end"
-        return self.error
 
     def cancel(self) -> None:
         self._requests.put(None)
