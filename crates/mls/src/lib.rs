@@ -11,6 +11,7 @@
 
 #[doc(hidden)]
 pub mod bench_support;
+pub mod binding;
 pub mod channel_name;
 pub mod crypto;
 pub mod engine;
