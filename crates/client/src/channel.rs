@@ -20,7 +20,17 @@ use crate::sender::Sender;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
 use crate::sync::lock;
+use crate::transport::pb;
 use static_mls::engine::{Engine, Member};
+
+/// A member as the relay attests it (see [`Channel::roster`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RosterMember {
+    pub leaf_index: u32,
+    pub identity: Vec<u8>,
+    /// The account its leaf is bound to; None while unbound.
+    pub account: Option<String>,
+}
 use static_mls::store::Cursor;
 
 /// What a wait for the next message found.
@@ -355,6 +365,39 @@ impl Channel {
         let shared = &self.core.shared;
         shared.check_open()?;
         Ok(shared.engine()?.members(&self.core.name)?)
+    }
+
+    /// The members as the relay attests them: each leaf's identity with the account it is
+    /// bound to (None while unbound, e.g. added but not joined yet), and the relay's epoch.
+    pub fn roster(&self) -> Result<(u64, Vec<RosterMember>)> {
+        let shared = Arc::clone(&self.core.shared);
+        let name = self.core.name.clone();
+        let call = async move {
+            let mut retry = Retry::within(shared.options.retry_timeout);
+            let answer = shared
+                .call(
+                    "ListMembers",
+                    &mut retry,
+                    || pb::ListMembersRequest {
+                        channel: name.clone(),
+                    },
+                    |mut relay, request| async move { relay.list_members(request).await },
+                    |_| false,
+                )
+                .await?
+                .map_err(|refusal| refusal.into_error("ListMembers"))?;
+            let members = answer
+                .members
+                .into_iter()
+                .map(|m| RosterMember {
+                    leaf_index: m.leaf_index,
+                    identity: m.identity.to_vec(),
+                    account: (!m.account.is_empty()).then_some(m.account),
+                })
+                .collect();
+            Ok((answer.epoch, members))
+        };
+        self.core.block_on(call)
     }
 
     pub fn epoch(&self) -> Result<u64> {

@@ -132,11 +132,22 @@ impl Client {
                 "already a member of channel {name:?}; use open_channel to reopen it"
             )));
         }
+        self.block_on(self.shared.reach())?;
+        // The group first: the relay builds the channel's public group state from it, and
+        // binds our leaf to our account.
+        let owned = name.to_owned();
+        self.block_on(self.shared.blocking(move |e| Ok(e.create_group(&owned)?)))?;
         let shared = Arc::clone(&self.shared);
         let owned = name.to_owned();
-        self.block_on(async move {
-            shared.reach().await?;
+        let created = self.block_on(async move {
             let mut retry = Retry::within(shared.options.retry_timeout);
+            let account = shared.account(&mut retry, "CreateChannel").await?;
+            let group = owned.clone();
+            let (state, binding) = shared
+                .blocking(move |e| {
+                    Ok((e.public_state(&group)?, e.leaf_binding(&group, &account)?))
+                })
+                .await?;
             // Whether an attempt may have created it before its answer was lost.
             let retried = std::sync::atomic::AtomicBool::new(false);
             let answer = shared
@@ -145,6 +156,12 @@ impl Client {
                     &mut retry,
                     || pb::CreateChannelRequest {
                         channel: owned.clone(),
+                        group_info: state.group_info.clone().into(),
+                        ratchet_tree: state.ratchet_tree.clone().into(),
+                        binding: Some(pb::LeafBinding {
+                            leaf_index: binding.leaf_index,
+                            signature: binding.signature.clone().into(),
+                        }),
                     },
                     |mut relay, request| async move { relay.create_channel(request).await },
                     |refusal| {
@@ -165,9 +182,12 @@ impl Client {
                      from one of its members"
                 ))),
             }
-        })?;
-        let owned = name.to_owned();
-        self.block_on(self.shared.blocking(move |e| Ok(e.create_group(&owned)?)))?;
+        });
+        if let Err(e) = created {
+            // The relay has no such channel of ours: neither do we.
+            self.shared.engine()?.forget_group(name)?;
+            return Err(e);
+        }
         self.start_channel(name)
     }
 
@@ -182,6 +202,13 @@ impl Client {
             self.shared
                 .blocking(move |e| Ok(e.join_group(&owned, &welcome)?)),
         )?;
+        // Until our leaf is bound to our account, the relay gives the account no access.
+        if let Err(e) = self.block_on(self.shared.bind_leaf(name)) {
+            if !matches!(e, Error::Auth(_)) {
+                self.shared.engine()?.forget_group(name)?;
+            }
+            return Err(e);
+        }
         let channel = self.start_channel(name)?;
         // Surface a relay that refuses the channel (another account's, or no access) now
         // rather than on the first read.

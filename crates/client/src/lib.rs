@@ -55,7 +55,7 @@ mod sync;
 mod tokens;
 pub mod transport;
 
-pub use channel::{Channel, Next};
+pub use channel::{Channel, Next, RosterMember};
 pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::Client;
 pub use config::{ClientOptions, MAX_PAYLOAD};

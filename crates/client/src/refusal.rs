@@ -123,11 +123,15 @@ impl Refusal {
     /// The error of `call` when this refusal ends it.
     pub fn into_error(self, call: &str) -> Error {
         match self {
-            Self::Unauthenticated { message }
-            | Self::Final {
+            Self::Unauthenticated { message } => {
+                Error::Auth(format!("the relay refused the credentials: {message}"))
+            }
+            // Not a member, another account's org, a binding that does not verify: the
+            // relay's text says which.
+            Self::Final {
                 code: Code::PermissionDenied,
                 message,
-            } => Error::Auth(format!("the relay refused the credentials: {message}")),
+            } => Error::Auth(format!("{call}: {message}")),
             Self::Transient { code, message } => {
                 Error::Unreachable(format!("{call}: {message} ({code:?})"))
             }

@@ -37,6 +37,8 @@ pub(crate) struct Shared {
     inboxes: Mutex<HashMap<String, Arc<Mutex<Inbox>>>>,
     /// The last message a reader applied itself (see [`Shared::may_apply_inline`]).
     inline_applied: InlineApplied,
+    /// The account our token names, once known (see [`Shared::account`]).
+    account: Mutex<Option<String>>,
 }
 
 /// When a reader last applied a message itself and how long that took, on a monotonic clock.
@@ -88,6 +90,7 @@ impl Shared {
             marks,
             inboxes: Mutex::new(HashMap::new()),
             inline_applied: InlineApplied::new(),
+            account: Mutex::new(None),
         }
     }
 
@@ -233,6 +236,57 @@ impl Shared {
                 }
             }
         }
+    }
+
+    /// The account our token names ("" when anonymous), which a leaf binding names; retried
+    /// under `retry` while no token can be had (the API unreachable), like a call.
+    pub(crate) async fn account(&self, retry: &mut Retry, call: &str) -> Result<String> {
+        if let Some(account) = lock(&self.account).clone() {
+            return Ok(account);
+        }
+        loop {
+            match self.tokens.account().await {
+                Ok(account) => {
+                    *lock(&self.account) = Some(account.clone());
+                    return Ok(account);
+                }
+                Err(Error::Unreachable(why)) => {
+                    let refusal = Refusal::transient(tonic::Code::Unavailable, why);
+                    let wait = self.after(retry, refusal, None, call)?;
+                    tokio::time::sleep(wait).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Binds our leaf in `channel` to our account on the relay (after joining from a Welcome:
+    /// until then the account has no access; see `proto/relay.proto`, BindLeaf).
+    pub(crate) async fn bind_leaf(&self, channel: &str) -> Result<()> {
+        let mut retry = Retry::within(self.options.retry_timeout);
+        let account = self.account(&mut retry, "BindLeaf").await?;
+        let owned = channel.to_owned();
+        let binding = self
+            .blocking(move |e| Ok(e.leaf_binding(&owned, &account)?))
+            .await?;
+        let answer = self
+            .call(
+                "BindLeaf",
+                &mut retry,
+                || pb::BindLeafRequest {
+                    channel: channel.to_owned(),
+                    binding: Some(pb::LeafBinding {
+                        leaf_index: binding.leaf_index,
+                        signature: binding.signature.clone().into(),
+                    }),
+                },
+                |mut relay, request| async move { relay.bind_leaf(request).await },
+                |_| false,
+            )
+            .await?;
+        answer
+            .map(|_| ())
+            .map_err(|refusal| refusal.into_error("BindLeaf"))
     }
 
     /// A request carrying the auth metadata; returns the token used (to drop it if the relay

@@ -107,4 +107,44 @@ impl Tokens {
     pub(crate) fn anonymous(&self) -> bool {
         self.provider.is_none()
     }
+
+    /// The account the relay knows us as: the `sub` claim of our token, "" when anonymous.
+    /// (The token is the relay's to verify; we only read whom it names.)
+    pub(crate) async fn account(&self) -> Result<String> {
+        match self.get().await? {
+            None => Ok(String::new()),
+            Some(token) => account_of(&token),
+        }
+    }
+}
+
+/// The `sub` claim of a JWT (read, not verified).
+fn account_of(token: &str) -> Result<String> {
+    use base64::Engine as _;
+    let invalid = || Error::Auth("the relay token is not a JWT naming an account (sub)".into());
+    let payload = token.split('.').nth(1).ok_or_else(invalid)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .map_err(|_| invalid())?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).map_err(|_| invalid())?;
+    claims
+        .get("sub")
+        .and_then(|sub| sub.as_str())
+        .map(str::to_owned)
+        .ok_or_else(invalid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_account_is_the_tokens_subject() {
+        // {"alg":"EdDSA"}.{"sub":"acct-1","aud":"static-relay"}.sig
+        let token = "eyJhbGciOiJFZERTQSJ9.eyJzdWIiOiJhY2N0LTEiLCJhdWQiOiJzdGF0aWMtcmVsYXkifQ.c2ln";
+        assert_eq!(account_of(token).ok().as_deref(), Some("acct-1"));
+        for bad in ["", "a.b", "a.!!!.c", "eyJhbGciOiJFZERTQSJ9.eyJhdWQiOiJ4In0.c2ln"] {
+            assert!(matches!(account_of(bad), Err(Error::Auth(_))), "{bad}");
+        }
+    }
 }

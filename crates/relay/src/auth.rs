@@ -18,8 +18,8 @@ use tonic::metadata::MetadataMap;
 
 use crate::error::{RelayError, Result};
 
-/// The scope of anonymous callers' channels (`--allow-anonymous`).
-pub const ANONYMOUS_SCOPE: &str = "";
+/// The account of anonymous callers (`--allow-anonymous`): they are one principal.
+pub const ANONYMOUS_ACCOUNT: &str = "";
 const MAX_HEADER: usize = 8192;
 
 /// What a verified token says.
@@ -39,8 +39,8 @@ pub trait Verify: Send + Sync + 'static {
 /// An authenticated (or, with `--allow-anonymous`, anonymous) caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller {
-    /// The scope channels are named in: the account id, or "" for anonymous callers.
-    pub scope: String,
+    /// The principal: the account id, or "" for anonymous callers.
+    pub account: Arc<str>,
     /// Whom rate limits count against: `key:<id>`, or `anonymous:<peer>`.
     pub agent: String,
     pub key_id: Option<String>,
@@ -115,7 +115,7 @@ impl Authenticator {
         let Some(token) = bearer_token(metadata)? else {
             if self.allow_anonymous {
                 return Ok(Caller {
-                    scope: ANONYMOUS_SCOPE.to_owned(),
+                    account: Arc::from(ANONYMOUS_ACCOUNT),
                     agent: format!("anonymous:{peer}"),
                     key_id: None,
                     expires_at: None,
@@ -137,7 +137,7 @@ impl Authenticator {
             }
         }
         Ok(Caller {
-            scope: principal.account_id,
+            account: Arc::from(principal.account_id),
             agent: format!("key:{}", principal.key_id),
             key_id: Some(principal.key_id),
             expires_at: principal.expires_at,

@@ -15,6 +15,10 @@ pub enum RelayError {
     NotFound(String),
     #[error("{0}")]
     AlreadyExists(String),
+    /// Not a member, a handshake not signed by one, a binding that does not verify, another
+    /// account's org.
+    #[error("{0}")]
+    PermissionDenied(String),
     /// `retry_after_ms`: when to retry (rate limits), 0 when retrying will not help.
     #[error("{message}")]
     ResourceExhausted {
@@ -56,6 +60,7 @@ impl RelayError {
             RelayError::InvalidArgument(_) => Code::InvalidArgument,
             RelayError::NotFound(_) => Code::NotFound,
             RelayError::AlreadyExists(_) => Code::AlreadyExists,
+            RelayError::PermissionDenied(_) => Code::PermissionDenied,
             RelayError::ResourceExhausted { .. } => Code::ResourceExhausted,
             RelayError::StaleEpoch { .. } => Code::FailedPrecondition,
             RelayError::Unauthenticated(_) => Code::Unauthenticated,

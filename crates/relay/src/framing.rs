@@ -10,8 +10,8 @@
 /// `mls10`, the only protocol version.
 const MLS10: u64 = 1;
 
-const PUBLIC_MESSAGE: u16 = 1;
-const PRIVATE_MESSAGE: u16 = 2;
+pub const PUBLIC_MESSAGE: u16 = 1;
+pub const PRIVATE_MESSAGE: u16 = 2;
 const WELCOME: u16 = 3;
 const GROUP_INFO: u16 = 4;
 const KEY_PACKAGE: u16 = 5;

@@ -27,7 +27,7 @@
 //!   while the ring still reaches back to it (no store access), else from the store. A slow
 //!   subscriber costs nothing but its cursor.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
@@ -36,8 +36,12 @@ use tokio::sync::{oneshot, watch};
 
 use crate::error::{RelayError, Result};
 use crate::framing::MessageHeader;
+use crate::group::GroupState;
+use crate::members::{GroupChange, Membership, Reach};
 use crate::rules::{check_fence, epoch_after};
-use crate::store::{self, ChannelRow, Database, LogReader, LogWriter};
+use crate::store::{
+    self, Binding, ChannelRow, Created, Database, LogReader, LogWriter, NewChannel,
+};
 
 /// Most publishes one group commit takes.
 const MAX_BATCH: usize = 512;
@@ -65,6 +69,22 @@ pub struct Checked {
     pub welcome: Bytes,
     /// The KeyPackageRefs the Welcome names (empty without a Welcome).
     pub welcome_refs: Vec<Vec<u8>>,
+    /// Who publishes it (the caller's account, "" when anonymous).
+    pub account: Arc<str>,
+    /// What the channel's group made of it.
+    pub group: GroupCheck,
+}
+
+/// A publish as the channel's group state judged it (see [`decide`]).
+#[derive(Debug, Clone)]
+pub enum GroupCheck {
+    /// Nothing to check: an application message, or a legacy channel.
+    Unchecked,
+    /// A handshake valid at its epoch; a commit carries its change.
+    Valid(Option<Arc<GroupChange>>),
+    /// A handshake for another epoch than the state's: not checked, so it may only be the
+    /// retry of a logged one (answered as a duplicate); otherwise refused as stale.
+    OtherEpoch,
 }
 
 /// A publish's answer.
@@ -86,6 +106,8 @@ pub struct Entry {
     pub epoch: u64,
     pub content_type: u32,
     pub message: Bytes,
+    /// Who published it ("" when anonymous or logged before accounts were recorded).
+    pub account: Arc<str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -113,6 +135,10 @@ pub struct Channel {
     id: i64,
     scope: String,
     name: String,
+    /// A legacy channel: the one account that reaches it.
+    legacy_owner: Option<String>,
+    /// Its group as memory knows it (None until loaded; always None for a legacy channel).
+    members: Mutex<Option<Membership>>,
     head: AtomicU64,
     epoch: AtomicU64,
     ring: Mutex<Ring>,
@@ -120,11 +146,13 @@ pub struct Channel {
 }
 
 impl Channel {
-    fn new(scope: &str, name: &str, row: ChannelRow) -> Channel {
+    fn new(name: &str, row: ChannelRow) -> Channel {
         Channel {
             id: row.id,
-            scope: scope.to_owned(),
+            scope: row.scope,
             name: name.to_owned(),
+            legacy_owner: row.legacy_owner,
+            members: Mutex::new(None),
             head: AtomicU64::new(row.head_seq),
             epoch: AtomicU64::new(row.epoch),
             ring: Mutex::new(Ring::default()),
@@ -141,9 +169,28 @@ impl Channel {
         self.id
     }
 
-    /// The scope (account id, or "" for anonymous callers) the channel is named in.
-    pub fn scope(&self) -> &str {
-        &self.scope
+    /// A channel created before membership (docs/design.md §5.2).
+    pub fn is_legacy(&self) -> bool {
+        self.legacy_owner.is_some()
+    }
+
+    fn members(&self) -> std::sync::MutexGuard<'_, Option<Membership>> {
+        self.members.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// How far `account` reaches this channel as memory knows it; None when memory does not
+    /// know (the group not loaded, or loaded at an older epoch than the channel's).
+    fn reach_in_memory(&self, account: &str) -> Option<Reach> {
+        if let Some(owner) = &self.legacy_owner {
+            return Some(if owner == account {
+                Reach::Member
+            } else {
+                Reach::None
+            });
+        }
+        let members = self.members();
+        let membership = members.as_ref()?;
+        (membership.epoch() >= self.epoch()).then(|| membership.reach(account))
     }
 
     /// The last committed seq (0 for an empty log).
@@ -259,8 +306,12 @@ pub(crate) struct Registry {
 
 #[derive(Default)]
 struct RegistryState {
-    /// scope -> name -> channel (nested: looked up by `&str`, no key built per lookup).
+    /// scope -> name -> channel (nested: looked up by `&str`, no key built per lookup). The
+    /// scope is the row's: '' for the channel holding its name, 'legacy:<account>' for a
+    /// legacy channel another one shadows.
     by_name: HashMap<String, HashMap<String, Arc<Channel>>>,
+    /// The names a legacy channel shadows (read at open; no new ones are ever made).
+    shadowed: HashSet<String>,
     by_id: HashMap<i64, Arc<Channel>>,
     /// Loads in flight (their rows read, their channels not yet here)...
     loading: usize,
@@ -274,8 +325,19 @@ impl Registry {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn loaded(&self, scope: &str, name: &str) -> Option<Arc<Channel>> {
-        self.lock().by_name.get(scope)?.get(name).cloned()
+    /// The channel `name` as `account` reaches it, if loaded. For a shadowed name only the
+    /// account's own legacy channel is looked up here: whether it has one, the store knows.
+    fn loaded(&self, account: &str, name: &str) -> Option<Arc<Channel>> {
+        let state = self.lock();
+        if state.shadowed.contains(name) {
+            let scope = legacy_scope(account);
+            return state.by_name.get(&scope)?.get(name).cloned();
+        }
+        state.by_name.get("")?.get(name).cloned()
+    }
+
+    fn set_shadowed(&self, names: Vec<String>) {
+        self.lock().shadowed = names.into_iter().collect();
     }
 
     /// A committed head (and the epoch after it) of channel `id`, from any relay.
@@ -303,27 +365,37 @@ impl Registry {
     /// The channel just loaded or created, unless another load got there first: then that
     /// one, so that each channel has one `Channel`. Heads announced since its row was read
     /// are applied.
-    fn remember(&self, scope: &str, name: &str, row: ChannelRow) -> Arc<Channel> {
+    fn remember(&self, name: &str, row: ChannelRow) -> Arc<Channel> {
         let mut state = self.lock();
-        let existing = state.by_name.get(scope).and_then(|names| names.get(name));
+        let id = row.id;
+        let existing = state
+            .by_name
+            .get(&row.scope)
+            .and_then(|names| names.get(name));
         let channel = match existing {
             Some(existing) => Arc::clone(existing),
             None => {
-                let channel = Arc::new(Channel::new(scope, name, row));
+                let scope = row.scope.clone();
+                let channel = Arc::new(Channel::new(name, row));
                 state
                     .by_name
-                    .entry(scope.to_owned())
+                    .entry(scope)
                     .or_default()
                     .insert(name.to_owned(), Arc::clone(&channel));
-                state.by_id.insert(row.id, Arc::clone(&channel));
+                state.by_id.insert(id, Arc::clone(&channel));
                 channel
             }
         };
-        if let Some((head, epoch)) = state.announced.remove(&row.id) {
+        if let Some((head, epoch)) = state.announced.remove(&id) {
             channel.advance(head, epoch);
         }
         channel
     }
+}
+
+/// The row scope of `account`'s legacy channels that another channel's name shadows.
+fn legacy_scope(account: &str) -> String {
+    format!("legacy:{account}")
 }
 
 /// A load in flight (see [`Registry::announced`]).
@@ -352,6 +424,8 @@ struct Inner {
     writer: Arc<Mutex<Option<Writer>>>,
     /// Whether submitters may commit on their own thread (see [`LogWriter::commits_inline`]).
     commits_inline: bool,
+    /// Several relays share the database (PostgreSQL): memory may be behind on bindings.
+    shared: bool,
     reader: Arc<dyn LogReader>,
 }
 
@@ -378,7 +452,7 @@ impl ChannelLog {
             store: opened.writer,
             window: settings.application_window,
             publishes: Vec::with_capacity(MAX_BATCH),
-            creates: Vec::new(),
+            others: Vec::new(),
         })));
         let (their_queue, their_writer) = (Arc::clone(&queue), Arc::clone(&writer));
         let spawned = std::thread::Builder::new()
@@ -393,26 +467,51 @@ impl ChannelLog {
             opened.reader.close();
             return Err(RelayError::store(err));
         }
+        match opened.reader.shadowed_names().await {
+            Ok(names) => registry.set_shadowed(names),
+            Err(err) => {
+                queue.close();
+                opened.reader.close();
+                return Err(err);
+            }
+        }
         Ok(ChannelLog {
             inner: Arc::new(Inner {
                 registry,
                 queue,
                 writer,
                 commits_inline,
+                shared: !commits_inline,
                 reader: opened.reader,
             }),
         })
     }
 
-    /// Create `name` at epoch 0 in `scope`: AlreadyExists("channel 'NAME' already exists").
-    pub async fn create(&self, scope: &str, name: &str) -> Result<Arc<Channel>> {
+    /// Create channel `name` at epoch 0 for `account`, from the creator's group `state` whose
+    /// leaf `leaf` is bound to `account`: AlreadyExists("channel 'NAME' already exists"),
+    /// PermissionDenied("org 'ORG' belongs to another account").
+    pub async fn create(
+        &self,
+        name: &str,
+        account: &str,
+        state: GroupState,
+        leaf: u32,
+    ) -> Result<Arc<Channel>> {
+        let org = name.split('/').next().unwrap_or(name);
+        let stored = state.to_bytes().map_err(|e| {
+            eprintln!("relay: internal error: a group state could not be encoded: {e}");
+            RelayError::Internal
+        })?;
         let _loading = self.inner.registry.loading();
         let (tx, rx) = oneshot::channel();
-        let job = Job::Create {
-            scope: scope.to_owned(),
+        let job = Job::Create(CreateJob {
             name: name.to_owned(),
+            org: org.to_owned(),
+            account: account.to_owned(),
+            state: stored,
+            leaf,
             tx,
-        };
+        });
         if let Err(refused) = self.push(vec![job]) {
             refused.into_iter().for_each(Job::refuse);
         }
@@ -421,28 +520,144 @@ impl ChannelLog {
             id,
             epoch: 0,
             head_seq: 0,
+            scope: String::new(),
+            legacy_owner: None,
         };
-        Ok(self.inner.registry.remember(scope, name, row))
+        let channel = self.inner.registry.remember(name, row);
+        let mut membership = Membership::new(state);
+        membership.bind(leaf, account);
+        *channel.members() = Some(membership);
+        Ok(channel)
     }
 
-    /// The channel `name` of `scope`: NotFound("no channel 'NAME'") when it does not exist.
-    pub async fn channel(&self, scope: &str, name: &str) -> Result<Arc<Channel>> {
-        if let Some(channel) = self.loaded(scope, name) {
+    /// The channel `name` as `account` reaches it (its own legacy channel of that name if
+    /// another's shadows it): NotFound("no channel 'NAME'") when it does not exist.
+    pub async fn channel(&self, account: &str, name: &str) -> Result<Arc<Channel>> {
+        if let Some(channel) = self.loaded(account, name) {
             return Ok(channel);
         }
         let _loading = self.inner.registry.loading();
         let row = self
             .inner
             .reader
-            .load_channel(scope, name)
+            .load_channel(account, name)
             .await?
             .ok_or_else(|| RelayError::NotFound(format!("no channel '{name}'")))?;
-        Ok(self.inner.registry.remember(scope, name, row))
+        Ok(self.inner.registry.remember(name, row))
     }
 
     /// The channel if it is in memory already (no store access).
-    pub fn loaded(&self, scope: &str, name: &str) -> Option<Arc<Channel>> {
-        self.inner.registry.loaded(scope, name)
+    pub fn loaded(&self, account: &str, name: &str) -> Option<Arc<Channel>> {
+        self.inner.registry.loaded(account, name)
+    }
+
+    /// Loads the channel's group from the store into memory when it was not loaded or is
+    /// behind the channel's epoch; with `again` (another relay may have bound a leaf) the
+    /// bindings of a current group are read again (a cheap query: the state is not).
+    async fn load_members(&self, channel: &Channel, again: bool) -> Result<()> {
+        let current = channel
+            .members()
+            .as_ref()
+            .map(|m| m.epoch())
+            .filter(|epoch| *epoch >= channel.epoch());
+        if let Some(epoch) = current {
+            if !again {
+                return Ok(());
+            }
+            let bindings = self.inner.reader.bindings(channel.id).await?;
+            if let Some(m) = channel.members().as_mut().filter(|m| m.epoch() == epoch) {
+                m.rebind(bindings);
+            }
+            return Ok(());
+        }
+        let stored = self
+            .inner
+            .reader
+            .load_group(channel.id)
+            .await?
+            .ok_or_else(|| {
+                RelayError::Unavailable(format!("channel '{}' has no group state", channel.name))
+            })?;
+        let loaded = Membership::from_stored(stored)?;
+        let mut members = channel.members();
+        // Another load or a commit may have got further meanwhile: keep the newest.
+        if members.as_ref().is_none_or(|m| m.epoch() <= loaded.epoch()) {
+            *members = Some(loaded);
+        }
+        Ok(())
+    }
+
+    /// How far `account` reaches `channel`: a legacy channel by its owner, any other by an
+    /// account with a bound leaf. Memory answers; the store only when memory is behind (or,
+    /// with several relays on one database, before a refusal: another relay may have bound a
+    /// leaf since).
+    pub async fn reach(&self, channel: &Channel, account: &str) -> Result<Reach> {
+        match channel.reach_in_memory(account) {
+            Some(Reach::None) if self.inner.shared => {}
+            Some(reach) => return Ok(reach),
+            None => {}
+        }
+        self.load_members(channel, true).await?;
+        Ok(channel.reach_in_memory(account).unwrap_or(Reach::None))
+    }
+
+    /// The channel's group state at its current epoch (None for a legacy channel).
+    pub async fn group(&self, channel: &Channel) -> Result<Option<Arc<GroupState>>> {
+        if channel.is_legacy() {
+            return Ok(None);
+        }
+        self.load_members(channel, false).await?;
+        Ok(channel.members().as_ref().map(Membership::state))
+    }
+
+    /// The channel's members with the accounts bound to them, and the epoch.
+    pub async fn members_of(
+        &self,
+        channel: &Channel,
+    ) -> Result<(u64, Vec<(crate::group::LeafInfo, Option<Arc<str>>)>)> {
+        self.load_members(channel, self.inner.shared).await?;
+        let members = channel.members();
+        Ok(members
+            .as_ref()
+            .map(|m| (m.epoch(), m.members()))
+            .unwrap_or_default())
+    }
+
+    /// The proposals accepted at `epoch` of `channel`, in log order.
+    pub async fn proposals(&self, channel: &Channel, epoch: u64) -> Result<Vec<Bytes>> {
+        self.inner.reader.proposals(channel.id, epoch).await
+    }
+
+    /// Binds `leaf` to `account` if `channel` is still at `epoch`; false when it moved on
+    /// (check the proof against the new tree and try again).
+    pub async fn bind(
+        &self,
+        channel: &Channel,
+        epoch: u64,
+        leaf: u32,
+        account: &str,
+    ) -> Result<bool> {
+        let (tx, rx) = oneshot::channel();
+        let job = Job::Bind {
+            channel_id: channel.id,
+            epoch,
+            leaf,
+            account: account.to_owned(),
+            tx,
+        };
+        if let Err(refused) = self.push(vec![job]) {
+            refused.into_iter().for_each(Job::refuse);
+        }
+        let bound = rx.await.map_err(|_| shutting_down())??;
+        if bound {
+            let mut members = channel.members();
+            match members.as_mut() {
+                Some(m) if m.epoch() == epoch => m.bind(leaf, account),
+                // Memory moved on, or never loaded: read it again when next needed.
+                _ => *members = None,
+            }
+        }
+        Ok(bound)
     }
 
     /// Queue publishes (already checked, their channels loaded) for the next group commit,
@@ -606,11 +821,23 @@ pub(crate) struct Publish {
 
 enum Job {
     Publish(Publish),
-    Create {
-        scope: String,
-        name: String,
-        tx: oneshot::Sender<Result<i64>>,
+    Create(CreateJob),
+    Bind {
+        channel_id: i64,
+        epoch: u64,
+        leaf: u32,
+        account: String,
+        tx: oneshot::Sender<Result<bool>>,
     },
+}
+
+struct CreateJob {
+    name: String,
+    org: String,
+    account: String,
+    state: Vec<u8>,
+    leaf: u32,
+    tx: oneshot::Sender<Result<i64>>,
 }
 
 impl Job {
@@ -620,7 +847,10 @@ impl Job {
             Job::Publish(p) => {
                 let _ = p.tx.send(Err(shutting_down()));
             }
-            Job::Create { tx, .. } => {
+            Job::Create(create) => {
+                let _ = create.tx.send(Err(shutting_down()));
+            }
+            Job::Bind { tx, .. } => {
                 let _ = tx.send(Err(shutting_down()));
             }
         }
@@ -744,8 +974,6 @@ pub(crate) struct Tentative {
     appended: bool,
 }
 
-type Create = (String, String, oneshot::Sender<Result<i64>>);
-
 /// The writer thread: commits what the submitters could not (the writer was busy), until
 /// closed; then closes the writer (its connection and checkpointer).
 fn run_writer(queue: &Queue, writer: &Mutex<Option<Writer>>) {
@@ -768,18 +996,18 @@ struct Writer {
     window: u64,
     /// Scratch space of [`Writer::commit`], kept to reuse its allocations.
     publishes: Vec<Publish>,
-    creates: Vec<Create>,
+    others: Vec<Job>,
 }
 
 impl Writer {
     /// Commit `jobs` (taken from the queue, in order): the publishes in one group commit.
     fn commit(&mut self, jobs: impl IntoIterator<Item = Job>) {
         let mut publishes = std::mem::take(&mut self.publishes);
-        let mut creates = std::mem::take(&mut self.creates);
+        let mut others = std::mem::take(&mut self.others);
         for job in jobs {
             match job {
                 Job::Publish(p) => publishes.push(p),
-                Job::Create { scope, name, tx } => creates.push((scope, name, tx)),
+                other => others.push(other),
             }
         }
         if !publishes.is_empty() {
@@ -787,18 +1015,55 @@ impl Writer {
         }
         // Rare, each in its own small transaction, after the publishes (which wait for
         // nothing else). A publish never depends on a create of its batch: a channel is
-        // handed out only once created.
-        for (scope, name, tx) in creates.drain(..) {
-            let _ = tx.send(self.create(&scope, &name));
+        // handed out only once created. A binding decided after the batch's commits sees
+        // their epoch (and is refused if one moved the channel on).
+        for job in others.drain(..) {
+            match job {
+                Job::Create(create) => {
+                    let result = self.create(&create);
+                    let _ = create.tx.send(result);
+                }
+                Job::Bind {
+                    channel_id,
+                    epoch,
+                    leaf,
+                    account,
+                    tx,
+                } => {
+                    let binding = Binding {
+                        channel_id,
+                        epoch,
+                        leaf,
+                        account: &account,
+                    };
+                    let _ = tx.send(self.store.bind(&binding));
+                }
+                Job::Publish(_) => {}
+            }
         }
         self.publishes = publishes;
-        self.creates = creates;
+        self.others = others;
     }
 
-    fn create(&mut self, scope: &str, name: &str) -> Result<i64> {
-        self.store
-            .create_channel(scope, name)?
-            .ok_or_else(|| RelayError::AlreadyExists(format!("channel '{name}' already exists")))
+    fn create(&mut self, create: &CreateJob) -> Result<i64> {
+        let channel = NewChannel {
+            name: &create.name,
+            org: &create.org,
+            account: &create.account,
+            state: &create.state,
+            leaf: create.leaf,
+        };
+        match self.store.create_channel(&channel)? {
+            Created::Created(id) => Ok(id),
+            Created::Exists => Err(RelayError::AlreadyExists(format!(
+                "channel '{}' already exists",
+                create.name
+            ))),
+            Created::OrgTaken => Err(RelayError::PermissionDenied(format!(
+                "org '{}' belongs to another account",
+                create.org
+            ))),
+        }
     }
 
     /// One group commit of `batch` (emptied): decide and store, publish to memory, answer.
@@ -854,7 +1119,18 @@ fn committed(batch: &[Publish], plan: &Plan) {
                 epoch: p.checked.header.epoch,
                 content_type: p.checked.header.content_type as u32,
                 message: p.checked.message.clone(),
+                account: Arc::clone(&p.checked.account),
             });
+            if let GroupCheck::Valid(Some(change)) = &p.checked.group {
+                // Before the epoch moves (below): whoever sees the new epoch finds the group
+                // that goes with it.
+                let mut members = p.channel.members();
+                let applied = members.as_mut().map(|m| m.apply(change, seq));
+                if !matches!(applied, Some(Ok(()))) {
+                    // Not loaded, or unreadable: the store has it.
+                    *members = None;
+                }
+            }
         }
     }
     for (channel, t) in plan.changed(batch) {
@@ -926,6 +1202,13 @@ pub(crate) fn decide(
             if let Err(err) = check_fence(&p.checked.header, t.epoch, window) {
                 return Decision::Refused(err);
             }
+            if matches!(p.checked.group, GroupCheck::OtherEpoch) {
+                // Checked against no state (its epoch was not the state's), and not a retry.
+                return Decision::Refused(RelayError::StaleEpoch {
+                    message_epoch: p.checked.header.epoch,
+                    current_epoch: t.epoch,
+                });
+            }
             let new_epoch = epoch_after(&p.checked.header, t.epoch);
             let starts_epoch = new_epoch != t.epoch;
             t.head += 1;
@@ -952,8 +1235,10 @@ pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
         id,
         epoch: 0,
         head_seq: 0,
+        scope: String::new(),
+        legacy_owner: None,
     };
-    Arc::new(Channel::new("", "org/ns/service", row))
+    Arc::new(Channel::new("org/ns/service", row))
 }
 
 /// A publish whose answer nobody waits for (for the stores' tests).
@@ -975,6 +1260,7 @@ pub(crate) fn test_entry(seq: u64, size: usize) -> Entry {
         epoch: 0,
         content_type: 1,
         message: Bytes::from(vec![0u8; size]),
+        account: Arc::from(""),
     }
 }
 
@@ -994,8 +1280,10 @@ mod tests {
             id: 1,
             epoch: 0,
             head_seq: 0,
+            scope: String::new(),
+            legacy_owner: None,
         };
-        Channel::new("scope", "org/ns/service", row)
+        Channel::new("org/ns/service", row)
     }
 
     #[test]

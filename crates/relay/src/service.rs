@@ -24,12 +24,16 @@ use tonic::{Code, Extensions, Request, Response, Status, Streaming};
 use crate::auth::{Authenticator, Caller, StreamGuard};
 use crate::error::{RelayError, Result};
 use crate::framing::{self, ContentType};
-use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, Outcome, WelcomeKey};
+use crate::group::{GroupError, GroupState, Handshake};
+use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, Outcome, WelcomeKey};
+use crate::members::{GroupChange, Reach};
 use crate::pb;
 use crate::rules::{self, TokenBucket};
 
 mod many;
 
+/// Times BindLeaf checks a proof against a new tree when commits move the channel meanwhile.
+const BIND_ATTEMPTS: usize = 3;
 /// Rate-limit buckets kept before idle ones are dropped.
 const MAX_BUCKETS: usize = 10_000;
 /// Publishes of one PublishStream call queued ahead of their answers.
@@ -193,10 +197,70 @@ impl Inner {
         self.auth.authenticate(metadata, &peer).await
     }
 
-    async fn channel(&self, scope: &str, name: &str) -> Result<Arc<Channel>> {
-        match self.log.loaded(scope, name) {
+    async fn channel(&self, account: &str, name: &str) -> Result<Arc<Channel>> {
+        match self.log.loaded(account, name) {
             Some(channel) => Ok(channel),
-            None => self.log.channel(scope, name).await,
+            None => self.log.channel(account, name).await,
+        }
+    }
+
+    /// The last seq `account` may read of `channel` (u64::MAX for a member; the commit that
+    /// removed it for an account that was one, on this relay): PermissionDenied otherwise.
+    async fn read_limit(&self, channel: &Channel, account: &str) -> Result<u64> {
+        match self.log.reach(channel, account).await? {
+            Reach::Member => Ok(u64::MAX),
+            Reach::Until(seq) => Ok(seq),
+            Reach::None => Err(not_a_member(channel.name())),
+        }
+    }
+
+    /// PermissionDenied unless `account` is a member of `channel` now.
+    async fn require_member(&self, channel: &Channel, account: &str) -> Result<()> {
+        match self.log.reach(channel, account).await? {
+            Reach::Member => Ok(()),
+            Reach::Until(_) | Reach::None => Err(not_a_member(channel.name())),
+        }
+    }
+
+    /// A publish to a channel with a group: application messages must be private, handshakes
+    /// public and valid at their epoch (see `proto/relay.proto`, Membership).
+    async fn check_group(&self, channel: &Channel, checked: &Checked) -> Result<GroupCheck> {
+        let header = &checked.header;
+        if header.content_type == ContentType::Application {
+            if header.wire_format != framing::PRIVATE_MESSAGE {
+                return Err(RelayError::InvalidArgument(
+                    "application messages must be PrivateMessages".to_owned(),
+                ));
+            }
+            return Ok(GroupCheck::Unchecked);
+        }
+        if header.wire_format != framing::PUBLIC_MESSAGE {
+            return Err(RelayError::InvalidArgument(
+                "handshake messages (commits and proposals) must be PublicMessages".to_owned(),
+            ));
+        }
+        let Some(state) = self.log.group(channel).await? else {
+            return Ok(GroupCheck::Unchecked);
+        };
+        if header.epoch != state.epoch() {
+            // Stale, or the retry of a logged one: the writer tells which.
+            return Ok(GroupCheck::OtherEpoch);
+        }
+        let proposals = if header.content_type == ContentType::Commit {
+            self.log.proposals(channel, header.epoch).await?
+        } else {
+            Vec::new()
+        };
+        let proposals: Vec<&[u8]> = proposals.iter().map(|p| p.as_ref()).collect();
+        match state
+            .check_handshake(&checked.message, &proposals)
+            .map_err(group_refusal)?
+        {
+            Handshake::Proposal { .. } => Ok(GroupCheck::Valid(None)),
+            Handshake::Commit(outcome) => {
+                let change = GroupChange::new(outcome.next, outcome.removed)?;
+                Ok(GroupCheck::Valid(Some(Arc::new(change))))
+            }
         }
     }
 
@@ -238,6 +302,8 @@ impl Inner {
             key,
             welcome: request.welcome,
             welcome_refs,
+            account: Arc::clone(&caller.account),
+            group: GroupCheck::Unchecked,
         };
         Ok((name, checked))
     }
@@ -283,8 +349,12 @@ impl Inner {
         request: pb::PublishRequest,
         caller: &Caller,
     ) -> Result<(Arc<Channel>, Checked)> {
-        let (name, checked) = self.check(request, caller)?;
-        let channel = self.channel(&caller.scope, &name).await?;
+        let (name, mut checked) = self.check(request, caller)?;
+        let channel = self.channel(&caller.account, &name).await?;
+        self.require_member(&channel, &caller.account).await?;
+        if !channel.is_legacy() {
+            checked.group = self.check_group(&channel, &checked).await?;
+        }
         Ok((channel, checked))
     }
 
@@ -505,13 +575,14 @@ impl Inner {
     async fn follow(
         self: Arc<Self>,
         channel: Arc<Channel>,
+        account: Arc<str>,
         cursor: u64,
         max_batch: usize,
         mut guard: StreamGuard,
         tx: mpsc::Sender<Result<pb::SubscribeResponse, Status>>,
     ) {
         if let Some(reason) = self
-            .stream_entries(&channel, cursor, max_batch, &mut guard, &tx)
+            .stream_entries(&channel, &account, cursor, max_batch, &mut guard, &tx)
             .await
         {
             let _ = tx.send(Err(reason.to_status())).await;
@@ -522,6 +593,7 @@ impl Inner {
     async fn stream_entries(
         &self,
         channel: &Channel,
+        account: &str,
         mut cursor: u64,
         max_batch: usize,
         guard: &mut StreamGuard,
@@ -547,6 +619,15 @@ impl Inner {
         let page_size = READ_PAGE.max(max_batch);
         loop {
             let last = *head.borrow_and_update();
+            // Membership is looked at whenever the head moved (a commit may have removed the
+            // account): a departed member reads up to the commit that removed it, then ends.
+            let limit = match self.read_limit(channel, account).await {
+                Ok(limit) => limit,
+                Err(e) => return Some(e),
+            };
+            if cursor >= limit {
+                return Some(not_a_member(channel.name()));
+            }
             if cursor < last {
                 let page = tokio::select! {
                     biased;
@@ -555,7 +636,10 @@ impl Inner {
                     page = self.log.read_after(channel, cursor, page_size) => page,
                 };
                 let page = match page.and_then(|page| consecutive(page, cursor, last)) {
-                    Ok(page) => page,
+                    Ok(mut page) => {
+                        page.retain(|e| e.seq <= limit);
+                        page
+                    }
                     Err(e) => return Some(e),
                 };
                 cursor = page.last().map_or(cursor, |e| e.seq);
@@ -595,6 +679,26 @@ impl Inner {
 enum Slot {
     Waiting(Outcome),
     Decided(pb::PublishResult),
+}
+
+/// The refusal of a caller whose account has no bound leaf in the channel.
+fn not_a_member(channel: &str) -> RelayError {
+    RelayError::PermissionDenied(format!(
+        "this account is not a member of channel '{channel}' (no leaf of its group is bound to \
+         it)"
+    ))
+}
+
+/// A handshake or group state the channel's group refused, as a status.
+fn group_refusal(e: GroupError) -> RelayError {
+    if e.is_permission_denied() {
+        RelayError::PermissionDenied(e.to_string())
+    } else if e.is_internal() {
+        eprintln!("relay: internal error: {e}");
+        RelayError::Internal
+    } else {
+        RelayError::InvalidArgument(e.to_string())
+    }
 }
 
 fn channel_name(name: String) -> Result<String> {
@@ -662,6 +766,7 @@ fn wire_entry(entry: Entry) -> pb::Entry {
         epoch: entry.epoch,
         content_type: entry.content_type,
         message: entry.message,
+        account: entry.account.to_string(),
     }
 }
 
@@ -731,11 +836,118 @@ impl pb::relay_server::Relay for Relay {
         let (metadata, extensions, request) = request.into_parts();
         let caller = self.0.caller(&metadata, &extensions).await?;
         let name = channel_name(request.channel)?;
-        self.0.log.create(&caller.scope, &name).await?;
+        if request.group_info.is_empty() {
+            return Err(RelayError::InvalidArgument(
+                "group_info is required: the creator's GroupInfo at epoch 0 (this relay checks \
+                 handshakes against the channel's group; see proto/relay.proto)"
+                    .to_owned(),
+            )
+            .into());
+        }
+        let binding = request.binding.ok_or_else(|| {
+            RelayError::InvalidArgument(
+                "binding is required: the creator's leaf binding (LeafBinding)".to_owned(),
+            )
+        })?;
+        let limit = self.0.settings.max_message_bytes;
+        if request.group_info.len() > limit || request.ratchet_tree.len() > limit {
+            return Err(RelayError::resource_exhausted(format!(
+                "group state larger than {limit} bytes"
+            ))
+            .into());
+        }
+        let state = GroupState::create(&name, &request.group_info, &request.ratchet_tree)
+            .map_err(group_refusal)?;
+        state
+            .verify_binding(
+                &name,
+                binding.leaf_index,
+                &caller.account,
+                &binding.signature,
+            )
+            .map_err(group_refusal)?;
+        self.0
+            .log
+            .create(&name, &caller.account, state, binding.leaf_index)
+            .await?;
         Ok(Response::new(pb::CreateChannelResponse {
             channel: name,
             epoch: 0,
         }))
+    }
+
+    async fn bind_leaf(
+        &self,
+        request: Request<pb::BindLeafRequest>,
+    ) -> Result<Response<pb::BindLeafResponse>, Status> {
+        let (metadata, extensions, request) = request.into_parts();
+        let inner = &self.0;
+        let caller = inner.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.channel)?;
+        let binding = request
+            .binding
+            .ok_or_else(|| RelayError::InvalidArgument("binding is required".to_owned()))?;
+        let channel = inner.channel(&caller.account, &name).await?;
+        // A commit may move the channel on between the check and the write: then check
+        // against the new tree (a few times; commits are not that frequent).
+        for _ in 0..BIND_ATTEMPTS {
+            let state = inner.log.group(&channel).await?.ok_or_else(|| {
+                RelayError::InvalidArgument(format!(
+                    "channel '{name}' was created before membership (a legacy channel): \
+                     there is no group to bind to"
+                ))
+            })?;
+            state
+                .verify_binding(
+                    &name,
+                    binding.leaf_index,
+                    &caller.account,
+                    &binding.signature,
+                )
+                .map_err(group_refusal)?;
+            let epoch = state.epoch();
+            if inner
+                .log
+                .bind(&channel, epoch, binding.leaf_index, &caller.account)
+                .await?
+            {
+                return Ok(Response::new(pb::BindLeafResponse { epoch }));
+            }
+        }
+        Err(RelayError::Unavailable(format!(
+            "channel '{name}' kept moving to new epochs while binding: try again"
+        ))
+        .into())
+    }
+
+    async fn list_members(
+        &self,
+        request: Request<pb::ListMembersRequest>,
+    ) -> Result<Response<pb::ListMembersResponse>, Status> {
+        let (metadata, extensions, request) = request.into_parts();
+        let inner = &self.0;
+        let caller = inner.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.channel)?;
+        let channel = inner.channel(&caller.account, &name).await?;
+        inner.require_member(&channel, &caller.account).await?;
+        if channel.is_legacy() {
+            return Err(RelayError::InvalidArgument(format!(
+                "channel '{name}' was created before membership (a legacy channel): the relay \
+                 does not know its members"
+            ))
+            .into());
+        }
+        let (epoch, members) = inner.log.members_of(&channel).await?;
+        let members = members
+            .into_iter()
+            .map(|(leaf, account)| pb::Member {
+                leaf_index: leaf.leaf_index,
+                identity: leaf.identity.into(),
+                signature_key: leaf.signature_key.into(),
+                account: account.map(|a| a.to_string()).unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(pb::ListMembersResponse { epoch, members }))
     }
 
     async fn publish(
@@ -780,7 +992,8 @@ impl pb::relay_server::Relay for Relay {
         let inner = &self.0;
         let caller = inner.caller(&metadata, &extensions).await?;
         let name = channel_name(request.channel)?;
-        let channel = inner.channel(&caller.scope, &name).await?;
+        let channel = inner.channel(&caller.account, &name).await?;
+        inner.read_limit(&channel, &caller.account).await?;
         let after_seq = match request.start {
             Some(Start::FromEpoch(epoch)) => inner.log.start_of_epoch(&channel, epoch).await?,
             Some(Start::AfterSeq(seq)) => seq,
@@ -791,8 +1004,9 @@ impl pb::relay_server::Relay for Relay {
         // this guard or is seen by the stream.
         let guard = inner.auth.watch(&caller);
         let inner = Arc::clone(inner);
+        let account = Arc::clone(&caller.account);
         Ok(Response::new(Driven::new(RESPONSE_QUEUE, move |tx| {
-            inner.follow(channel, after_seq, max_batch, guard, tx)
+            inner.follow(channel, account, after_seq, max_batch, guard, tx)
         })))
     }
 
@@ -814,7 +1028,8 @@ impl pb::relay_server::Relay for Relay {
         let inner = &self.0;
         let caller = inner.caller(&metadata, &extensions).await?;
         let name = channel_name(request.channel)?;
-        let channel = inner.channel(&caller.scope, &name).await?;
+        let channel = inner.channel(&caller.account, &name).await?;
+        inner.require_member(&channel, &caller.account).await?;
         let key = match request.key {
             Some(Key::WelcomeSha256(digest)) => WelcomeKey::Digest(digest.to_vec()),
             Some(Key::KeyPackageRef(key_package_ref)) => {

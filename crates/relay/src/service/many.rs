@@ -25,7 +25,7 @@ use tokio::time::{Instant, Sleep};
 use tonic::{Status, Streaming};
 
 use super::{
-    batches, channel_name, consecutive, drained, shutting_down, Inner, READ_PAGE,
+    batches, channel_name, consecutive, drained, not_a_member, shutting_down, Inner, READ_PAGE,
     SUBSCRIBE_BATCH_ENTRIES,
 };
 use crate::auth::Caller;
@@ -147,7 +147,7 @@ impl Drop for Many {
     /// The stream ended: its follows leave its account's budget.
     fn drop(&mut self) {
         self.inner
-            .give_back_follows(&self.caller.scope, self.follows.len());
+            .give_back_follows(&self.caller.account, self.follows.len());
     }
 }
 
@@ -234,20 +234,20 @@ impl Many {
         let cap = self.inner.settings.max_subscriptions_per_stream;
         let budget = self.inner.settings.max_follows_per_account;
         let started = if restart {
-            start(&self.inner, &self.caller.scope, request).await
+            start(&self.inner, &self.caller.account, request).await
         } else if self.follows.len() >= cap {
             Err(RelayError::resource_exhausted(format!(
                 "this stream follows {cap} channels already, the most it may"
             )))
-        } else if !self.inner.take_follow(&self.caller.scope) {
+        } else if !self.inner.take_follow(&self.caller.account) {
             Err(RelayError::resource_exhausted(format!(
                 "this account follows {budget} channels already on its SubscribeMany streams, \
                  the most it may"
             )))
         } else {
-            let started = start(&self.inner, &self.caller.scope, request).await;
+            let started = start(&self.inner, &self.caller.account, request).await;
             if started.is_err() {
-                self.inner.give_back_follows(&self.caller.scope, 1);
+                self.inner.give_back_follows(&self.caller.account, 1);
             }
             started
         };
@@ -279,7 +279,7 @@ impl Many {
     /// Stops the follow of `name`, if any, and gives its place back to the account's budget.
     fn unfollow(&mut self, name: &str) {
         if self.remove(name) {
-            self.inner.give_back_follows(&self.caller.scope, 1);
+            self.inner.give_back_follows(&self.caller.account, 1);
         }
     }
 
@@ -355,13 +355,28 @@ impl Many {
         let (channel, cursor, max_batch) =
             (Arc::clone(&follow.channel), follow.cursor, follow.max_batch);
         let last = channel.head_seq();
+        // Membership is looked at on every turn (a commit may have removed the account): a
+        // departed member reads up to the commit that removed it, then its follow ends.
+        let limit = match self.inner.read_limit(&channel, &self.caller.account).await {
+            Ok(limit) if cursor < limit => Ok(limit),
+            Ok(_) => Err(not_a_member(channel.name())),
+            Err(e) => Err(e),
+        };
+        let limit = match limit {
+            Ok(limit) => limit,
+            Err(e) => {
+                self.unfollow(&name);
+                return self.send(name, Item::Ended(refusal(&e))).await;
+            }
+        };
         if cursor < last {
-            let page = self
+            let mut page = self
                 .inner
                 .log
                 .read_after(&channel, cursor, READ_PAGE.max(max_batch))
                 .await
                 .and_then(|page| consecutive(page, cursor, last))?;
+            page.retain(|e| e.seq <= limit);
             let sent = page.last().map_or(cursor, |e| e.seq);
             // A slow reader makes these sends wait: its stream falls behind here (and reads
             // the rest from the log later), costing nobody else.
@@ -390,16 +405,17 @@ impl Many {
     }
 }
 
-/// What Subscribe decides before its stream starts: the channel (in the caller's scope),
+/// What Subscribe decides before its stream starts: the channel (one the caller reaches),
 /// the cursor, the batch size. (Not a method of `Many`, whose wake-ups are not `Sync`.)
 async fn start(
     inner: &Inner,
-    scope: &str,
+    account: &str,
     request: pb::SubscribeRequest,
 ) -> Result<(Arc<Channel>, u64, usize)> {
     use pb::subscribe_request::Start;
     let name = channel_name(request.channel)?;
-    let channel = inner.channel(scope, &name).await?;
+    let channel = inner.channel(account, &name).await?;
+    inner.read_limit(&channel, account).await?;
     let cursor = match request.start {
         Some(Start::FromEpoch(epoch)) => inner.log.start_of_epoch(&channel, epoch).await?,
         Some(Start::AfterSeq(seq)) => seq,

@@ -20,8 +20,12 @@ use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use crate::error::Result;
-use crate::log::{Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
+use crate::framing::ContentType;
+use crate::log::{Entry, GroupCheck, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
+use crate::members::GroupChange;
 
 /// Where the relay keeps its logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,11 +63,52 @@ impl From<&Path> for Database {
 pub(crate) type StoreFuture<T> = Pin<Box<dyn Future<Output = Result<T>> + Send>>;
 
 /// A channel's row.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ChannelRow {
     pub id: i64,
     pub epoch: u64,
     pub head_seq: u64,
+    /// `''` for the channel holding its name, `'legacy:<account>'` for a legacy channel whose
+    /// name another account's older channel holds (see the 0003 migration).
+    pub scope: String,
+    /// A legacy channel (created before membership): the one account that reaches it.
+    pub legacy_owner: Option<String>,
+}
+
+/// A channel to create: at epoch 0, its org claimed for (or owned by) `account`, its group
+/// state stored, and the creator's leaf bound to `account`.
+pub(crate) struct NewChannel<'a> {
+    pub name: &'a str,
+    pub org: &'a str,
+    pub account: &'a str,
+    pub state: &'a [u8],
+    pub leaf: u32,
+}
+
+/// What creating a channel came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Created {
+    Created(i64),
+    /// The name is taken.
+    Exists,
+    /// The org belongs to another account.
+    OrgTaken,
+}
+
+/// A channel's group as stored: its state at its current epoch and the bound leaves.
+#[derive(Debug, Clone)]
+pub(crate) struct StoredGroup {
+    pub state: Vec<u8>,
+    pub bindings: Vec<(u32, String)>,
+}
+
+/// A binding to store (see [`LogWriter::bind`]).
+pub(crate) struct Binding<'a> {
+    pub channel_id: i64,
+    /// The epoch whose tree the proof was checked against.
+    pub epoch: u64,
+    pub leaf: u32,
+    pub account: &'a str,
 }
 
 /// The writer's side of a store: one owner at a time (the writer), blocking calls.
@@ -72,8 +117,13 @@ pub(crate) trait LogWriter: Send {
     /// for a writer that drives a runtime of its own, which must not run inside another.
     fn commits_inline(&self) -> bool;
 
-    /// Create `name` at epoch 0 in `scope` (its epoch-0 row too); None when it exists already.
-    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>>;
+    /// Create a channel (its epoch-0 row, its group state and the creator's binding too), in
+    /// one transaction.
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created>;
+
+    /// Bind a leaf to an account, if the channel is still at `binding.epoch` (false: it moved
+    /// on, check the proof against the new tree). Replaces the leaf's earlier binding.
+    fn bind(&mut self, binding: &Binding<'_>) -> Result<bool>;
 
     /// Decide `batch` (fence, numbers, duplicates) and store what it appends, in one
     /// transaction. The plan is final: a refusal in it is not the retry of a logged message.
@@ -83,7 +133,17 @@ pub(crate) trait LogWriter: Send {
 
 /// The readers' side of a store: shared, async.
 pub(crate) trait LogReader: Send + Sync {
-    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>>;
+    /// The channel `name` as `account` reaches it: its legacy channel of that name if it has
+    /// one that another channel's name shadows, else the channel holding the name.
+    fn load_channel(&self, account: &str, name: &str) -> StoreFuture<Option<ChannelRow>>;
+    /// The channel's group (None for a legacy channel).
+    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>>;
+    /// The channel's bound leaves.
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>>;
+    /// The proposals accepted in `epoch`, in log order.
+    fn proposals(&self, channel_id: i64, epoch: u64) -> StoreFuture<Vec<Bytes>>;
+    /// The names some legacy channel shadows (read once, at open: no new ones are made).
+    fn shadowed_names(&self) -> StoreFuture<Vec<String>>;
     /// Up to `limit` entries after `after_seq`, in order.
     fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>>;
     /// The seq after which `epoch` starts, None when the channel never reached it.
@@ -124,6 +184,12 @@ pub(crate) struct NewEntry<'a> {
     /// Empty, or the Welcome kept with this commit.
     pub welcome: &'a [u8],
     pub welcome_refs: &'a [Vec<u8>],
+    /// Who published it.
+    pub account: &'a str,
+    /// A proposal to keep for the commits of its epoch.
+    pub keep_proposal: bool,
+    /// A commit's change to the channel's group.
+    pub change: Option<&'a GroupChange>,
 }
 
 /// The entries `plan` appends, in order.
@@ -148,6 +214,13 @@ pub(crate) fn new_entries<'a>(batch: &'a [Publish], plan: &Plan) -> Vec<NewEntry
                 message: &p.checked.message,
                 welcome: &p.checked.welcome,
                 welcome_refs: &p.checked.welcome_refs,
+                account: &p.checked.account,
+                keep_proposal: p.checked.header.content_type == ContentType::Proposal
+                    && !p.channel.is_legacy(),
+                change: match &p.checked.group {
+                    GroupCheck::Valid(Some(change)) => Some(change),
+                    _ => None,
+                },
             }),
             _ => None,
         })

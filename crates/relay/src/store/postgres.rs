@@ -44,7 +44,10 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
-use crate::store::{new_entries, ChannelRow, LogReader, LogWriter, Opened, StoreFuture};
+use crate::store::{
+    new_entries, Binding, ChannelRow, Created, LogReader, LogWriter, NewChannel, Opened,
+    StoreFuture, StoredGroup,
+};
 
 /// The NOTIFY channel of commits.
 const NOTIFY_CHANNEL: &str = "static_relay";
@@ -70,8 +73,9 @@ const FIND_KEYS: &str = "SELECT e.channel_id, e.idempotency_key, e.seq, e.channe
      FROM UNNEST($1::bigint[], $2::bytea[]) AS k (channel_id, idempotency_key) \
      JOIN relay_entries e USING (channel_id, idempotency_key)";
 const INSERT_ENTRIES: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
-     channel_epoch, idempotency_key, message) SELECT * FROM UNNEST($1::bigint[], $2::bigint[], \
-     $3::bigint[], $4::smallint[], $5::bigint[], $6::bytea[], $7::bytea[])";
+     channel_epoch, idempotency_key, message, account) SELECT * FROM UNNEST($1::bigint[], \
+     $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], $6::bytea[], $7::bytea[], \
+     $8::text[])";
 const UPDATE_HEADS: &str = "UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
      FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS u (id, head_seq, epoch) \
      WHERE c.id = u.id";
@@ -86,21 +90,40 @@ const NOTIFY: &str = "SELECT pg_notify('static_relay', p) FROM UNNEST($1::text[]
 /// A plain batch in one statement (its own transaction): entries, heads, NOTIFY. A failed
 /// INSERT fails it whole.
 const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_id, seq, \
-     epoch, content_type, channel_epoch, idempotency_key, message) SELECT * FROM \
+     epoch, content_type, channel_epoch, idempotency_key, message, account) SELECT * FROM \
      UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], \
-     $6::bytea[], $7::bytea[])), \
+     $6::bytea[], $7::bytea[], $8::text[])), \
      heads AS (UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
-     FROM UNNEST($8::bigint[], $9::bigint[], $10::bigint[]) AS u (id, head_seq, epoch) \
+     FROM UNNEST($9::bigint[], $10::bigint[], $11::bigint[]) AS u (id, head_seq, epoch) \
      WHERE c.id = u.id) \
-     SELECT pg_notify('static_relay', p) FROM UNNEST($11::text[]) AS p";
-const CREATE_CHANNEL: &str = "WITH created AS (INSERT INTO relay_channels (scope, name) \
-     VALUES ($1, $2) ON CONFLICT (scope, name) DO NOTHING RETURNING id) \
-     INSERT INTO relay_epochs (channel_id, epoch, start_seq) SELECT id, 0, 0 FROM created \
-     RETURNING channel_id";
-const LOAD_CHANNEL: &str =
-    "SELECT id, epoch, head_seq FROM relay_channels WHERE scope = $1 AND name = $2";
+     SELECT pg_notify('static_relay', p) FROM UNNEST($12::text[]) AS p";
+const INSERT_PROPOSAL: &str =
+    "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
+const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
+const UNBIND: &str = "DELETE FROM relay_members WHERE channel_id = $1 AND leaf_index = ANY($2)";
+/// Creating a channel, in one transaction (rare: not prepared). The org is claimed if free,
+/// its owner read under a row lock.
+const CLAIM_ORG: &str =
+    "INSERT INTO relay_orgs (org, account) VALUES ($1, $2) ON CONFLICT (org) DO NOTHING";
+const ORG_OWNER: &str = "SELECT account FROM relay_orgs WHERE org = $1 FOR UPDATE";
+const CREATE_CHANNEL: &str = "INSERT INTO relay_channels (scope, name) VALUES ('', $1) \
+     ON CONFLICT (scope, name) DO NOTHING RETURNING id";
+const INSERT_EPOCH_0: &str =
+    "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, 0, 0)";
+const INSERT_GROUP: &str = "INSERT INTO relay_groups (channel_id, epoch, state) VALUES ($1, 0, $2)";
+const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
+     VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) DO UPDATE SET account = excluded.account";
+const LOCK_CHANNEL: &str = "SELECT epoch FROM relay_channels WHERE id = $1 FOR UPDATE";
+/// The account's own legacy channel of that name first ('legacy:...' sorts after '').
+const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
+     WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
+const LOAD_GROUP: &str = "SELECT state FROM relay_groups WHERE channel_id = $1";
+const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = $1";
+const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
+     ORDER BY seq";
+const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
 const HEADS: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1)";
-const READ: &str = "SELECT seq, epoch, content_type, message FROM relay_entries \
+const READ: &str = "SELECT seq, epoch, content_type, message, account FROM relay_entries \
      WHERE channel_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
 const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
 const WELCOME_BY_REF: &str = "SELECT w.welcome, w.commit_seq, w.epoch \
@@ -200,7 +223,9 @@ struct WriteConnection {
     insert_welcome_ref: Statement,
     notify: Statement,
     append_plain: Statement,
-    create_channel: Statement,
+    insert_proposal: Statement,
+    update_group: Statement,
+    unbind: Statement,
 }
 
 impl PgWriter {
@@ -283,12 +308,18 @@ impl LogWriter for PgWriter {
         false
     }
 
-    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>> {
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created> {
         let (runtime, conn) = self.connected()?;
-        let rows = runtime
-            .block_on(conn.client.query(&conn.create_channel, &[&scope, &name]))
-            .map_err(store_error)?;
-        Ok(rows.first().map(|row| row.get(0)))
+        runtime
+            .block_on(in_transaction(&conn.client, conn.create(channel)))
+            .map_err(store_error)
+    }
+
+    fn bind(&mut self, binding: &Binding<'_>) -> Result<bool> {
+        let (runtime, conn) = self.connected()?;
+        runtime
+            .block_on(in_transaction(&conn.client, conn.bind(binding)))
+            .map_err(store_error)
     }
 
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
@@ -313,7 +344,67 @@ impl LogWriter for PgWriter {
     }
 }
 
+/// Runs `work` between BEGIN and COMMIT, or ROLLBACK on error; `Ok((value, false))` from
+/// `work` rolls back too (nothing to keep).
+async fn in_transaction<T>(
+    client: &Client,
+    work: impl Future<Output = PgResult<(T, bool)>>,
+) -> PgResult<T> {
+    client.batch_execute("BEGIN").await?;
+    match work.await {
+        Ok((value, true)) => {
+            client.batch_execute("COMMIT").await?;
+            Ok(value)
+        }
+        Ok((value, false)) => {
+            client.batch_execute("ROLLBACK").await?;
+            Ok(value)
+        }
+        Err(err) => {
+            // Best effort: a broken connection ends the transaction anyway.
+            let _ = client.batch_execute("ROLLBACK").await;
+            Err(err)
+        }
+    }
+}
+
 impl WriteConnection {
+    /// A channel's creation (see `LogWriter::create_channel`); the bool: keep it.
+    async fn create(&self, new: &NewChannel<'_>) -> PgResult<(Created, bool)> {
+        let client = &self.client;
+        client.execute(CLAIM_ORG, &[&new.org, &new.account]).await?;
+        let owner: String = client.query_one(ORG_OWNER, &[&new.org]).await?.get(0);
+        if owner != new.account {
+            return Ok((Created::OrgTaken, false));
+        }
+        let Some(row) = client.query_opt(CREATE_CHANNEL, &[&new.name]).await? else {
+            return Ok((Created::Exists, false));
+        };
+        let id: i64 = row.get(0);
+        let leaf = i32::try_from(new.leaf).unwrap_or(i32::MAX);
+        client.execute(INSERT_EPOCH_0, &[&id]).await?;
+        client.execute(INSERT_GROUP, &[&id, &new.state]).await?;
+        client.execute(BIND, &[&id, &leaf, &new.account]).await?;
+        Ok((Created::Created(id), true))
+    }
+
+    /// A binding, if the channel (its row locked) is still at the proof's epoch.
+    async fn bind(&self, binding: &Binding<'_>) -> PgResult<(bool, bool)> {
+        let client = &self.client;
+        let epoch: i64 = client
+            .query_one(LOCK_CHANNEL, &[&binding.channel_id])
+            .await?
+            .get(0);
+        if from_db(epoch) != binding.epoch {
+            return Ok((false, false));
+        }
+        let leaf = i32::try_from(binding.leaf).unwrap_or(i32::MAX);
+        client
+            .execute(BIND, &[&binding.channel_id, &leaf, &binding.account])
+            .await?;
+        Ok((true, true))
+    }
+
     async fn prepare(client: Client) -> PgResult<WriteConnection> {
         let (lock, find_keys, insert_entries) = try_join3(
             client.prepare(LOCK),
@@ -327,13 +418,18 @@ impl WriteConnection {
             client.prepare(INSERT_WELCOME),
         )
         .await?;
-        let (insert_welcome_ref, notify, create_channel) = try_join3(
+        let (insert_welcome_ref, notify, append_plain) = try_join3(
             client.prepare(INSERT_WELCOME_REF),
             client.prepare(NOTIFY),
-            client.prepare(CREATE_CHANNEL),
+            client.prepare(APPEND_PLAIN),
         )
         .await?;
-        let append_plain = client.prepare(APPEND_PLAIN).await?;
+        let (insert_proposal, update_group, unbind) = try_join3(
+            client.prepare(INSERT_PROPOSAL),
+            client.prepare(UPDATE_GROUP),
+            client.prepare(UNBIND),
+        )
+        .await?;
         Ok(WriteConnection {
             client,
             lock,
@@ -345,7 +441,9 @@ impl WriteConnection {
             insert_welcome_ref,
             notify,
             append_plain,
-            create_channel,
+            insert_proposal,
+            update_group,
+            unbind,
         })
     }
 
@@ -452,6 +550,8 @@ impl WriteConnection {
         let mut columns = EntryColumns::default();
         let mut epochs = EpochColumns::default();
         let mut welcomes = Vec::new();
+        let mut proposals = Vec::new();
+        let mut changes = Vec::new();
         for e in &entries {
             columns.channel_id.push(e.channel_id);
             columns.seq.push(to_db(e.seq));
@@ -462,6 +562,18 @@ impl WriteConnection {
             columns.channel_epoch.push(to_db(e.channel_epoch));
             columns.key.push(e.key);
             columns.message.push(e.message);
+            columns.account.push(e.account);
+            if e.keep_proposal {
+                proposals.push((e.channel_id, to_db(e.epoch), to_db(e.seq), e.message));
+            }
+            if let Some(change) = e.change {
+                let removed: Vec<i32> = change
+                    .removed
+                    .iter()
+                    .map(|leaf| i32::try_from(*leaf).unwrap_or(i32::MAX))
+                    .collect();
+                changes.push((e.channel_id, to_db(change.epoch), &change.state, removed));
+            }
             if e.starts_epoch {
                 epochs.channel_id.push(e.channel_id);
                 epochs.epoch.push(to_db(e.channel_epoch));
@@ -491,7 +603,11 @@ impl WriteConnection {
         }
 
         let client = &self.client;
-        if transaction == Transaction::Begin && epochs.channel_id.is_empty() && welcomes.is_empty()
+        if transaction == Transaction::Begin
+            && epochs.channel_id.is_empty()
+            && welcomes.is_empty()
+            && proposals.is_empty()
+            && changes.is_empty()
         {
             let mut params = columns.params().to_vec();
             params.extend::<[&(dyn ToSql + Sync); 4]>([
@@ -540,6 +656,24 @@ impl WriteConnection {
                 }));
             }
         }
+        for (channel_id, epoch, seq, message) in &proposals {
+            steps.push(Box::pin(async move {
+                let params: [&(dyn ToSql + Sync); 4] = [channel_id, epoch, seq, message];
+                client.execute(&self.insert_proposal, &params).await
+            }));
+        }
+        for (channel_id, epoch, state, removed) in &changes {
+            steps.push(Box::pin(async move {
+                let params: [&(dyn ToSql + Sync); 3] = [channel_id, epoch, state];
+                client.execute(&self.update_group, &params).await
+            }));
+            if !removed.is_empty() {
+                steps.push(Box::pin(async move {
+                    let params: [&(dyn ToSql + Sync); 2] = [channel_id, removed];
+                    client.execute(&self.unbind, &params).await
+                }));
+            }
+        }
         steps.push(Box::pin(async {
             client.query(&self.notify, &[&notices]).await.map(|_| 0)
         }));
@@ -566,11 +700,12 @@ struct EntryColumns<'a> {
     channel_epoch: Vec<i64>,
     key: Vec<&'a [u8]>,
     message: Vec<&'a [u8]>,
+    account: Vec<&'a str>,
 }
 
 impl EntryColumns<'_> {
     /// The parameters of the entries' UNNEST, in column order.
-    fn params(&self) -> [&(dyn ToSql + Sync); 7] {
+    fn params(&self) -> [&(dyn ToSql + Sync); 8] {
         [
             &self.channel_id,
             &self.seq,
@@ -579,6 +714,7 @@ impl EntryColumns<'_> {
             &self.channel_epoch,
             &self.key,
             &self.message,
+            &self.account,
         ]
     }
 }
@@ -685,21 +821,80 @@ fn welcome_record(row: &tokio_postgres::Row) -> WelcomeRecord {
 }
 
 impl LogReader for PgReader {
-    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
-        let (scope, name) = (scope.to_owned(), name.to_owned());
+    fn load_channel(&self, account: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
+        let (account, name) = (account.to_owned(), name.to_owned());
         self.run(move |conn| {
-            let (scope, name) = (scope.clone(), name.clone());
+            let (account, name) = (account.clone(), name.clone());
             async move {
                 let row = conn
                     .client
-                    .query_opt(&conn.load_channel, &[&scope, &name])
+                    .query_opt(&conn.load_channel, &[&account, &name])
                     .await?;
-                Ok(row.map(|row| ChannelRow {
-                    id: row.get(0),
-                    epoch: from_db(row.get(1)),
-                    head_seq: from_db(row.get(2)),
+                Ok(row.map(|row| {
+                    let legacy: i32 = row.get(5);
+                    ChannelRow {
+                        id: row.get(0),
+                        epoch: from_db(row.get(1)),
+                        head_seq: from_db(row.get(2)),
+                        scope: row.get(3),
+                        legacy_owner: (legacy != 0)
+                            .then(|| row.get::<_, Option<String>>(4).unwrap_or_default()),
+                    }
                 }))
             }
+        })
+    }
+
+    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>> {
+        self.run(move |conn| async move {
+            let (group, bindings) = futures_util::future::try_join(
+                conn.client.query_opt(LOAD_GROUP, &[&channel_id]),
+                conn.client.query(LOAD_BINDINGS, &[&channel_id]),
+            )
+            .await?;
+            Ok(group.map(|row| StoredGroup {
+                state: row.get(0),
+                bindings: bindings
+                    .iter()
+                    .map(|b| {
+                        let leaf: i32 = b.get(0);
+                        (u32::try_from(leaf).unwrap_or(u32::MAX), b.get(1))
+                    })
+                    .collect(),
+            }))
+        })
+    }
+
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>> {
+        self.run(move |conn| async move {
+            let rows = conn.client.query(LOAD_BINDINGS, &[&channel_id]).await?;
+            Ok(rows
+                .iter()
+                .map(|b| {
+                    let leaf: i32 = b.get(0);
+                    (u32::try_from(leaf).unwrap_or(u32::MAX), b.get(1))
+                })
+                .collect())
+        })
+    }
+
+    fn proposals(&self, channel_id: i64, epoch: u64) -> StoreFuture<Vec<Bytes>> {
+        self.run(move |conn| async move {
+            let rows = conn
+                .client
+                .query(PROPOSALS, &[&channel_id, &to_db(epoch)])
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|row| Bytes::from(row.get::<_, Vec<u8>>(0)))
+                .collect())
+        })
+    }
+
+    fn shadowed_names(&self) -> StoreFuture<Vec<String>> {
+        self.run(move |conn| async move {
+            let rows = conn.client.query(SHADOWED, &[]).await?;
+            Ok(rows.iter().map(|row| row.get(0)).collect())
         })
     }
 
@@ -717,6 +912,7 @@ impl LogReader for PgReader {
                     epoch: from_db(row.get(1)),
                     content_type: u32::try_from(row.get::<_, i16>(2)).unwrap_or(0),
                     message: Bytes::from(row.get::<_, Vec<u8>>(3)),
+                    account: Arc::from(row.get::<_, &str>(4)),
                 })
                 .collect())
         })

@@ -22,7 +22,10 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
-use crate::store::{new_entries, ChannelRow, LogReader, LogWriter, NewEntry, Opened, StoreFuture};
+use crate::store::{
+    new_entries, Binding, ChannelRow, Created, LogReader, LogWriter, NewChannel, NewEntry, Opened,
+    StoreFuture, StoredGroup,
+};
 
 /// A background WAL checkpoint after this many group commits or message bytes, whichever
 /// first: well under SQLite's autocheckpoint (1,000 pages), which would run inside a commit.
@@ -36,7 +39,7 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const STATEMENT_CACHE: usize = 32;
 
 const INSERT_ENTRY: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
-     channel_epoch, idempotency_key, message) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+     channel_epoch, idempotency_key, message, account) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
 const UPDATE_HEAD: &str = "UPDATE relay_channels SET head_seq = ?2, epoch = ?3 WHERE id = ?1";
 const INSERT_EPOCH: &str =
     "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES (?1, ?2, ?3)";
@@ -47,11 +50,29 @@ const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      DO UPDATE SET digest = excluded.digest";
 const FIND_KEY: &str = "SELECT seq, channel_epoch FROM relay_entries \
      WHERE channel_id = ?1 AND idempotency_key = ?2";
+const CLAIM_ORG: &str =
+    "INSERT INTO relay_orgs (org, account) VALUES (?1, ?2) ON CONFLICT (org) DO NOTHING";
+const ORG_OWNER: &str = "SELECT account FROM relay_orgs WHERE org = ?1";
 const CREATE_CHANNEL: &str =
-    "INSERT INTO relay_channels (scope, name) VALUES (?1, ?2) RETURNING id";
-const LOAD_CHANNEL: &str =
-    "SELECT id, epoch, head_seq FROM relay_channels WHERE scope = ?1 AND name = ?2";
-const READ: &str = "SELECT seq, epoch, content_type, message FROM relay_entries \
+    "INSERT INTO relay_channels (scope, name) VALUES ('', ?1) RETURNING id";
+const INSERT_GROUP: &str =
+    "INSERT INTO relay_groups (channel_id, epoch, state) VALUES (?1, ?2, ?3)";
+const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = ?2, state = ?3 WHERE channel_id = ?1";
+const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
+     VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) DO UPDATE SET account = excluded.account";
+const UNBIND: &str = "DELETE FROM relay_members WHERE channel_id = ?1 AND leaf_index = ?2";
+const INSERT_PROPOSAL: &str =
+    "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES (?1, ?2, ?3, ?4)";
+const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
+/// The account's own legacy channel of that name first ('legacy:...' sorts after '').
+const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
+     WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
+const LOAD_GROUP: &str = "SELECT state FROM relay_groups WHERE channel_id = ?1";
+const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = ?1";
+const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = ?1 AND epoch = ?2 \
+     ORDER BY seq";
+const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
+const READ: &str = "SELECT seq, epoch, content_type, message, account FROM relay_entries \
      WHERE channel_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3";
 const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = ?1 AND epoch = ?2";
 const WELCOME_BY_REF: &str = "SELECT digest FROM relay_welcome_refs \
@@ -76,6 +97,9 @@ fn open_writer(path: &Path) -> rusqlite::Result<Connection> {
         INSERT_WELCOME_REF,
         FIND_KEY,
         CREATE_CHANNEL,
+        UPDATE_GROUP,
+        BIND,
+        INSERT_PROPOSAL,
     ] {
         conn.prepare_cached(sql)?;
     }
@@ -115,38 +139,105 @@ fn is_constraint(err: &rusqlite::Error) -> bool {
     matches!(err, rusqlite::Error::SqliteFailure(e, _) if e.code == ErrorCode::ConstraintViolation)
 }
 
-/// Create `name` at epoch 0 in `scope` (its epoch-0 row too); None when it exists already.
-fn create_channel(conn: &mut Connection, scope: &str, name: &str) -> rusqlite::Result<Option<i64>> {
+/// Create a channel: its org claimed (or owned already), its row, its epoch-0 row, its group
+/// and the creator's binding, in one transaction.
+fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Result<Created> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.prepare_cached(CLAIM_ORG)?
+        .execute(params![new.org, new.account])?;
+    let owner: String = tx
+        .prepare_cached(ORG_OWNER)?
+        .query_row(params![new.org], |row| row.get(0))?;
+    if owner != new.account {
+        return Ok(Created::OrgTaken);
+    }
     let inserted = tx
         .prepare_cached(CREATE_CHANNEL)?
-        .query_row(params![scope, name], |row| row.get::<_, i64>(0));
+        .query_row(params![new.name], |row| row.get::<_, i64>(0));
     let id = match inserted {
         Ok(id) => id,
         // Dropping `tx` rolls back.
-        Err(err) if is_constraint(&err) => return Ok(None),
+        Err(err) if is_constraint(&err) => return Ok(Created::Exists),
         Err(err) => return Err(err),
     };
     tx.prepare_cached(INSERT_EPOCH)?
         .execute(params![id, 0i64, 0i64])?;
+    tx.prepare_cached(INSERT_GROUP)?
+        .execute(params![id, 0i64, new.state])?;
+    tx.prepare_cached(BIND)?
+        .execute(params![id, new.leaf, new.account])?;
     tx.commit()?;
-    Ok(Some(id))
+    Ok(Created::Created(id))
+}
+
+/// Binds a leaf if the channel is still at the proof's epoch.
+fn bind(conn: &mut Connection, binding: &Binding<'_>) -> rusqlite::Result<bool> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let epoch: u64 = tx
+        .prepare_cached(CHANNEL_EPOCH)?
+        .query_row(params![binding.channel_id], |row| row.get(0))?;
+    if epoch != binding.epoch {
+        return Ok(false);
+    }
+    tx.prepare_cached(BIND)?
+        .execute(params![binding.channel_id, binding.leaf, binding.account])?;
+    tx.commit()?;
+    Ok(true)
 }
 
 fn load_channel(
     conn: &Connection,
-    scope: &str,
+    account: &str,
     name: &str,
 ) -> rusqlite::Result<Option<ChannelRow>> {
     conn.prepare_cached(LOAD_CHANNEL)?
-        .query_row(params![scope, name], |row| {
+        .query_row(params![account, name], |row| {
+            let legacy: bool = row.get(5)?;
             Ok(ChannelRow {
                 id: row.get(0)?,
                 epoch: row.get(1)?,
                 head_seq: row.get(2)?,
+                scope: row.get(3)?,
+                legacy_owner: if legacy {
+                    Some(row.get::<_, Option<String>>(4)?.unwrap_or_default())
+                } else {
+                    None
+                },
             })
         })
         .optional()
+}
+
+fn load_group(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<StoredGroup>> {
+    let Some(state) = conn
+        .prepare_cached(LOAD_GROUP)?
+        .query_row(params![channel_id], |row| row.get(0))
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    let bindings = bindings(conn, channel_id)?;
+    Ok(Some(StoredGroup { state, bindings }))
+}
+
+fn bindings(conn: &Connection, channel_id: i64) -> rusqlite::Result<Vec<(u32, String)>> {
+    let mut stmt = conn.prepare_cached(LOAD_BINDINGS)?;
+    let rows = stmt.query_map(params![channel_id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    rows.collect()
+}
+
+fn proposals(conn: &Connection, channel_id: i64, epoch: u64) -> rusqlite::Result<Vec<Bytes>> {
+    let mut stmt = conn.prepare_cached(PROPOSALS)?;
+    let rows = stmt.query_map(params![channel_id, epoch], |row| {
+        Ok(Bytes::from(row.get::<_, Vec<u8>>(0)?))
+    })?;
+    rows.collect()
+}
+
+fn shadowed_names(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = conn.prepare(SHADOWED)?;
+    let rows = stmt.query_map([], |row| row.get(0))?;
+    rows.collect()
 }
 
 /// One group commit in one transaction: the entries (with their epoch starts and Welcomes),
@@ -167,8 +258,28 @@ fn append(
                 e.content_type,
                 e.channel_epoch,
                 e.key,
-                e.message
+                e.message,
+                e.account
             ])?;
+            if e.keep_proposal {
+                tx.prepare_cached(INSERT_PROPOSAL)?.execute(params![
+                    e.channel_id,
+                    e.epoch,
+                    e.seq,
+                    e.message
+                ])?;
+            }
+            if let Some(change) = e.change {
+                tx.prepare_cached(UPDATE_GROUP)?.execute(params![
+                    e.channel_id,
+                    change.epoch,
+                    change.state
+                ])?;
+                let mut unbind = tx.prepare_cached(UNBIND)?;
+                for leaf in &change.removed {
+                    unbind.execute(params![e.channel_id, leaf])?;
+                }
+            }
             if e.starts_epoch {
                 tx.prepare_cached(INSERT_EPOCH)?.execute(params![
                     e.channel_id,
@@ -228,6 +339,7 @@ fn read(
             epoch: row.get(1)?,
             content_type: row.get(2)?,
             message: Bytes::from(row.get::<_, Vec<u8>>(3)?),
+            account: Arc::from(row.get::<_, String>(4)?),
         })
     })?;
     rows.collect()
@@ -307,12 +419,20 @@ impl LogWriter for SqliteWriter {
         true
     }
 
-    fn create_channel(&mut self, scope: &str, name: &str) -> Result<Option<i64>> {
-        let id = create_channel(&mut self.conn, scope, name).map_err(RelayError::store)?;
-        if id.is_some() {
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created> {
+        let created = create_channel(&mut self.conn, channel).map_err(RelayError::store)?;
+        if matches!(created, Created::Created(_)) {
+            self.count_commit(channel.state.len());
+        }
+        Ok(created)
+    }
+
+    fn bind(&mut self, binding: &Binding<'_>) -> Result<bool> {
+        let bound = bind(&mut self.conn, binding).map_err(RelayError::store)?;
+        if bound {
             self.count_commit(0);
         }
-        Ok(id)
+        Ok(bound)
     }
 
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
@@ -437,9 +557,25 @@ where
 }
 
 impl LogReader for SqliteReader {
-    fn load_channel(&self, scope: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
-        let (scope, name) = (scope.to_owned(), name.to_owned());
-        on_pool(self, move |conn| load_channel(conn, &scope, &name))
+    fn load_channel(&self, account: &str, name: &str) -> StoreFuture<Option<ChannelRow>> {
+        let (account, name) = (account.to_owned(), name.to_owned());
+        on_pool(self, move |conn| load_channel(conn, &account, &name))
+    }
+
+    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>> {
+        on_pool(self, move |conn| load_group(conn, channel_id))
+    }
+
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>> {
+        on_pool(self, move |conn| bindings(conn, channel_id))
+    }
+
+    fn proposals(&self, channel_id: i64, epoch: u64) -> StoreFuture<Vec<Bytes>> {
+        on_pool(self, move |conn| proposals(conn, channel_id, epoch))
+    }
+
+    fn shadowed_names(&self) -> StoreFuture<Vec<String>> {
+        on_pool(self, shadowed_names)
     }
 
     fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>> {
@@ -542,7 +678,10 @@ impl Drop for Checkpointer {
 mod tests {
     use super::*;
 
-    const SCHEMA: &str = include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql");
+    const SCHEMA: &str = concat!(
+        include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
+        include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+    );
 
     fn pragma(conn: &Connection, name: &str) -> String {
         conn.query_row(&format!("PRAGMA {name}"), [], |row| {
@@ -601,10 +740,16 @@ mod tests {
             commits_since_checkpoint: 0,
             bytes_since_checkpoint: 0,
         };
-        let id = writer
-            .create_channel("", "org/ns/service")
-            .unwrap()
-            .unwrap();
+        let new = NewChannel {
+            name: "org/ns/service",
+            org: "org",
+            account: "",
+            state: b"state",
+            leaf: 0,
+        };
+        let Created::Created(id) = writer.create_channel(&new).unwrap() else {
+            panic!("not created");
+        };
         let channel = test_channel(id);
         let shared = Arc::clone(&writer.checkpointer.shared);
         let runs = || shared.0.lock().unwrap().runs;
@@ -622,6 +767,8 @@ mod tests {
                 message,
                 welcome: Bytes::new(),
                 welcome_refs: Vec::new(),
+                account: Arc::from(""),
+                group: crate::log::GroupCheck::Unchecked,
             };
             let batch = [test_publish(&channel, checked)];
             let plan = writer.append(&batch, 0).unwrap();
