@@ -288,26 +288,45 @@ fn key_package_identity(kp: &KeyPackage) -> Vec<u8> {
 }
 
 /// Refuses, before OpenMLS does in its own words, to add a signature key that is already a
-/// member's, or twice in one commit (MLS allows one leaf per signature key).
+/// member's, or twice in one commit (MLS allows one leaf per signature key); and, which MLS
+/// allows but the relay's access rule does not (one identity, one leaf), an identity
+/// (credential) that is already a member's or twice in one commit.
 fn refuse_members_twice(
     group: &MlsGroup,
     channel: &str,
     key_packages: &[KeyPackage],
 ) -> Result<(), AddMemberError> {
-    let members: Vec<Vec<u8>> = group.members().map(|m| m.signature_key).collect();
+    let members: Vec<openmls::group::Member> = group.members().collect();
     for (i, kp) in key_packages.iter().enumerate() {
-        let key = kp.leaf_node().signature_key().as_slice();
-        if members.iter().any(|m| m.as_slice() == key) {
+        let leaf = kp.leaf_node();
+        let key = leaf.signature_key().as_slice();
+        let earlier = &key_packages[..i];
+        if members.iter().any(|m| m.signature_key.as_slice() == key) {
             return Err(AddMemberError::AlreadyInGroup {
                 identity: key_package_identity(kp),
                 channel: channel.to_owned(),
             });
         }
-        if key_packages[..i]
+        if earlier
             .iter()
             .any(|other| other.leaf_node().signature_key().as_slice() == key)
         {
             return Err(AddMemberError::DuplicateKeyPackage {
+                identity: key_package_identity(kp),
+            });
+        }
+        // Credentials compared whole (type and content): the identity as the relay sees it.
+        if members.iter().any(|m| &m.credential == leaf.credential()) {
+            return Err(AddMemberError::IdentityTaken {
+                identity: key_package_identity(kp),
+                channel: channel.to_owned(),
+            });
+        }
+        if earlier
+            .iter()
+            .any(|other| other.leaf_node().credential() == leaf.credential())
+        {
+            return Err(AddMemberError::DuplicateIdentity {
                 identity: key_package_identity(kp),
             });
         }

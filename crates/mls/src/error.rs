@@ -237,6 +237,20 @@ pub enum AddMemberError {
         bytes_repr(identity)
     )]
     DuplicateKeyPackage { identity: Vec<u8> },
+    /// The key package's identity (credential) is another member's, under another signature
+    /// key: the relay grants a channel's access by identity, so one identity holds one leaf.
+    #[error(
+        "cannot add {}: a member with this identity is already in channel {channel:?} (remove \
+         it first to add this key package in its place)",
+        bytes_repr(identity)
+    )]
+    IdentityTaken { identity: Vec<u8>, channel: String },
+    /// Two of the key packages of one call have one identity (under different signature keys).
+    #[error(
+        "cannot add {} twice in one commit (two key packages with one identity)",
+        bytes_repr(identity)
+    )]
+    DuplicateIdentity { identity: Vec<u8> },
     /// A commit of ours is pending already: merge it or clear it first.
     #[error("a commit of ours is already pending in channel {channel:?}; merge or clear it first")]
     PendingCommit { channel: String },
