@@ -171,21 +171,42 @@ fn group_id_of(channel: &str) -> GroupId {
     GroupId::from_slice(channel.as_bytes())
 }
 
+/// Commits and proposals go out as PublicMessages, so that the relay (an RFC 9750 delivery
+/// service) can validate them and keep the channel's public state; application messages are
+/// PrivateMessages whatever the policy (OpenMLS always encrypts them, and refuses them
+/// unencrypted). Incoming handshakes may be either: groups of earlier versions sent them
+/// encrypted, and their commits may still be in the log.
+pub const WIRE_FORMAT_POLICY: WireFormatPolicy = MIXED_PLAINTEXT_WIRE_FORMAT_POLICY;
+
 fn create_config() -> MlsGroupCreateConfig {
     MlsGroupCreateConfig::builder()
         .ciphersuite(CIPHERSUITE)
         .use_ratchet_tree_extension(true)
         .max_past_epochs(PAST_EPOCHS)
-        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .build()
 }
 
+/// The configuration of every group of ours: also what [`create_config`] gives a new group.
 fn join_config() -> MlsGroupJoinConfig {
     MlsGroupJoinConfig::builder()
         .use_ratchet_tree_extension(true)
         .max_past_epochs(PAST_EPOCHS)
-        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .build()
+}
+
+/// Moves a group stored by an earlier version (handshakes sent encrypted) to
+/// [`WIRE_FORMAT_POLICY`], persisted. Such groups were made with [`join_config`] but for the
+/// policy (the engine's configuration has been otherwise unchanged), so they get it whole.
+fn migrate_wire_format(group: &mut MlsGroup, provider: &Provider<'_>) -> Result<()> {
+    if group.configuration().wire_format_policy() == WIRE_FORMAT_POLICY {
+        return Ok(());
+    }
+    group
+        .set_configuration(provider.storage(), &join_config())
+        .map_err(StoreError::from)?;
+    Ok(())
 }
 
 /// Parses a key package sent as an `MLSMessage` or as a bare `KeyPackage`.
@@ -454,14 +475,21 @@ fn apply_message(
             store::clear_pending_commit(conn, channel)?;
         }
     }
-    let processed =
-        group
-            .process_message(provider, protocol)
-            .map_err(|e| ProcessError::Invalid {
+    let processed = group
+        .process_message(provider, protocol)
+        .map_err(|e| match e {
+            // Our own commit as a PublicMessage (readable to us, unlike our PrivateMessages)
+            // that is not the pending one: said as for the encrypted kind.
+            ProcessMessageError::InvalidCommit(StageCommitError::OwnCommitMismatch) => {
+                ProcessError::UnknownOwnCommit
+            }
+            e => ProcessError::Invalid {
                 detail: openmls_detail(&e),
-            })?;
+            },
+        })?;
     let epoch = processed.epoch().as_u64();
     let sender = identity_of(processed.credential());
+    let from_us = processed.sender() == &Sender::Member(group.own_leaf_index());
     match processed.into_content() {
         ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
             sender: sender.unwrap_or_default(),
@@ -469,10 +497,16 @@ fn apply_message(
             epoch,
         }),
         ProcessedMessageContent::ProposalMessage(proposal) => {
+            // Our own proposals (now PublicMessages, so verified like anyone's) are in the
+            // store since we made them; storing again is a no-op (keyed by reference).
             group
                 .store_pending_proposal(provider.storage(), *proposal)
                 .map_err(StoreError::from)?;
-            Ok(Incoming::Proposal { sender })
+            if from_us {
+                Ok(Incoming::Own)
+            } else {
+                Ok(Incoming::Proposal { sender })
+            }
         }
         ProcessedMessageContent::ExternalJoinProposalMessage(_) => {
             Err(ProcessError::ExternalJoinProposal.into())
@@ -683,9 +717,10 @@ impl Engine {
                 };
             let mut groups = HashMap::new();
             for name in store::group_names(conn)? {
-                let group = MlsGroup::load(provider.storage(), &group_id_of(&name))
+                let mut group = MlsGroup::load(provider.storage(), &group_id_of(&name))
                     .map_err(StoreError::from)?
                     .ok_or_else(|| missing_group_state(&name))?;
+                migrate_wire_format(&mut group, &provider)?;
                 groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
             }
             let signer =

@@ -20,7 +20,10 @@ pub mod storage;
 pub mod store;
 
 pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
-pub use engine::{AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS};
+pub use engine::{
+    AddMemberOutput, Applied, Engine, Incoming, Member, CIPHERSUITE, PAST_EPOCHS,
+    WIRE_FORMAT_POLICY,
+};
 pub use error::{
     AddMemberError, CommitError, CreateGroupError, EncryptError, Error, ErrorKind,
     GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError, LeaveError,
