@@ -27,8 +27,8 @@ use crate::channel_name::validate_channel_name;
 use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::error::{
     decode_detail, openmls_detail, AddMemberError, CommitError, CreateGroupError, EncryptError,
-    Error, GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError,
-    LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
+    Error, ExportError, GroupLookupError, InternalError, InvalidKeyPackage, JoinError,
+    KeyPackageError, LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
 };
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 
@@ -65,6 +65,27 @@ pub struct Member {
 pub struct AddMemberOutput {
     pub commit: Vec<u8>,
     pub welcome: Vec<u8>,
+}
+
+/// What the relay keeps of a channel to validate its handshakes (RFC 9750): built by it with
+/// OpenMLS's `PublicGroup::from_external` from these two, each TLS-serialized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicState {
+    /// An `MLSMessage` (wire format `group_info`) signed by our leaf, with the ratchet tree
+    /// (and the external public key) in its extensions.
+    pub group_info: Vec<u8>,
+    /// The ratchet tree (`RatchetTree`, read back as `RatchetTreeIn`).
+    pub ratchet_tree: Vec<u8>,
+}
+
+/// Our proof, for the relay, that the holder of our leaf's signature key acts for an account
+/// (see [`crate::binding`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafBinding {
+    /// Our leaf's index in the ratchet tree.
+    pub leaf_index: u32,
+    /// Ed25519 over [`crate::binding::leaf_binding_tbs`].
+    pub signature: Vec<u8>,
 }
 
 /// What [`Engine::process_incoming`] did with one message of the log.
@@ -1366,6 +1387,52 @@ impl Engine {
     /// application messages until one does).
     pub fn has_pending_proposals(&self, channel: &str) -> Result<bool> {
         self.with_group_read(channel, |group| Ok(group.has_pending_proposals()))
+    }
+
+    /// The channel's public state at its current epoch (our pending commit, if any, not
+    /// applied), for the relay: see [`PublicState`].
+    pub fn public_state(&self, channel: &str) -> Result<PublicState> {
+        self.with_group_read(channel, |group| {
+            let group_info = group
+                .export_group_info(&self.crypto, &self.signer, true)
+                .map_err(|e| ExportError::GroupInfo {
+                    channel: channel.to_owned(),
+                    detail: openmls_detail(&e),
+                })?;
+            let ratchet_tree = group
+                .export_ratchet_tree()
+                .tls_serialize_detached()
+                .map_err(|e| InternalError::Serialize {
+                    detail: openmls_detail(&e),
+                })?;
+            Ok(PublicState {
+                group_info: serialize(&group_info)?,
+                ratchet_tree,
+            })
+        })
+    }
+
+    /// Our leaf binding to `account` in `channel` (see [`crate::binding`]), over our leaf's
+    /// current encryption key: a commit that changes it (ours, e.g. [`Engine::self_update`])
+    /// calls for a new binding.
+    pub fn leaf_binding(&self, channel: &str, account: &str) -> Result<LeafBinding> {
+        self.with_group_read(channel, |group| {
+            let own = group.own_leaf_index();
+            // `members()` is the public way to our leaf's encryption key bytes.
+            let encryption_key = group
+                .members()
+                .find(|m| m.index == own)
+                .map(|m| m.encryption_key)
+                .ok_or_else(|| ExportError::NoOwnLeaf {
+                    channel: channel.to_owned(),
+                })?;
+            let tbs =
+                crate::binding::leaf_binding_tbs(channel.as_bytes(), account, &encryption_key);
+            Ok(LeafBinding {
+                leaf_index: own.u32(),
+                signature: self.signer.sign_bytes(&tbs),
+            })
+        })
     }
 
     /// Whether the group has a pending (unmerged) commit of ours.

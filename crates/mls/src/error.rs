@@ -70,6 +70,9 @@ pub enum Error {
     /// [`crate::Engine::leave`].
     #[error("MLS engine error: {0}")]
     Leave(#[from] LeaveError),
+    /// [`crate::Engine::public_state`], [`crate::Engine::leaf_binding`].
+    #[error("MLS engine error: {0}")]
+    Export(#[from] ExportError),
     /// [`crate::Engine::encrypt`], [`crate::Engine::encrypt_many`],
     /// [`crate::Engine::encrypt_many_unsynced`].
     #[error("MLS engine error: {0}")]
@@ -100,6 +103,7 @@ impl Error {
             | Self::RemoveMember(_)
             | Self::Commit(_)
             | Self::Leave(_)
+            | Self::Export(_)
             | Self::Encrypt(_)
             | Self::Process(_) => ErrorKind::Mls,
             Self::Open(_) | Self::Store(_) | Self::Internal(_) => ErrorKind::Internal,
@@ -118,6 +122,7 @@ impl Error {
             Self::RemoveMember(e) => e,
             Self::Commit(e) => e,
             Self::Leave(e) => e,
+            Self::Export(e) => e,
             Self::Encrypt(e) => e,
             Self::Process(e) => e,
             Self::Open(e) => e,
@@ -299,6 +304,17 @@ pub enum CommitError {
 pub enum LeaveError {
     #[error("cannot leave channel {channel:?}: {detail}")]
     Propose { channel: String, detail: String },
+}
+
+/// Exporting what the relay is given of a channel: its public state
+/// ([`crate::Engine::public_state`]) and our leaf binding ([`crate::Engine::leaf_binding`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExportError {
+    #[error("cannot export the group info of channel {channel:?}: {detail}")]
+    GroupInfo { channel: String, detail: String },
+    /// Our own leaf is not in the tree (no group we hold should be like this).
+    #[error("our leaf is missing from the tree of channel {channel:?}")]
+    NoOwnLeaf { channel: String },
 }
 
 /// Encrypting application messages.

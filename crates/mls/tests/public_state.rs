@@ -1,5 +1,6 @@
 //! The relay's contract: handshakes travel as PublicMessages (application messages as
-//! PrivateMessages).
+//! PrivateMessages), a `PublicGroup` built from `Engine::public_state` follows the channel's
+//! commits, and a leaf binding verifies against the leaf the relay sees.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -7,8 +8,11 @@ mod common;
 use common::{agent, app, group_of, member_names, Agent, CH};
 use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _};
 use openmls::prelude::*;
+use openmls_memory_storage::MemoryStorage;
+use openmls_rust_crypto::RustCrypto;
+use static_mls::binding::verify_leaf_binding;
 use static_mls::store::DB_FILE;
-use static_mls::{Engine, Incoming};
+use static_mls::{Engine, Incoming, PublicState};
 
 /// The first four bytes of an `MLSMessage`: version mls10, then the wire format.
 const PUBLIC: [u8; 4] = [0, 1, 0, 1];
@@ -16,6 +20,93 @@ const PRIVATE: [u8; 4] = [0, 1, 0, 2];
 
 fn head(message: &[u8]) -> [u8; 4] {
     message[..4].try_into().unwrap()
+}
+
+/// What the relay does with a channel's public state, as it will: OpenMLS's `PublicGroup`.
+struct Relay {
+    group: PublicGroup,
+    storage: MemoryStorage,
+    crypto: RustCrypto,
+}
+
+/// What the relay made of a handshake.
+#[derive(Debug, PartialEq)]
+enum Accepted {
+    Commit,
+    Proposal,
+}
+
+impl Relay {
+    fn new(state: &PublicState) -> Self {
+        let group_info = match MlsMessageIn::tls_deserialize_exact(&state.group_info)
+            .unwrap()
+            .extract()
+        {
+            MlsMessageBodyIn::GroupInfo(info) => info,
+            other => panic!("not a group info: {other:?}"),
+        };
+        let tree = RatchetTreeIn::tls_deserialize_exact(&state.ratchet_tree).unwrap();
+        let (storage, crypto) = (MemoryStorage::default(), RustCrypto::default());
+        let (group, _) =
+            PublicGroup::from_external(&crypto, &storage, tree, group_info, ProposalStore::new())
+                .unwrap();
+        Self {
+            group,
+            storage,
+            crypto,
+        }
+    }
+
+    /// Validates a handshake and applies it to the public state.
+    fn accept(&mut self, message: &[u8]) -> Result<Accepted, String> {
+        let protocol = MlsMessageIn::tls_deserialize_exact(message)
+            .map_err(|e| format!("{e:?}"))?
+            .try_into_protocol_message()
+            .map_err(|e| format!("{e:?}"))?;
+        let processed = self
+            .group
+            .process_message(&self.crypto, protocol)
+            .map_err(|e| format!("{e:?}"))?;
+        match processed.into_content() {
+            ProcessedMessageContent::StagedCommitMessage(staged) => {
+                self.group.merge_commit(&self.storage, *staged).unwrap();
+                Ok(Accepted::Commit)
+            }
+            ProcessedMessageContent::ProposalMessage(proposal) => {
+                self.group.add_proposal(&self.storage, *proposal).unwrap();
+                Ok(Accepted::Proposal)
+            }
+            other => Err(format!("unexpected {other:?}")),
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.group.group_context().epoch().as_u64()
+    }
+
+    fn tree(&self) -> Vec<u8> {
+        self.group
+            .export_ratchet_tree()
+            .tls_serialize_detached()
+            .unwrap()
+    }
+
+    /// The signature and encryption keys of a leaf, as the relay checks a binding against them.
+    fn leaf_keys(&self, index: u32) -> (Vec<u8>, Vec<u8>) {
+        let member = self
+            .group
+            .members()
+            .find(|m| m.index.u32() == index)
+            .unwrap();
+        (member.signature_key, member.encryption_key)
+    }
+
+    /// The relay's state is the members': same epoch, same tree.
+    fn assert_follows(&self, member: &Agent) {
+        assert_eq!(self.epoch(), member.engine.epoch(CH).unwrap());
+        let state = member.engine.public_state(CH).unwrap();
+        assert_eq!(self.tree(), state.ratchet_tree);
+    }
 }
 
 #[test]
@@ -132,6 +223,135 @@ fn an_own_public_commit_that_is_not_pending_is_refused_as_such() {
         "{err:?}"
     );
     assert_eq!(a.engine.epoch(CH).unwrap(), 1);
+}
+
+#[test]
+fn a_public_group_built_from_the_public_state_follows_the_channel() {
+    let (a, b, c) = (agent("alice"), agent("bob"), agent("carol"));
+    a.engine.create_group(CH).unwrap();
+    // CreateChannel: the creator's state at epoch 0.
+    let mut relay = Relay::new(&a.engine.public_state(CH).unwrap());
+    relay.assert_follows(&a);
+    assert_eq!(relay.group.members().count(), 1);
+
+    let add = a
+        .engine
+        .add_member(CH, &b.engine.generate_key_package().unwrap())
+        .unwrap();
+    assert_eq!(relay.accept(&add.commit), Ok(Accepted::Commit));
+    a.engine.process_incoming(CH, &add.commit).unwrap();
+    b.engine.join_group(CH, &add.welcome).unwrap();
+    relay.assert_follows(&a);
+
+    let update = b.engine.self_update(CH).unwrap();
+    assert_eq!(relay.accept(&update), Ok(Accepted::Commit));
+    for x in [&a, &b] {
+        x.engine.process_incoming(CH, &update).unwrap();
+    }
+    relay.assert_follows(&b);
+
+    // Application messages are not the relay's to read.
+    let m = a.engine.encrypt(CH, b"private").unwrap();
+    assert!(relay.accept(&m).is_err());
+
+    // A commit of a past epoch (a replay) is refused; so is one whose signed content changed.
+    assert!(relay.accept(&add.commit).is_err());
+    let add = a
+        .engine
+        .add_member(CH, &c.engine.generate_key_package().unwrap())
+        .unwrap();
+    let mut tampered = add.commit.clone();
+    tampered[add.commit.len() / 2] ^= 1;
+    assert!(relay.accept(&tampered).is_err());
+    // The membership tag (the last bytes: a MAC under a key only members hold) is beyond the
+    // relay: a commit with a wrong one passes the public group, the members refuse it.
+    let mut bad_tag = add.commit.clone();
+    bad_tag[add.commit.len() - 1] ^= 1;
+    let mut blind = Relay::new(&b.engine.public_state(CH).unwrap());
+    assert_eq!(blind.accept(&bad_tag), Ok(Accepted::Commit));
+    assert!(b.engine.process_incoming(CH, &bad_tag).is_err());
+    assert_eq!(relay.accept(&add.commit), Ok(Accepted::Commit));
+    for x in [&a, &b] {
+        x.engine.process_incoming(CH, &add.commit).unwrap();
+    }
+    c.engine.join_group(CH, &add.welcome).unwrap();
+    relay.assert_follows(&c);
+
+    // A leave proposal, then its commit (which names the proposal by reference).
+    let leave = b.engine.leave(CH).unwrap();
+    assert_eq!(relay.accept(&leave), Ok(Accepted::Proposal));
+    for x in [&a, &b, &c] {
+        x.engine.process_incoming(CH, &leave).unwrap();
+    }
+    let commit = c.engine.commit_pending_proposals(CH).unwrap().unwrap();
+    assert_eq!(relay.accept(&commit), Ok(Accepted::Commit));
+    for x in [&a, &b, &c] {
+        x.engine.process_incoming(CH, &commit).unwrap();
+    }
+    relay.assert_follows(&a);
+    assert_eq!(relay.group.members().count(), 2);
+
+    // The state exported by a member later on (not the creator, not at epoch 0) serves too.
+    let mut late = Relay::new(&c.engine.public_state(CH).unwrap());
+    let removal = c.engine.remove_member(CH, b"alice").unwrap();
+    assert_eq!(late.accept(&removal), Ok(Accepted::Commit));
+    assert_eq!(relay.accept(&removal), Ok(Accepted::Commit));
+    assert_eq!(relay.tree(), late.tree());
+}
+
+#[test]
+fn a_leaf_binding_verifies_against_the_leaf_the_relay_sees() {
+    let (a, b) = (agent("alice"), agent("bob"));
+    group_of(&a, &[&b]);
+    let binding = b.engine.leaf_binding(CH, "account-b").unwrap();
+    let relay = Relay::new(&a.engine.public_state(CH).unwrap());
+    let (signature_key, encryption_key) = relay.leaf_keys(binding.leaf_index);
+    assert_eq!(signature_key, b.engine.signature_public_key());
+    let verify = |account: &str, encryption_key: &[u8], signature: &[u8]| {
+        verify_leaf_binding(
+            &signature_key,
+            CH.as_bytes(),
+            account,
+            encryption_key,
+            signature,
+        )
+    };
+    assert!(verify("account-b", &encryption_key, &binding.signature));
+    assert!(!verify("account-a", &encryption_key, &binding.signature));
+    // Alice's binding is for her own leaf.
+    let theirs = a.engine.leaf_binding(CH, "account-b").unwrap();
+    assert_ne!(theirs.leaf_index, binding.leaf_index);
+    assert!(!verify("account-b", &encryption_key, &theirs.signature));
+
+    // Bob's update changes his leaf's encryption key: the old binding no longer holds.
+    let update = b.engine.self_update(CH).unwrap();
+    for x in [&a, &b] {
+        x.engine.process_incoming(CH, &update).unwrap();
+    }
+    let relay = Relay::new(&a.engine.public_state(CH).unwrap());
+    let (same_key, new_encryption_key) = relay.leaf_keys(binding.leaf_index);
+    assert_eq!(same_key, signature_key);
+    assert_ne!(new_encryption_key, encryption_key);
+    let renewed = b.engine.leaf_binding(CH, "account-b").unwrap();
+    assert_eq!(renewed.leaf_index, binding.leaf_index);
+    assert_ne!(renewed.signature, binding.signature);
+    assert!(verify("account-b", &new_encryption_key, &renewed.signature));
+    assert!(!verify(
+        "account-b",
+        &new_encryption_key,
+        &binding.signature
+    ));
+}
+
+#[test]
+fn public_state_and_leaf_binding_need_the_group() {
+    let a = agent("alice");
+    assert!(a.engine.public_state(CH).unwrap_err().is_unknown_group());
+    assert!(a
+        .engine
+        .leaf_binding(CH, "x")
+        .unwrap_err()
+        .is_unknown_group());
 }
 
 /// A group stored by an earlier version, whose policy sent handshakes encrypted, sends them
