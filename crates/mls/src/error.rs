@@ -458,6 +458,15 @@ mod tests {
             }
             .into(),
             EncryptError::PayloadTooLarge { len: 1 }.into(),
+            AddMemberError::IdentityTaken {
+                identity: b"bob".to_vec(),
+                channel: "a/b/c".into(),
+            }
+            .into(),
+            ExportError::NoOwnLeaf {
+                channel: "a/b/c".into(),
+            }
+            .into(),
             StoreError::Panic("boom".into()).into(),
             InternalError::Panic { what: "testing" }.into(),
             OpenError::EmptyIdentity.into(),
