@@ -95,6 +95,12 @@ class Engine:
     def members(self, channel: str) -> list[tuple[int, bytes]]: ...
     def epoch(self, channel: str) -> int: ...
     def epoch_authenticator(self, channel: str) -> bytes: ...
+    def public_state(self, channel: str) -> tuple[bytes, bytes]:
+        """Returns (group_info, ratchet_tree), each TLS-serialized: the channel's public state
+        at its current epoch, from which the relay validates handshakes."""
+    def leaf_binding(self, channel: str, account: str) -> tuple[int, bytes]:
+        """Returns (leaf_index, signature): our leaf's proof, for the relay, that it acts for
+        ``account``; renew it after a commit of ours changes our leaf's keys."""
 
 # --- the SDK client (static.sdk wraps these; use static_sdk.StaticClient) -------------------
 

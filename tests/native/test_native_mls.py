@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from static import _native
 from static._errors import InternalError, InvalidChannelNameError, MLSEngineError
@@ -180,3 +182,91 @@ def test_leave(tmp_path: Path) -> None:
     assert b.process_incoming(CH, commit).kind == "removed"
     assert b.groups() == []
     assert a.commit_pending_proposals(CH) is None
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """An RFC 9420 variable-length integer at ``at``: (value, offset after it)."""
+    size = 1 << (data[at] >> 6)
+    value = data[at] & 0x3F
+    for byte in data[at + 1 : at + size]:
+        value = (value << 8) | byte
+    return value, at + size
+
+
+def _vector(data: bytes, at: int) -> tuple[bytes, int]:
+    n, at = _varint(data, at)
+    return data[at : at + n], at + n
+
+
+def _first_leaf_keys(ratchet_tree: bytes) -> tuple[bytes, bytes]:
+    """(encryption key, signature key) of leaf 0: the tree's first node, present, a leaf."""
+    _, at = _varint(ratchet_tree, 0)
+    assert ratchet_tree[at : at + 2] == b"\x01\x01"
+    encryption_key, at = _vector(ratchet_tree, at + 2)
+    signature_key, _ = _vector(ratchet_tree, at)
+    return encryption_key, signature_key
+
+
+def _binding_tbs(channel: str, account: str, encryption_key: bytes) -> bytes:
+    """SignContent of RFC 9420 §5.1.2 for the leaf binding (static_mls::binding), short fields."""
+
+    def vec(b: bytes) -> bytes:
+        assert len(b) < 0x4000
+        return bytes([len(b)]) if len(b) < 0x40 else (0x4000 | len(b)).to_bytes(2, "big")
+
+    content = b"".join(vec(x) + x for x in (channel.encode(), account.encode(), encryption_key))
+    label = b"MLS 1.0 static relay leaf binding"
+    return vec(label) + label + vec(content) + content
+
+
+def test_public_state_and_leaf_binding(tmp_path: Path) -> None:
+    a, b = pair(tmp_path)
+    group_info, tree = a.public_state(CH)
+    # MLSMessage, version mls10, wire format group_info.
+    assert group_info[:4] == b"\x00\x01\x00\x04"
+    encryption_key, signature_key = _first_leaf_keys(tree)
+    assert signature_key == a.signature_public_key
+    assert b.public_state(CH)[1] == tree
+
+    index, signature = a.leaf_binding(CH, "account-a")
+    assert index == 0
+    key = Ed25519PublicKey.from_public_bytes(signature_key)
+    key.verify(signature, _binding_tbs(CH, "account-a", encryption_key))
+    with pytest.raises(InvalidSignature):
+        key.verify(signature, _binding_tbs(CH, "account-b", encryption_key))
+    assert b.leaf_binding(CH, "account-a")[0] == 1
+
+    # Handshakes are PublicMessages, application messages PrivateMessages.
+    update = a.self_update(CH)
+    assert update[:4] == b"\x00\x01\x00\x01"
+    a.merge_pending_commit(CH)
+    b.process_incoming(CH, update)
+    assert a.encrypt(CH, b"x")[:4] == b"\x00\x01\x00\x02"
+    new_encryption_key, _ = _first_leaf_keys(a.public_state(CH)[1])
+    assert new_encryption_key != encryption_key
+    _, renewed = a.leaf_binding(CH, "account-a")
+    assert renewed != signature
+    key.verify(renewed, _binding_tbs(CH, "account-a", new_encryption_key))
+    with pytest.raises(InvalidSignature):
+        key.verify(signature, _binding_tbs(CH, "account-a", new_encryption_key))
+
+    with pytest.raises(MLSEngineError, match="^MLS engine error: not a member"):
+        a.public_state("x/y/z")
+    with pytest.raises(MLSEngineError, match="^MLS engine error: not a member"):
+        a.leaf_binding("x/y/z", "account-a")
+
+
+def test_one_identity_one_leaf(tmp_path: Path) -> None:
+    a, _ = pair(tmp_path)
+    other_bob = _native.Engine(str(tmp_path / "bob2"), b"bob")
+    with pytest.raises(MLSEngineError) as err:
+        a.add_member(CH, other_bob.generate_key_package())
+    assert str(err.value).startswith(
+        "MLS engine error: cannot add b'bob': a member with this identity is already in channel"
+    )
+    assert not a.has_pending_commit(CH)
+    dave1 = _native.Engine(str(tmp_path / "dave1"), b"dave")
+    dave2 = _native.Engine(str(tmp_path / "dave2"), b"dave")
+    with pytest.raises(MLSEngineError, match="twice in one commit"):
+        a.add_members(CH, [dave1.generate_key_package(), dave2.generate_key_package()])
+    a.add_member(CH, dave1.generate_key_package())

@@ -79,11 +79,16 @@ impl Ed25519Signer {
     pub fn public(&self) -> &[u8] {
         &self.public
     }
+
+    /// The Ed25519 signature of `payload` (Ed25519 signing cannot fail, unlike `Signer`'s).
+    pub fn sign_bytes(&self, payload: &[u8]) -> Vec<u8> {
+        self.key.sign(payload).to_bytes().to_vec()
+    }
 }
 
 impl Signer for Ed25519Signer {
     fn sign(&self, payload: &[u8]) -> Result<Vec<u8>, SignerError> {
-        Ok(self.key.sign(payload).to_bytes().to_vec())
+        Ok(self.sign_bytes(payload))
     }
 
     fn signature_scheme(&self) -> SignatureScheme {

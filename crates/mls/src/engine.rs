@@ -27,8 +27,8 @@ use crate::channel_name::validate_channel_name;
 use crate::crypto::{Ed25519Signer, StaticCrypto};
 use crate::error::{
     decode_detail, openmls_detail, AddMemberError, CommitError, CreateGroupError, EncryptError,
-    Error, GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError,
-    LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
+    Error, ExportError, GroupLookupError, InternalError, InvalidKeyPackage, JoinError,
+    KeyPackageError, LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
 };
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 
@@ -65,6 +65,27 @@ pub struct Member {
 pub struct AddMemberOutput {
     pub commit: Vec<u8>,
     pub welcome: Vec<u8>,
+}
+
+/// What the relay keeps of a channel to validate its handshakes (RFC 9750): built by it with
+/// OpenMLS's `PublicGroup::from_external` from these two, each TLS-serialized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublicState {
+    /// An `MLSMessage` (wire format `group_info`) signed by our leaf, with the ratchet tree
+    /// (and the external public key) in its extensions.
+    pub group_info: Vec<u8>,
+    /// The ratchet tree (`RatchetTree`, read back as `RatchetTreeIn`).
+    pub ratchet_tree: Vec<u8>,
+}
+
+/// Our proof, for the relay, that the holder of our leaf's signature key acts for an account
+/// (see [`crate::binding`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafBinding {
+    /// Our leaf's index in the ratchet tree.
+    pub leaf_index: u32,
+    /// Ed25519 over [`crate::binding::leaf_binding_tbs`].
+    pub signature: Vec<u8>,
 }
 
 /// What [`Engine::process_incoming`] did with one message of the log.
@@ -171,21 +192,42 @@ fn group_id_of(channel: &str) -> GroupId {
     GroupId::from_slice(channel.as_bytes())
 }
 
+/// Commits and proposals go out as PublicMessages, so that the relay (an RFC 9750 delivery
+/// service) can validate them and keep the channel's public state; application messages are
+/// PrivateMessages whatever the policy (OpenMLS always encrypts them, and refuses them
+/// unencrypted). Incoming handshakes may be either: groups of earlier versions sent them
+/// encrypted, and their commits may still be in the log.
+pub const WIRE_FORMAT_POLICY: WireFormatPolicy = MIXED_PLAINTEXT_WIRE_FORMAT_POLICY;
+
 fn create_config() -> MlsGroupCreateConfig {
     MlsGroupCreateConfig::builder()
         .ciphersuite(CIPHERSUITE)
         .use_ratchet_tree_extension(true)
         .max_past_epochs(PAST_EPOCHS)
-        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .build()
 }
 
+/// The configuration of every group of ours: also what [`create_config`] gives a new group.
 fn join_config() -> MlsGroupJoinConfig {
     MlsGroupJoinConfig::builder()
         .use_ratchet_tree_extension(true)
         .max_past_epochs(PAST_EPOCHS)
-        .wire_format_policy(MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY)
+        .wire_format_policy(WIRE_FORMAT_POLICY)
         .build()
+}
+
+/// Moves a group stored by an earlier version (handshakes sent encrypted) to
+/// [`WIRE_FORMAT_POLICY`], persisted. Such groups were made with [`join_config`] but for the
+/// policy (the engine's configuration has been otherwise unchanged), so they get it whole.
+fn migrate_wire_format(group: &mut MlsGroup, provider: &Provider<'_>) -> Result<()> {
+    if group.configuration().wire_format_policy() == WIRE_FORMAT_POLICY {
+        return Ok(());
+    }
+    group
+        .set_configuration(provider.storage(), &join_config())
+        .map_err(StoreError::from)?;
+    Ok(())
 }
 
 /// Parses a key package sent as an `MLSMessage` or as a bare `KeyPackage`.
@@ -288,26 +330,45 @@ fn key_package_identity(kp: &KeyPackage) -> Vec<u8> {
 }
 
 /// Refuses, before OpenMLS does in its own words, to add a signature key that is already a
-/// member's, or twice in one commit (MLS allows one leaf per signature key).
+/// member's, or twice in one commit (MLS allows one leaf per signature key); and, which MLS
+/// allows but the relay's access rule does not (one identity, one leaf), an identity
+/// (credential) that is already a member's or twice in one commit.
 fn refuse_members_twice(
     group: &MlsGroup,
     channel: &str,
     key_packages: &[KeyPackage],
 ) -> Result<(), AddMemberError> {
-    let members: Vec<Vec<u8>> = group.members().map(|m| m.signature_key).collect();
+    let members: Vec<openmls::group::Member> = group.members().collect();
     for (i, kp) in key_packages.iter().enumerate() {
-        let key = kp.leaf_node().signature_key().as_slice();
-        if members.iter().any(|m| m.as_slice() == key) {
+        let leaf = kp.leaf_node();
+        let key = leaf.signature_key().as_slice();
+        let earlier = &key_packages[..i];
+        if members.iter().any(|m| m.signature_key.as_slice() == key) {
             return Err(AddMemberError::AlreadyInGroup {
                 identity: key_package_identity(kp),
                 channel: channel.to_owned(),
             });
         }
-        if key_packages[..i]
+        if earlier
             .iter()
             .any(|other| other.leaf_node().signature_key().as_slice() == key)
         {
             return Err(AddMemberError::DuplicateKeyPackage {
+                identity: key_package_identity(kp),
+            });
+        }
+        // Credentials compared whole (type and content): the identity as the relay sees it.
+        if members.iter().any(|m| &m.credential == leaf.credential()) {
+            return Err(AddMemberError::IdentityTaken {
+                identity: key_package_identity(kp),
+                channel: channel.to_owned(),
+            });
+        }
+        if earlier
+            .iter()
+            .any(|other| other.leaf_node().credential() == leaf.credential())
+        {
+            return Err(AddMemberError::DuplicateIdentity {
                 identity: key_package_identity(kp),
             });
         }
@@ -435,14 +496,21 @@ fn apply_message(
             store::clear_pending_commit(conn, channel)?;
         }
     }
-    let processed =
-        group
-            .process_message(provider, protocol)
-            .map_err(|e| ProcessError::Invalid {
+    let processed = group
+        .process_message(provider, protocol)
+        .map_err(|e| match e {
+            // Our own commit as a PublicMessage (readable to us, unlike our PrivateMessages)
+            // that is not the pending one: said as for the encrypted kind.
+            ProcessMessageError::InvalidCommit(StageCommitError::OwnCommitMismatch) => {
+                ProcessError::UnknownOwnCommit
+            }
+            e => ProcessError::Invalid {
                 detail: openmls_detail(&e),
-            })?;
+            },
+        })?;
     let epoch = processed.epoch().as_u64();
     let sender = identity_of(processed.credential());
+    let from_us = processed.sender() == &Sender::Member(group.own_leaf_index());
     match processed.into_content() {
         ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
             sender: sender.unwrap_or_default(),
@@ -450,10 +518,16 @@ fn apply_message(
             epoch,
         }),
         ProcessedMessageContent::ProposalMessage(proposal) => {
+            // Our own proposals (now PublicMessages, so verified like anyone's) are in the
+            // store since we made them; storing again is a no-op (keyed by reference).
             group
                 .store_pending_proposal(provider.storage(), *proposal)
                 .map_err(StoreError::from)?;
-            Ok(Incoming::Proposal { sender })
+            if from_us {
+                Ok(Incoming::Own)
+            } else {
+                Ok(Incoming::Proposal { sender })
+            }
         }
         ProcessedMessageContent::ExternalJoinProposalMessage(_) => {
             Err(ProcessError::ExternalJoinProposal.into())
@@ -664,9 +738,10 @@ impl Engine {
                 };
             let mut groups = HashMap::new();
             for name in store::group_names(conn)? {
-                let group = MlsGroup::load(provider.storage(), &group_id_of(&name))
+                let mut group = MlsGroup::load(provider.storage(), &group_id_of(&name))
                     .map_err(StoreError::from)?
                     .ok_or_else(|| missing_group_state(&name))?;
+                migrate_wire_format(&mut group, &provider)?;
                 groups.insert(name, Arc::new(Mutex::new(GroupSlot { group: Some(group) })));
             }
             let signer =
@@ -1312,6 +1387,52 @@ impl Engine {
     /// application messages until one does).
     pub fn has_pending_proposals(&self, channel: &str) -> Result<bool> {
         self.with_group_read(channel, |group| Ok(group.has_pending_proposals()))
+    }
+
+    /// The channel's public state at its current epoch (our pending commit, if any, not
+    /// applied), for the relay: see [`PublicState`].
+    pub fn public_state(&self, channel: &str) -> Result<PublicState> {
+        self.with_group_read(channel, |group| {
+            let group_info = group
+                .export_group_info(&self.crypto, &self.signer, true)
+                .map_err(|e| ExportError::GroupInfo {
+                    channel: channel.to_owned(),
+                    detail: openmls_detail(&e),
+                })?;
+            let ratchet_tree = group
+                .export_ratchet_tree()
+                .tls_serialize_detached()
+                .map_err(|e| InternalError::Serialize {
+                    detail: openmls_detail(&e),
+                })?;
+            Ok(PublicState {
+                group_info: serialize(&group_info)?,
+                ratchet_tree,
+            })
+        })
+    }
+
+    /// Our leaf binding to `account` in `channel` (see [`crate::binding`]), over our leaf's
+    /// current encryption key: a commit that changes it (ours, e.g. [`Engine::self_update`])
+    /// calls for a new binding.
+    pub fn leaf_binding(&self, channel: &str, account: &str) -> Result<LeafBinding> {
+        self.with_group_read(channel, |group| {
+            let own = group.own_leaf_index();
+            // `members()` is the public way to our leaf's encryption key bytes.
+            let encryption_key = group
+                .members()
+                .find(|m| m.index == own)
+                .map(|m| m.encryption_key)
+                .ok_or_else(|| ExportError::NoOwnLeaf {
+                    channel: channel.to_owned(),
+                })?;
+            let tbs =
+                crate::binding::leaf_binding_tbs(channel.as_bytes(), account, &encryption_key);
+            Ok(LeafBinding {
+                leaf_index: own.u32(),
+                signature: self.signer.sign_bytes(&tbs),
+            })
+        })
     }
 
     /// Whether the group has a pending (unmerged) commit of ours.

@@ -70,6 +70,9 @@ pub enum Error {
     /// [`crate::Engine::leave`].
     #[error("MLS engine error: {0}")]
     Leave(#[from] LeaveError),
+    /// [`crate::Engine::public_state`], [`crate::Engine::leaf_binding`].
+    #[error("MLS engine error: {0}")]
+    Export(#[from] ExportError),
     /// [`crate::Engine::encrypt`], [`crate::Engine::encrypt_many`],
     /// [`crate::Engine::encrypt_many_unsynced`].
     #[error("MLS engine error: {0}")]
@@ -100,6 +103,7 @@ impl Error {
             | Self::RemoveMember(_)
             | Self::Commit(_)
             | Self::Leave(_)
+            | Self::Export(_)
             | Self::Encrypt(_)
             | Self::Process(_) => ErrorKind::Mls,
             Self::Open(_) | Self::Store(_) | Self::Internal(_) => ErrorKind::Internal,
@@ -118,6 +122,7 @@ impl Error {
             Self::RemoveMember(e) => e,
             Self::Commit(e) => e,
             Self::Leave(e) => e,
+            Self::Export(e) => e,
             Self::Encrypt(e) => e,
             Self::Process(e) => e,
             Self::Open(e) => e,
@@ -237,6 +242,20 @@ pub enum AddMemberError {
         bytes_repr(identity)
     )]
     DuplicateKeyPackage { identity: Vec<u8> },
+    /// The key package's identity (credential) is another member's, under another signature
+    /// key: the relay grants a channel's access by identity, so one identity holds one leaf.
+    #[error(
+        "cannot add {}: a member with this identity is already in channel {channel:?} (remove \
+         it first to add this key package in its place)",
+        bytes_repr(identity)
+    )]
+    IdentityTaken { identity: Vec<u8>, channel: String },
+    /// Two of the key packages of one call have one identity (under different signature keys).
+    #[error(
+        "cannot add {} twice in one commit (two key packages with one identity)",
+        bytes_repr(identity)
+    )]
+    DuplicateIdentity { identity: Vec<u8> },
     /// A commit of ours is pending already: merge it or clear it first.
     #[error("a commit of ours is already pending in channel {channel:?}; merge or clear it first")]
     PendingCommit { channel: String },
@@ -285,6 +304,17 @@ pub enum CommitError {
 pub enum LeaveError {
     #[error("cannot leave channel {channel:?}: {detail}")]
     Propose { channel: String, detail: String },
+}
+
+/// Exporting what the relay is given of a channel: its public state
+/// ([`crate::Engine::public_state`]) and our leaf binding ([`crate::Engine::leaf_binding`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExportError {
+    #[error("cannot export the group info of channel {channel:?}: {detail}")]
+    GroupInfo { channel: String, detail: String },
+    /// Our own leaf is not in the tree (no group we hold should be like this).
+    #[error("our leaf is missing from the tree of channel {channel:?}")]
+    NoOwnLeaf { channel: String },
 }
 
 /// Encrypting application messages.
@@ -428,6 +458,15 @@ mod tests {
             }
             .into(),
             EncryptError::PayloadTooLarge { len: 1 }.into(),
+            AddMemberError::IdentityTaken {
+                identity: b"bob".to_vec(),
+                channel: "a/b/c".into(),
+            }
+            .into(),
+            ExportError::NoOwnLeaf {
+                channel: "a/b/c".into(),
+            }
+            .into(),
             StoreError::Panic("boom".into()).into(),
             InternalError::Panic { what: "testing" }.into(),
             OpenError::EmptyIdentity.into(),

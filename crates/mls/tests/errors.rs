@@ -66,6 +66,82 @@ fn adding_a_member_already_in_the_group_is_refused_in_words() {
 }
 
 #[test]
+fn adding_an_identity_already_in_the_group_is_refused_in_words() {
+    let (a, b) = (agent("alice"), agent("bob"));
+    group_of(&a, &[&b]);
+    // Another client (another signature key) with bob's identity.
+    let other_bob = agent("bob");
+    let kp = other_bob.engine.generate_key_package().unwrap();
+    let err = a.engine.add_member(CH, &kp).unwrap_err();
+    match &err {
+        Error::AddMember(AddMemberError::IdentityTaken { identity, channel }) => {
+            assert_eq!(identity, b"bob");
+            assert_eq!(channel, CH);
+        }
+        other => panic!("not IdentityTaken: {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "MLS engine error: cannot add b'bob': a member with this identity is already in \
+             channel \"{CH}\" (remove it first to add this key package in its place)"
+        )
+    );
+    // Our own identity too, and among others in one call: nothing is left pending.
+    let (c, other_alice) = (agent("carol"), agent("alice"));
+    let err = a
+        .engine
+        .add_members(
+            CH,
+            &[
+                &c.engine.generate_key_package().unwrap(),
+                &other_alice.engine.generate_key_package().unwrap(),
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::AddMember(AddMemberError::IdentityTaken { identity, .. }) if identity == b"alice"),
+        "{err:?}"
+    );
+    assert!(!a.engine.has_pending_commit(CH).unwrap());
+    assert_eq!(a.engine.epoch(CH).unwrap(), 1);
+
+    // One identity twice in one call, under two signature keys.
+    let (d1, d2) = (agent("dave"), agent("dave"));
+    let err = a
+        .engine
+        .add_members(
+            CH,
+            &[
+                &d1.engine.generate_key_package().unwrap(),
+                &d2.engine.generate_key_package().unwrap(),
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::AddMember(AddMemberError::DuplicateIdentity { identity }) if identity == b"dave"),
+        "{err:?}"
+    );
+    assert_mls_words(
+        &err,
+        "cannot add b'dave' twice in one commit (two key packages with one identity)",
+    );
+    assert!(!a.engine.has_pending_commit(CH).unwrap());
+
+    // The group is still usable: once bob is removed, his other client takes his place.
+    let removal = a.engine.remove_member(CH, b"bob").unwrap();
+    a.engine.process_incoming(CH, &removal).unwrap();
+    let add = a.engine.add_member(CH, &kp).unwrap();
+    a.engine.process_incoming(CH, &add.commit).unwrap();
+    other_bob.engine.join_group(CH, &add.welcome).unwrap();
+    let m = other_bob.engine.encrypt(CH, b"back").unwrap();
+    assert!(matches!(
+        a.engine.process_incoming(CH, &m).unwrap(),
+        Incoming::Application { .. }
+    ));
+}
+
+#[test]
 fn someone_elses_welcome_is_refused_in_words() {
     let (a, b, c) = (agent("alice"), agent("bob"), agent("carol"));
     a.engine.create_group(CH).unwrap();

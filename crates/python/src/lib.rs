@@ -275,6 +275,28 @@ impl Engine {
         let auth = self.run(py, |e| e.epoch_authenticator(channel))?;
         Ok(bytes(py, &auth))
     }
+
+    /// `(group_info, ratchet_tree)`, each TLS-serialized: what the relay builds the channel's
+    /// public state from.
+    fn public_state(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+    ) -> NativeResult<(Py<PyBytes>, Py<PyBytes>)> {
+        let state = self.run(py, |e| e.public_state(channel))?;
+        Ok((bytes(py, &state.group_info), bytes(py, &state.ratchet_tree)))
+    }
+
+    /// `(leaf_index, signature)`: our leaf's binding to `account`.
+    fn leaf_binding(
+        &self,
+        py: Python<'_>,
+        channel: &str,
+        account: &str,
+    ) -> NativeResult<(u32, Py<PyBytes>)> {
+        let binding = self.run(py, |e| e.leaf_binding(channel, account))?;
+        Ok((binding.leaf_index, bytes(py, &binding.signature)))
+    }
 }
 
 // --- the SDK client ----------------------------------------------------------------------
