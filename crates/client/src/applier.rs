@@ -14,11 +14,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use tokio::sync::Semaphore;
 
 use crate::channel_core::{stamp, ChannelCore, End};
+use crate::entry::{LogItem, APPLICATION};
 use crate::error::{Error, Result};
 use crate::inbox::ApplierCount;
-use crate::own::APPLICATION;
 use crate::sync::lock;
-use static_mls::engine::Incoming;
+use static_mls::engine::{Incoming, LogEntry};
 
 /// Most entries the applier applies in one transaction.
 const BATCH: usize = 512;
@@ -28,9 +28,9 @@ pub(crate) const QUEUED_BATCHES: usize = 16;
 /// of channels (a thread per channel cost 5,006 threads for 5,000 channels).
 const POOL_THREADS: usize = 2;
 
-/// Consecutive entries of the log from one Subscribe response: (seq, content type, message).
+/// Consecutive entries of the log from one Subscribe response.
 pub(crate) struct Received {
-    pub(crate) entries: Vec<(u64, u32, Vec<u8>)>,
+    pub(crate) entries: Vec<LogItem>,
     /// When they arrived (see [`Timings`](crate::Timings)).
     pub(crate) at: u64,
 }
@@ -242,7 +242,7 @@ pub(crate) enum Applied {
 /// for a lone application message when nothing is queued (see `reader`).
 pub(crate) fn apply_batch(
     core: &ChannelCore,
-    mut batch: Vec<(u64, u32, Vec<u8>)>,
+    mut batch: Vec<LogItem>,
     received_at: u64,
 ) -> Applied {
     let _applying = lock(&core.applying);
@@ -250,7 +250,7 @@ pub(crate) fn apply_batch(
         // Nothing is applied once the channel ended (closed, removed, failed).
         return Applied::ChannelEnded;
     }
-    let passed = batch.last().map(|&(seq, _, _)| seq);
+    let passed = batch.last().map(|item| item.seq);
     {
         // Our own application messages come back from the relay too; applying one changes
         // nothing (the engine recognises and skips it), so those we recognise byte for byte
@@ -258,7 +258,7 @@ pub(crate) fn apply_batch(
         // messages: after a restart they are applied again, to the same effect.
         let mut own = lock(&core.own_messages);
         if !own.is_empty() {
-            batch.retain(|(_, kind, message)| !(*kind == APPLICATION && own.take(message)));
+            batch.retain(|item| !(item.kind == APPLICATION && own.take(&item.message)));
         }
     }
     if batch.is_empty() {
@@ -269,7 +269,14 @@ pub(crate) fn apply_batch(
     }
     let name = &core.name;
     let applied = core.shared.engine().and_then(|e| {
-        let refs: Vec<(u64, &[u8])> = batch.iter().map(|(s, _, m)| (*s, m.as_slice())).collect();
+        let refs: Vec<LogEntry<'_>> = batch
+            .iter()
+            .map(|item| LogEntry {
+                seq: item.seq,
+                message: &item.message,
+                account: Some(&item.account),
+            })
+            .collect();
         let applied = e.process_entries(name, &refs)?;
         let epoch = e.epoch(name).ok();
         Ok((applied, epoch))
@@ -290,14 +297,22 @@ pub(crate) fn apply_batch(
         last = last.max(Some(a.seq));
         match a.outcome {
             Ok(Incoming::Application {
-                sender, payload, ..
+                sender,
+                payload,
+                epoch,
             }) => {
                 if let Some(id) = a.inbox_id {
+                    let account = batch
+                        .iter()
+                        .find(|item| item.seq == a.seq)
+                        .map(|item| item.account.clone());
                     stored.push(static_mls::store::InboxMessage {
                         id,
                         seq: a.seq,
                         sender,
                         payload,
+                        epoch,
+                        account,
                     });
                 }
             }

@@ -33,10 +33,25 @@ pub struct RosterMember {
 }
 use static_mls::store::Cursor;
 
+/// A message another member sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub payload: Vec<u8>,
+    /// The sender's identity, as MLS authenticated it (its leaf's credential).
+    pub sender: Vec<u8>,
+    /// The account that published it, as the relay attests it ("" for an anonymous caller);
+    /// None when unknown (received from a relay of an older release).
+    pub account: Option<String>,
+    /// Its place in the channel's log.
+    pub seq: u64,
+    /// The epoch it was sent in.
+    pub epoch: u64,
+}
+
 /// What a wait for the next message found.
 #[derive(Debug)]
 pub enum Next {
-    Message(Vec<u8>),
+    Message(Message),
     /// Nothing yet.
     Empty,
     /// The channel has ended and its inbox is empty.
@@ -180,17 +195,17 @@ impl Channel {
         let Ok(engine) = core.shared.engine() else {
             return Ok(Next::End);
         };
-        if let Some(payload) = core.shared.inbox_take(&engine, &core.name)? {
+        if let Some(message) = core.shared.inbox_take(&engine, &core.name)? {
             stamp(&core.timings.handed_out);
-            return Ok(Next::Message(payload));
+            return Ok(Next::Message(message));
         }
         let ended = core.progress.borrow().ended.clone();
         match ended {
             None => Ok(Next::Empty),
             Some(end) => {
                 // Messages stored before the end are still handed out.
-                if let Some(payload) = core.shared.inbox_take(&engine, &core.name)? {
-                    return Ok(Next::Message(payload));
+                if let Some(message) = core.shared.inbox_take(&engine, &core.name)? {
+                    return Ok(Next::Message(message));
                 }
                 match end {
                     End::Failed(_) => Err(core.ended_error()),

@@ -144,9 +144,7 @@ impl Client {
             let account = shared.account(&mut retry, "CreateChannel").await?;
             let group = owned.clone();
             let (state, binding) = shared
-                .blocking(move |e| {
-                    Ok((e.public_state(&group)?, e.leaf_binding(&group, &account)?))
-                })
+                .blocking(move |e| Ok((e.public_state(&group)?, e.leaf_binding(&group, &account)?)))
                 .await?;
             // Whether an attempt may have created it before its answer was lost.
             let retried = std::sync::atomic::AtomicBool::new(false);

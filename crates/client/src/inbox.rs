@@ -167,7 +167,7 @@ impl Inbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use static_mls::engine::Incoming;
+    use static_mls::engine::{Incoming, LogEntry};
 
     /// Alice and Bob in one channel, and what Bob's applier stores of Alice's `payloads`
     /// (entries from `first_seq` on), as it hands them to the inbox.
@@ -182,14 +182,21 @@ mod tests {
             .iter()
             .map(|p| alice.encrypt(name, p))
             .collect::<static_mls::Result<_>>()?;
-        let entries: Vec<(u64, &[u8])> = (first_seq..)
-            .zip(messages.iter().map(Vec::as_slice))
+        let entries: Vec<LogEntry<'_>> = (first_seq..)
+            .zip(&messages)
+            .map(|(seq, m)| LogEntry {
+                seq,
+                message: m,
+                account: Some("account-a"),
+            })
             .collect();
         let mut rows = Vec::new();
         for a in bob.process_entries(name, &entries)? {
             if let (
                 Ok(Incoming::Application {
-                    sender, payload, ..
+                    sender,
+                    payload,
+                    epoch,
                 }),
                 Some(id),
             ) = (a.outcome, a.inbox_id)
@@ -199,6 +206,8 @@ mod tests {
                     seq: a.seq,
                     sender,
                     payload,
+                    epoch,
+                    account: Some("account-a".to_owned()),
                 });
             }
         }
@@ -251,6 +260,8 @@ mod tests {
                 seq: i as u64,
                 sender: Vec::new(),
                 payload: Vec::new(),
+                epoch: 0,
+                account: None,
             }),
         );
         let late = applied_rows(&alice, &bob, name, 5, &[b"four"])?;

@@ -40,6 +40,7 @@ mod client;
 mod commit;
 mod config;
 mod encrypt;
+mod entry;
 mod error;
 mod inbox;
 mod own;
@@ -55,7 +56,7 @@ mod sync;
 mod tokens;
 pub mod transport;
 
-pub use channel::{Channel, Next, RosterMember};
+pub use channel::{Channel, Message, Next, RosterMember};
 pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::Client;
 pub use config::{ClientOptions, MAX_PAYLOAD};

@@ -3,8 +3,7 @@
 
 use std::collections::HashMap;
 
-/// The relay's content type of application messages.
-pub(crate) const APPLICATION: u32 = 1;
+use crate::entry::{LogItem, APPLICATION};
 /// Our own messages remembered for the applier to skip: at most this many, of at most
 /// [`OWN_MESSAGE_BYTES`] each.
 const OWN_MESSAGES: usize = 4096;
@@ -43,18 +42,18 @@ impl OwnMessages {
 
     /// Whether every entry of `batch` is an application message of ours (byte for byte),
     /// forgetting them if so; otherwise nothing changes.
-    pub(crate) fn take_all(&mut self, batch: &[(u64, u32, Vec<u8>)]) -> bool {
-        let ours = |(_, kind, message): &(u64, u32, Vec<u8>)| {
-            *kind == APPLICATION
-                && Self::key(message)
+    pub(crate) fn take_all(&mut self, batch: &[LogItem]) -> bool {
+        let ours = |item: &LogItem| {
+            item.kind == APPLICATION
+                && Self::key(&item.message)
                     .and_then(|key| self.by_tag.get(&key))
-                    .is_some_and(|m| m == message)
+                    .is_some_and(|m| *m == item.message)
         };
         if self.by_tag.is_empty() || !batch.iter().all(ours) {
             return false;
         }
-        for (_, _, message) in batch {
-            self.take(message);
+        for item in batch {
+            self.take(&item.message);
         }
         true
     }
@@ -97,16 +96,25 @@ mod tests {
         assert!(own.by_tag.is_empty());
     }
 
+    fn item(seq: u64, kind: u32, message: &[u8]) -> LogItem {
+        LogItem {
+            seq,
+            kind,
+            message: message.to_vec(),
+            account: String::new(),
+        }
+    }
+
     #[test]
     fn a_batch_is_taken_as_ours_only_if_every_entry_is() {
         let mut own = OwnMessages::default();
         let (a, b) = (vec![1u8; 100], vec![2u8; 100]);
         own.remember(&a);
         own.remember(&b);
-        let entry = |m: &Vec<u8>| (1, APPLICATION, m.clone());
+        let entry = |m: &Vec<u8>| item(1, APPLICATION, m);
         // One stranger (or a commit) in the batch: nothing is forgotten.
         assert!(!own.take_all(&[entry(&a), entry(&vec![3u8; 100])]));
-        assert!(!own.take_all(&[entry(&a), (2, APPLICATION + 1, b.clone())]));
+        assert!(!own.take_all(&[entry(&a), item(2, APPLICATION + 1, &b)]));
         assert_eq!(own.by_tag.len(), 2);
         assert!(own.take_all(&[entry(&a), entry(&b)]));
         assert!(own.by_tag.is_empty());

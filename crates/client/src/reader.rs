@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
 use crate::channel_core::{now_ns, ChannelCore, End};
+use crate::entry::{LogItem, APPLICATION};
 use crate::error::Error;
-use crate::own::APPLICATION;
 use crate::sync::lock;
 use crate::transport::pb;
 use static_mls::store::Cursor;
@@ -65,12 +65,17 @@ impl Follower {
             Cursor::After(seq) => seq,
             Cursor::FromEpoch(_) => 0,
         };
-        let batch: Vec<(u64, u32, Vec<u8>)> = entries
+        let batch: Vec<LogItem> = entries
             .into_iter()
             .filter(|entry| entry.seq > seen)
-            .map(|entry| (entry.seq, entry.content_type, Vec::from(entry.message)))
+            .map(|entry| LogItem {
+                seq: entry.seq,
+                kind: entry.content_type,
+                message: Vec::from(entry.message),
+                account: entry.account,
+            })
             .collect();
-        let Some(&(last, _, _)) = batch.last() else {
+        let Some(last) = batch.last().map(|item| item.seq) else {
             return true;
         };
         self.cursor = Cursor::After(last);
@@ -86,7 +91,7 @@ impl Follower {
         // on this runtime's worker), never a batch or a handshake, and only in sparse traffic
         // (see `Shared::may_apply_inline`); the order holds, as nothing is queued.
         if batch.len() == 1
-            && batch[0].1 == APPLICATION
+            && batch[0].kind == APPLICATION
             && core.queued.load(Ordering::Acquire) == 0
             && core.shared.may_apply_inline()
         {

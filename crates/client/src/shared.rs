@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::runtime::Handle;
 use tonic::Request;
 
+use crate::channel::Message;
 use crate::config::ClientOptions;
 use crate::error::{Error, Result};
 use crate::inbox::{Inbox, Marks};
@@ -162,10 +163,16 @@ impl Shared {
     }
 
     /// Takes the next received message of `name`, marking it handed out.
-    pub(crate) fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Message>> {
         let inbox = self.inbox(engine, name)?;
         let mut inbox = lock(&inbox);
-        Ok(inbox.take(engine, &self.marks, name)?.map(|m| m.payload))
+        Ok(inbox.take(engine, &self.marks, name)?.map(|m| Message {
+            payload: m.payload,
+            sender: m.sender,
+            account: m.account,
+            seq: m.seq,
+            epoch: m.epoch,
+        }))
     }
 
     /// Whether the relay has answered this client at least once.

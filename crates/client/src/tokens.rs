@@ -143,7 +143,12 @@ mod tests {
         // {"alg":"EdDSA"}.{"sub":"acct-1","aud":"static-relay"}.sig
         let token = "eyJhbGciOiJFZERTQSJ9.eyJzdWIiOiJhY2N0LTEiLCJhdWQiOiJzdGF0aWMtcmVsYXkifQ.c2ln";
         assert_eq!(account_of(token).ok().as_deref(), Some("acct-1"));
-        for bad in ["", "a.b", "a.!!!.c", "eyJhbGciOiJFZERTQSJ9.eyJhdWQiOiJ4In0.c2ln"] {
+        for bad in [
+            "",
+            "a.b",
+            "a.!!!.c",
+            "eyJhbGciOiJFZERTQSJ9.eyJhdWQiOiJ4In0.c2ln",
+        ] {
             assert!(matches!(account_of(bad), Err(Error::Auth(_))), "{bad}");
         }
     }

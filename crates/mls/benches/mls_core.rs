@@ -9,7 +9,7 @@ use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use static_mls::bench_support::{
     ed25519_engine_sign_verify_ns, ed25519_sign_verify_ns, synthetic_key_packages, two_member_group,
 };
-use static_mls::Engine;
+use static_mls::{Engine, LogEntry};
 
 const CH: &str = "bench/mls/core";
 
@@ -96,8 +96,8 @@ fn batch(c: &mut Criterion) {
                             (seq, m)
                         })
                         .collect();
-                    let entries: Vec<(u64, &[u8])> =
-                        entries.iter().map(|(s, m)| (*s, m.as_slice())).collect();
+                    let entries: Vec<LogEntry<'_>> =
+                        entries.iter().map(|(s, m)| LogEntry::new(*s, m)).collect();
                     let start = Instant::now();
                     let applied = b2.process_entries(CH, &entries).unwrap();
                     total += start.elapsed();

@@ -114,6 +114,27 @@ struct GroupSlot {
     group: Option<MlsGroup>,
 }
 
+/// One entry of the relay's log, as [`Engine::process_entries`] takes it.
+#[derive(Debug, Clone, Copy)]
+pub struct LogEntry<'a> {
+    pub seq: u64,
+    pub message: &'a [u8],
+    /// The account that published it, as the relay attests it (kept with an application
+    /// message in the inbox); None when the relay did not say.
+    pub account: Option<&'a str>,
+}
+
+impl<'a> LogEntry<'a> {
+    /// An entry without the publishing account.
+    pub fn new(seq: u64, message: &'a [u8]) -> Self {
+        LogEntry {
+            seq,
+            message,
+            account: None,
+        }
+    }
+}
+
 /// The outcome of one entry of [`Engine::process_entries`].
 #[derive(Debug)]
 pub struct Applied {
@@ -588,16 +609,26 @@ fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>)
 fn keep_for_caller(
     conn: &rusqlite::Connection,
     channel: &str,
-    seq: u64,
+    entry: &LogEntry<'_>,
     incoming: &Incoming,
 ) -> Result<Option<i64>> {
     let Incoming::Application {
-        sender, payload, ..
+        sender,
+        payload,
+        epoch,
     } = incoming
     else {
         return Ok(None);
     };
-    store::inbox_push(conn, channel, seq, sender, payload)?;
+    let message = store::InboxMessage {
+        id: 0,
+        seq: entry.seq,
+        sender: sender.clone(),
+        payload: payload.clone(),
+        epoch: *epoch,
+        account: entry.account.map(str::to_owned),
+    };
+    store::inbox_push(conn, channel, &message)?;
     Ok(Some(conn.last_insert_rowid()))
 }
 
@@ -618,7 +649,7 @@ fn apply_entries_fast(
     group: &mut MlsGroup,
     provider: &Provider<'_>,
     conn: &rusqlite::Connection,
-    entries: &[(u64, &[u8])],
+    entries: &[LogEntry<'_>],
 ) -> Result<Option<FastBatch>> {
     conn.exec_cached("SAVEPOINT batch")
         .map_err(StoreError::from)?;
@@ -632,12 +663,13 @@ fn apply_entries_fast(
     };
     let mut last = None;
     let mut failed = false;
-    for &(seq, message) in entries {
+    for entry in entries {
+        let (seq, message) = (entry.seq, entry.message);
         let outcome = parse_for_channel(channel, message)
             .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
         match outcome {
             Ok(incoming) => {
-                let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
+                let inbox_id = keep_for_caller(conn, channel, entry, &incoming)?;
                 batch.removed = matches!(incoming, Incoming::Removed { .. });
                 batch.epoch_changed |= changes_epoch(&incoming);
                 last = Some(seq);
@@ -1146,7 +1178,7 @@ impl Engine {
     /// decryptable for us, malformed, from before we joined) is skipped with its error (its
     /// partial effects rolled back); a storage failure fails the whole batch. Processing stops
     /// after a commit that removed us.
-    pub fn process_entries(&self, channel: &str, entries: &[(u64, &[u8])]) -> Result<Vec<Applied>> {
+    pub fn process_entries(&self, channel: &str, entries: &[LogEntry<'_>]) -> Result<Vec<Applied>> {
         let mut removed = false;
         let mut epoch_changed = false;
         // Not synced to disk (synchronous=NORMAL): everything it writes (state, cursor, inbox)
@@ -1159,7 +1191,8 @@ impl Engine {
                 return Ok(out.applied);
             }
             let mut out = Vec::with_capacity(entries.len());
-            for &(seq, message) in entries {
+            for entry in entries {
+                let (seq, message) = (entry.seq, entry.message);
                 conn.exec_cached("SAVEPOINT entry")
                     .map_err(StoreError::from)?;
                 let outcome = parse_for_channel(channel, message).and_then(|protocol| {
@@ -1167,7 +1200,7 @@ impl Engine {
                 });
                 match outcome {
                     Ok(incoming) => {
-                        let inbox_id = keep_for_caller(conn, channel, seq, &incoming)?;
+                        let inbox_id = keep_for_caller(conn, channel, entry, &incoming)?;
                         removed = matches!(incoming, Incoming::Removed { .. });
                         epoch_changed |= changes_epoch(&incoming);
                         if !removed {

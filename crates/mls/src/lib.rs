@@ -21,8 +21,8 @@ pub mod store;
 
 pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
 pub use engine::{
-    AddMemberOutput, Applied, Engine, Incoming, LeafBinding, Member, PublicState, CIPHERSUITE,
-    PAST_EPOCHS, WIRE_FORMAT_POLICY,
+    AddMemberOutput, Applied, Engine, Incoming, LeafBinding, LogEntry, Member, PublicState,
+    CIPHERSUITE, PAST_EPOCHS, WIRE_FORMAT_POLICY,
 };
 pub use error::{
     AddMemberError, CommitError, CreateGroupError, EncryptError, Error, ErrorKind, ExportError,

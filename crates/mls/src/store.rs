@@ -347,7 +347,9 @@ impl Db {
                  name TEXT NOT NULL,
                  seq INTEGER NOT NULL,
                  sender BLOB NOT NULL,
-                 payload BLOB NOT NULL
+                 payload BLOB NOT NULL,
+                 epoch INTEGER NOT NULL DEFAULT 0,
+                 account TEXT
              );
              CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);
              -- The engine's last opening: the kernel's boot id then (NULL: unknown, every send
@@ -363,6 +365,27 @@ impl Db {
                  name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
              );",
         )?;
+        // Inboxes of an older version: the message's epoch and the publishing account came later
+        // (an old row reads as epoch 0, account unknown).
+        for (column, ddl) in [
+            (
+                "epoch",
+                "ALTER TABLE static_inbox ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
+            ),
+            (
+                "account",
+                "ALTER TABLE static_inbox ADD COLUMN account TEXT",
+            ),
+        ] {
+            let present: bool = conn.query_row(
+                "SELECT count(*) > 0 FROM pragma_table_info('static_inbox') WHERE name = ?1",
+                [column],
+                |row| row.get(0),
+            )?;
+            if !present {
+                conn.execute_batch(ddl)?;
+            }
+        }
         // After the schema exists: the checkpointer's connection needs the database in WAL mode.
         let checkpointer = Checkpointer::start(&path)?;
         Ok(Self {
@@ -646,28 +669,48 @@ pub fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
     })
 }
 
-pub fn inbox_push(
-    conn: &Connection,
-    name: &str,
-    seq: u64,
-    sender: &[u8],
-    payload: &[u8],
-) -> Result<(), StoreError> {
+pub fn inbox_push(conn: &Connection, name: &str, message: &InboxMessage) -> Result<(), StoreError> {
     conn.prepare_cached(
-        "INSERT INTO static_inbox (name, seq, sender, payload) VALUES (?1, ?2, ?3, ?4)",
+        "INSERT INTO static_inbox (name, seq, sender, payload, epoch, account)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
-    .execute((name, to_i64(seq), sender, payload))?;
+    .execute((
+        name,
+        to_i64(message.seq),
+        &message.sender,
+        &message.payload,
+        to_i64(message.epoch),
+        message.account.as_deref(),
+    ))?;
     Ok(())
 }
 
 /// One received message waiting in the inbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InboxMessage {
-    /// The row's id: increasing in arrival order, never reused.
+    /// The row's id: increasing in arrival order, never reused (0 before it is stored).
     pub id: i64,
+    /// Its place in the channel's log.
     pub seq: u64,
+    /// The sender's identity (its credential), as MLS authenticated it.
     pub sender: Vec<u8>,
     pub payload: Vec<u8>,
+    /// The epoch it was sent in.
+    pub epoch: u64,
+    /// The account that published it, as the relay attests it ("" when anonymous); None when
+    /// unknown (a relay of an older release, a row stored by an older version).
+    pub account: Option<String>,
+}
+
+fn inbox_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<InboxMessage> {
+    Ok(InboxMessage {
+        id: row.get(0)?,
+        seq: to_u64(row.get(1)?),
+        sender: row.get(2)?,
+        payload: row.get(3)?,
+        epoch: to_u64(row.get(4)?),
+        account: row.get(5)?,
+    })
 }
 
 /// Up to `limit` messages of the channel's inbox after row `after_id`, oldest first (a read:
@@ -679,20 +722,13 @@ pub fn inbox_after(
     limit: usize,
 ) -> Result<Vec<InboxMessage>, StoreError> {
     let mut stmt = conn.prepare_cached(
-        "SELECT id, seq, sender, payload FROM static_inbox
+        "SELECT id, seq, sender, payload, epoch, account FROM static_inbox
          WHERE name = ?1 AND id > ?2 ORDER BY id LIMIT ?3",
     )?;
     let rows = stmt
         .query_map(
             (name, after_id, i64::try_from(limit).unwrap_or(i64::MAX)),
-            |row| {
-                Ok(InboxMessage {
-                    id: row.get(0)?,
-                    seq: to_u64(row.get(1)?),
-                    sender: row.get(2)?,
-                    payload: row.get(3)?,
-                })
-            },
+            inbox_row,
         )?
         .collect::<Result<Vec<_>, _>>()?;
     Ok(rows)
@@ -705,16 +741,9 @@ pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>,
         .prepare_cached(
             "DELETE FROM static_inbox WHERE id = (
                  SELECT id FROM static_inbox WHERE name = ?1 ORDER BY id LIMIT 1
-             ) RETURNING id, seq, sender, payload",
+             ) RETURNING id, seq, sender, payload, epoch, account",
         )?
-        .query_row([name], |row| {
-            Ok(InboxMessage {
-                id: row.get(0)?,
-                seq: to_u64(row.get(1)?),
-                sender: row.get(2)?,
-                payload: row.get(3)?,
-            })
-        })
+        .query_row([name], inbox_row)
         .optional()?)
 }
 

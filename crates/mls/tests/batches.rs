@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use static_mls::{Applied, Cursor, Engine, Incoming};
+use static_mls::{Applied, Cursor, Engine, Incoming, LogEntry};
 
 fn reopen(agent: Agent, name: &str) -> Agent {
     let Agent { dir, engine } = agent;
@@ -20,11 +20,11 @@ fn reopen(agent: Agent, name: &str) -> Agent {
 }
 
 /// Numbers `messages` as log entries from `first`.
-fn entries(first: u64, messages: &[Vec<u8>]) -> Vec<(u64, &[u8])> {
+fn entries(first: u64, messages: &[Vec<u8>]) -> Vec<LogEntry<'_>> {
     messages
         .iter()
         .enumerate()
-        .map(|(i, m)| (first + i as u64, m.as_slice()))
+        .map(|(i, m)| LogEntry::new(first + i as u64, m))
         .collect()
 }
 

@@ -16,7 +16,7 @@ use error::{NativeError, NativeResult, AUTH_ERROR, TRANSPORT_ERROR};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use static_client::{
-    Channel as CoreChannel, Client as CoreClient, ClientOptions, Next,
+    Channel as CoreChannel, Client as CoreClient, ClientOptions, Message, Next,
     SendHandle as CoreSendHandle, Token, TokenError, TokenProvider, Waker as CoreWaker,
 };
 use static_mls::{Engine as CoreEngine, Incoming as CoreIncoming};
@@ -481,12 +481,29 @@ const NEXT_MESSAGE: u8 = 0;
 const NEXT_EMPTY: u8 = 1;
 const NEXT_END: u8 = 2;
 
-fn next_tuple(py: Python<'_>, next: Next) -> (u8, Option<Py<PyBytes>>) {
-    match next {
-        Next::Message(payload) => (NEXT_MESSAGE, Some(bytes(py, &payload))),
+/// A message as Python gets it: its payload, or with `detailed` the tuple
+/// (payload, sender, account, seq, epoch).
+fn message_object(py: Python<'_>, message: &Message, detailed: bool) -> PyResult<PyObject> {
+    let payload = bytes(py, &message.payload);
+    if !detailed {
+        return Ok(payload.into_any());
+    }
+    let fields = (
+        payload,
+        bytes(py, &message.sender),
+        message.account.clone(),
+        message.seq,
+        message.epoch,
+    );
+    Ok(fields.into_pyobject(py)?.into_any().unbind())
+}
+
+fn next_tuple(py: Python<'_>, next: Next, detailed: bool) -> PyResult<(u8, Option<PyObject>)> {
+    Ok(match next {
+        Next::Message(message) => (NEXT_MESSAGE, Some(message_object(py, &message, detailed)?)),
         Next::Empty => (NEXT_EMPTY, None),
         Next::End => (NEXT_END, None),
-    }
+    })
 }
 
 /// One open channel of a `Client`.
@@ -596,6 +613,18 @@ impl Channel {
         Ok(members.iter().map(|m| bytes(py, &m.identity)).collect())
     }
 
+    /// The members as the relay attests them: (epoch, [(leaf_index, identity, account)]).
+    #[allow(clippy::type_complexity)]
+    fn roster(&self, py: Python<'_>) -> PyResult<(u64, Vec<(u32, Py<PyBytes>, Option<String>)>)> {
+        let inner = Arc::clone(&self.inner);
+        let (epoch, members) = native(exit::without_gil(py, move || inner.roster()))?;
+        let members = members
+            .into_iter()
+            .map(|m| (m.leaf_index, bytes(py, &m.identity), m.account))
+            .collect();
+        Ok((epoch, members))
+    }
+
     fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
         let inner = Arc::clone(&self.inner);
         native(exit::without_gil(py, move || inner.epoch()))
@@ -612,21 +641,24 @@ impl Channel {
         native(exit::without_gil(py, move || inner.pending()))
     }
 
-    /// The next message without waiting: (0, payload), (1, None) nothing yet, (2, None) ended.
-    fn poll_next(&self, py: Python<'_>) -> PyResult<(u8, Option<Py<PyBytes>>)> {
+    /// The next message without waiting: (0, payload), (1, None) nothing yet, (2, None) ended
+    /// (with `detailed`, the payload is the tuple (payload, sender, account, seq, epoch)).
+    #[pyo3(signature = (detailed=false))]
+    fn poll_next(&self, py: Python<'_>, detailed: bool) -> PyResult<(u8, Option<PyObject>)> {
         let inner = Arc::clone(&self.inner);
         let next = native(exit::without_gil(py, move || inner.poll_next()))?;
-        Ok(next_tuple(py, next))
+        next_tuple(py, next, detailed)
     }
 
     /// Waits for the next message (up to `timeout` seconds, forever if None) in slices of at
     /// most 50 ms with the GIL released, checking for signals (Ctrl-C) between slices.
-    #[pyo3(signature = (timeout=None))]
+    #[pyo3(signature = (timeout=None, detailed=false))]
     fn next_message(
         &self,
         py: Python<'_>,
         timeout: Option<f64>,
-    ) -> PyResult<(u8, Option<Py<PyBytes>>)> {
+        detailed: bool,
+    ) -> PyResult<(u8, Option<PyObject>)> {
         let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9)));
         loop {
             let mut slice = Duration::from_millis(50);
@@ -636,7 +668,7 @@ impl Channel {
             let inner = Arc::clone(&self.inner);
             let next = native(exit::without_gil(py, move || inner.wait_next(slice)))?;
             if !matches!(next, Next::Empty) {
-                return Ok(next_tuple(py, next));
+                return next_tuple(py, next, detailed);
             }
             py.check_signals()?;
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -648,14 +680,17 @@ impl Channel {
     /// The next message, waiting as long as it takes (like `next_message(None)`), or None once
     /// the channel has ended: what `MessageIterator.__next__` calls, without a tuple per
     /// message.
-    fn next_payload(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
+    #[pyo3(signature = (detailed=false))]
+    fn next_payload(&self, py: Python<'_>, detailed: bool) -> PyResult<Option<PyObject>> {
         loop {
             let inner = Arc::clone(&self.inner);
             let next = native(exit::without_gil(py, move || {
                 inner.wait_next(Duration::from_millis(50))
             }))?;
             match next {
-                Next::Message(payload) => return Ok(Some(bytes(py, &payload))),
+                Next::Message(message) => {
+                    return Ok(Some(message_object(py, &message, detailed)?));
+                }
                 Next::End => return Ok(None),
                 Next::Empty => py.check_signals()?,
             }

@@ -281,7 +281,7 @@ pub fn member_names(channel: &Channel) -> Vec<String> {
 #[track_caller]
 pub fn receive(channel: &Channel, timeout: Duration) -> Vec<u8> {
     match channel.wait_next(timeout) {
-        Ok(Next::Message(message)) => message,
+        Ok(Next::Message(message)) => message.payload,
         Ok(Next::Empty) => panic!(
             "channel {:?}: no message within {timeout:?} (progress {:?})",
             channel.name(),
@@ -300,7 +300,7 @@ pub fn receive_n(channel: &Channel, n: usize, timeout: Duration) -> Vec<Vec<u8>>
     while messages.len() < n {
         let left = deadline.saturating_duration_since(Instant::now());
         match channel.wait_next(left) {
-            Ok(Next::Message(message)) => messages.push(message),
+            Ok(Next::Message(message)) => messages.push(message.payload),
             Ok(Next::Empty) => panic!(
                 "channel {:?}: {} of {n} messages within {timeout:?} (progress {:?})",
                 channel.name(),
@@ -330,7 +330,7 @@ pub fn assert_quiet(channel: &Channel, quiet: Duration) {
         Ok(Next::Message(message)) => panic!(
             "channel {:?}: unexpected message {:?}",
             channel.name(),
-            String::from_utf8_lossy(&message)
+            String::from_utf8_lossy(&message.payload)
         ),
         Ok(Next::End) => panic!("channel {:?} ended", channel.name()),
         Err(e) => panic!("channel {:?} failed: {e}", channel.name()),
