@@ -4,8 +4,9 @@
 //! ([`Verify`], once per call), the revocation checks (which end streams through
 //! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
 //!
-//! Layout: `framing` and `rules` are pure; `log` is the channel logs (memory, the group-committing
-//! writer); `store` is the log's I/O, one module per database;
+//! Layout: `framing`, `rules` and `group` (a channel's public MLS group state) are pure; `log`
+//! is the channel logs (memory, the group-committing writer); `store` is the log's I/O, one
+//! module per database;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 #![forbid(unsafe_code)]
@@ -13,6 +14,7 @@
 pub mod auth;
 pub mod error;
 pub mod framing;
+pub mod group;
 pub mod log;
 pub mod rules;
 mod server;
