@@ -6,7 +6,8 @@
 //!
 //! Layout: `framing`, `rules` and `group` (a channel's public MLS group state: handshakes
 //! checked as a member would) are pure; `members` is who may reach a channel (bound leaves);
-//! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O, one module per database;
+//! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O,
+//! one module per database;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 #![forbid(unsafe_code)]

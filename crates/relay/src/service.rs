@@ -859,12 +859,7 @@ impl pb::relay_server::Relay for Relay {
         let state = GroupState::create(&name, &request.group_info, &request.ratchet_tree)
             .map_err(group_refusal)?;
         state
-            .verify_binding(
-                &name,
-                binding.leaf_index,
-                &caller.account,
-                &binding.signature,
-            )
+            .verify_binding(binding.leaf_index, &caller.account, &binding.signature)
             .map_err(group_refusal)?;
         self.0
             .log
@@ -898,12 +893,7 @@ impl pb::relay_server::Relay for Relay {
                 ))
             })?;
             state
-                .verify_binding(
-                    &name,
-                    binding.leaf_index,
-                    &caller.account,
-                    &binding.signature,
-                )
+                .verify_binding(binding.leaf_index, &caller.account, &binding.signature)
                 .map_err(group_refusal)?;
             let epoch = state.epoch();
             if inner

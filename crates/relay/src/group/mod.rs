@@ -1,0 +1,307 @@
+//! A channel's public MLS group state (RFC 9750 §5: the delivery service tracks the group from
+//! its PublicMessages): built from CreateChannel's GroupInfo, advanced by each accepted commit,
+//! stored as bytes. Pure: no I/O.
+//!
+//! The state is OpenMLS's `PublicGroup` (the tree, group context, transcript hashes) plus its
+//! stored form, the records OpenMLS wrote for it ([`slot`]). Both are kept: the group to check
+//! handshakes without a copy, the records because `PublicGroup` can only be copied or saved
+//! through them (no public `Clone` or serializer). A state with n members holds O(n) of each.
+//!
+//! Layout: `handshake` checks handshakes and makes the next state; `slot` is the storage OpenMLS
+//! reads and writes records through; `error` is why something was refused.
+
+mod error;
+mod handshake;
+mod slot;
+
+use std::collections::HashMap;
+use std::sync::LazyLock;
+
+use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _, VLBytes};
+use openmls::prelude::{
+    CreationFromExternalError, GroupId, LeafNode, LeafNodeIndex, MlsMessageBodyIn, MlsMessageIn,
+    ProposalStore, PublicGroup, RatchetTreeIn,
+};
+use static_mls::crypto::StaticCrypto;
+use static_mls::CIPHERSUITE;
+
+pub use error::{ErrorKind, GroupError};
+pub use handshake::{CommitOutcome, Handshake};
+use slot::{Records, Slot};
+
+/// The first byte of [`GroupState::to_bytes`]: format 1 is four length-prefixed records
+/// (tree, group context, interim transcript hash, confirmation tag), each OpenMLS 0.9's serde
+/// form of the value encoded with postcard. A new OpenMLS whose serde forms differ needs a new
+/// format number (and a way to read the old one).
+const FORMAT: u8 = 1;
+
+/// One verifier for every group: `StaticCrypto` caches members' decompressed Ed25519 keys.
+static CRYPTO: LazyLock<StaticCrypto> = LazyLock::new(StaticCrypto::default);
+
+fn crypto() -> &'static StaticCrypto {
+    &CRYPTO
+}
+
+/// A channel's public group state at one epoch.
+pub struct GroupState {
+    // Boxed: a `PublicGroup` is some 700 bytes inline, and states move (into outcomes).
+    group: Box<PublicGroup>,
+    records: Records,
+}
+
+/// A member leaf, as the tree has it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeafInfo {
+    pub leaf_index: u32,
+    /// The credential's content (a BasicCredential's identity).
+    pub identity: Vec<u8>,
+    pub signature_key: Vec<u8>,
+    /// The leaf's HPKE public key (fresh in each key package and update).
+    pub encryption_key: Vec<u8>,
+}
+
+impl std::fmt::Debug for GroupState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupState")
+            .field("epoch", &self.epoch())
+            .field("members", &self.group.members().count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl GroupState {
+    /// The state CreateChannel gives: `group_info` is an MLSMessage holding a GroupInfo (signed by
+    /// its signer leaf), `ratchet_tree` a TLS-serialized ratchet tree, or empty when the
+    /// GroupInfo carries the ratchet_tree extension.
+    ///
+    /// Checked: the group id is `channel`'s bytes, the epoch 0, the cipher suite
+    /// [`static_mls::CIPHERSUITE`]; the tree and the GroupInfo's signature (OpenMLS's
+    /// `PublicGroup::from_external`: every leaf's signature, the tree hash, key uniqueness);
+    /// identities unique among leaves.
+    pub fn create(
+        channel: &str,
+        group_info: &[u8],
+        ratchet_tree: &[u8],
+    ) -> Result<GroupState, GroupError> {
+        let message = MlsMessageIn::tls_deserialize_exact(group_info)
+            .map_err(|e| GroupError::malformed("group info", &e))?;
+        let info = match message.extract() {
+            MlsMessageBodyIn::GroupInfo(info) => info,
+            other => return Err(GroupError::NotGroupInfo(body_name(&other))),
+        };
+        // The cheap checks first: a group for another channel costs no signature check.
+        if info.group_id().as_slice() != channel.as_bytes() {
+            return Err(GroupError::WrongGroup);
+        }
+        if info.epoch().as_u64() != 0 {
+            return Err(GroupError::NotNewGroup(info.epoch().as_u64()));
+        }
+        if info.ciphersuite() != CIPHERSUITE {
+            return Err(GroupError::WrongCiphersuite(
+                info.ciphersuite().into(),
+                CIPHERSUITE.into(),
+            ));
+        }
+        let tree = if ratchet_tree.is_empty() {
+            info.extensions()
+                .ratchet_tree()
+                .map(|extension| extension.ratchet_tree().clone())
+                .ok_or(GroupError::NoRatchetTree)?
+        } else {
+            RatchetTreeIn::tls_deserialize_exact(ratchet_tree)
+                .map_err(|e| GroupError::malformed("ratchet tree", &e))?
+        };
+        let slot = Slot::empty();
+        let (group, _) =
+            PublicGroup::from_external(crypto(), &slot, tree, info, ProposalStore::new())
+                .map_err(creation_error)?;
+        let records = slot.into_written().map_err(GroupError::internal)?;
+        let state = GroupState {
+            group: Box::new(group),
+            records,
+        };
+        state.check_identities()?;
+        Ok(state)
+    }
+
+    /// The stored form: [`FORMAT`], then the records, each with a u32 big-endian length.
+    /// [`GroupState::from_bytes`] reads it back to the same bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, GroupError> {
+        let r = &self.records;
+        let fields = [
+            &r.tree,
+            &r.context,
+            &r.interim_transcript_hash,
+            &r.confirmation_tag,
+        ];
+        let mut out = Vec::with_capacity(1 + fields.iter().map(|f| 4 + f.len()).sum::<usize>());
+        out.push(FORMAT);
+        for field in fields {
+            let len = u32::try_from(field.len())
+                .map_err(|_| GroupError::internal("a group state record beyond 4 GiB"))?;
+            out.extend_from_slice(&len.to_be_bytes());
+            out.extend_from_slice(field);
+        }
+        Ok(out)
+    }
+
+    /// A state from [`GroupState::to_bytes`]. The bytes are trusted to be what `to_bytes` wrote
+    /// (the store's integrity is the store's job): they are decoded, not re-verified. Bytes
+    /// that do not decode are an internal error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<GroupState, GroupError> {
+        let (&format, mut rest) = bytes
+            .split_first()
+            .ok_or_else(|| GroupError::internal("an empty group state"))?;
+        if format != FORMAT {
+            return Err(GroupError::internal(format!(
+                "unknown group state format {format}"
+            )));
+        }
+        let mut field = || -> Result<Vec<u8>, GroupError> {
+            let truncated = || GroupError::internal("a truncated group state");
+            let (len, tail) = rest.split_first_chunk::<4>().ok_or_else(truncated)?;
+            let len = usize::try_from(u32::from_be_bytes(*len)).map_err(|_| truncated())?;
+            if tail.len() < len {
+                return Err(truncated());
+            }
+            let (value, tail) = tail.split_at(len);
+            rest = tail;
+            Ok(value.to_vec())
+        };
+        let records = Records {
+            tree: field()?,
+            context: field()?,
+            interim_transcript_hash: field()?,
+            confirmation_tag: field()?,
+        };
+        if !rest.is_empty() {
+            return Err(GroupError::internal("trailing bytes after the group state"));
+        }
+        let group = load(&records)?;
+        Ok(GroupState {
+            group: Box::new(group),
+            records,
+        })
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.group.group_context().epoch().as_u64()
+    }
+
+    /// The group id: the channel name's bytes.
+    pub fn group_id(&self) -> &[u8] {
+        self.group.group_id().as_slice()
+    }
+
+    /// Leaf `index`, if it holds a member.
+    pub fn leaf(&self, index: u32) -> Option<LeafInfo> {
+        let node = self.group.leaf(LeafNodeIndex::new(index))?;
+        leaf_info(index, node)
+    }
+
+    /// The members, by leaf index.
+    pub fn members(&self) -> Vec<LeafInfo> {
+        self.group
+            .members()
+            .map(|m| LeafInfo {
+                leaf_index: m.index.u32(),
+                identity: m.credential.serialized_content().to_vec(),
+                signature_key: m.signature_key,
+                encryption_key: m.encryption_key,
+            })
+            .collect()
+    }
+
+    /// Whether `signature` binds leaf `leaf_index` to `account` ([`static_mls::binding`]): the
+    /// leaf holds a member and the signature verifies with its signature key over the group id
+    /// (the channel name), `account` and the leaf's current encryption key.
+    ///
+    /// The brief's `channel` argument is not taken: the group id is the channel name (checked at
+    /// [`GroupState::create`]), so the state already knows it.
+    pub fn verify_binding(
+        &self,
+        leaf_index: u32,
+        account: &str,
+        signature: &[u8],
+    ) -> Result<(), GroupError> {
+        let leaf = self.leaf(leaf_index).ok_or(GroupError::NoSuchLeaf {
+            leaf: leaf_index,
+            epoch: self.epoch(),
+        })?;
+        if static_mls::binding::verify_leaf_binding(
+            &leaf.signature_key,
+            self.group_id(),
+            account,
+            &leaf.encryption_key,
+            signature,
+        ) {
+            Ok(())
+        } else {
+            Err(GroupError::BadBinding { leaf: leaf_index })
+        }
+    }
+
+    /// Refuses two leaves holding one identity.
+    fn check_identities(&self) -> Result<(), GroupError> {
+        // Leaves by reference: `PublicGroup::members` clones every credential.
+        let mut seen: HashMap<&[u8], u32> = HashMap::new();
+        for (index, leaf) in self.group.treesync().full_leaves() {
+            let identity = leaf.credential().serialized_content();
+            if let Some(first) = seen.insert(identity, index.u32()) {
+                return Err(GroupError::DuplicateIdentity {
+                    identity: String::from_utf8_lossy(identity).into_owned(),
+                    first,
+                    second: index.u32(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A `PublicGroup` from its records (a copy of the group they were written from).
+fn load(records: &Records) -> Result<PublicGroup, GroupError> {
+    // `load` looks records up by group id; a slot holds one group, so any id does.
+    PublicGroup::load(&Slot::reading(records), &GroupId::from_slice(&[]))
+        .map_err(GroupError::internal)?
+        .ok_or_else(|| GroupError::internal("a group state without its records"))
+}
+
+fn leaf_info(index: u32, node: &LeafNode) -> Option<LeafInfo> {
+    // OpenMLS exposes a leaf's encryption key only serialized (an HPKE key, `opaque<V>`).
+    let encryption_key = node.encryption_key().tls_serialize_detached().ok()?;
+    let encryption_key = VLBytes::tls_deserialize_exact(encryption_key).ok()?;
+    Some(LeafInfo {
+        leaf_index: index,
+        identity: node.credential().serialized_content().to_vec(),
+        signature_key: node.signature_key().as_slice().to_vec(),
+        encryption_key: encryption_key.as_slice().to_vec(),
+    })
+}
+
+fn body_name(body: &MlsMessageBodyIn) -> &'static str {
+    match body {
+        MlsMessageBodyIn::PublicMessage(_) => "public message",
+        MlsMessageBodyIn::PrivateMessage(_) => "private message",
+        MlsMessageBodyIn::Welcome(_) => "welcome",
+        MlsMessageBodyIn::GroupInfo(_) => "group info",
+        MlsMessageBodyIn::KeyPackage(_) => "key package",
+    }
+}
+
+fn creation_error<E: std::fmt::Display>(err: CreationFromExternalError<E>) -> GroupError {
+    match err {
+        CreationFromExternalError::LibraryError(e) => GroupError::internal(e),
+        CreationFromExternalError::WriteToStorageError(e) => GroupError::internal(e),
+        CreationFromExternalError::UnknownSender => {
+            GroupError::InvalidGroupInfo("its signer is not a leaf of the tree".into())
+        }
+        CreationFromExternalError::InvalidGroupInfoSignature => {
+            GroupError::InvalidGroupInfo("its signature does not verify".into())
+        }
+        CreationFromExternalError::TreeHashMismatch => GroupError::InvalidGroupInfo(
+            "the ratchet tree's hash is not the group context's".into(),
+        ),
+        other => GroupError::InvalidGroupInfo(error::lower(&other.to_string())),
+    }
+}
