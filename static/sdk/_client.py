@@ -13,6 +13,7 @@ import functools
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, ParamSpec, Self, TypeVar
 
@@ -27,9 +28,13 @@ from static.sdk._tokens import TokenSource
 __all__ = [
     "MAX_PAYLOAD",
     "AsyncMessageIterator",
+    "AsyncSenderMessageIterator",
     "Channel",
+    "Member",
+    "Message",
     "MessageIterator",
     "SendHandle",
+    "SenderMessageIterator",
     "StaticClient",
 ]
 
@@ -43,6 +48,39 @@ _ASYNC_SLICE: Final[float] = 0.1
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message another member sent, with who sent it and where it stands in the channel.
+
+    ``sender`` is the sender's identity as MLS authenticated it (its signature inside the
+    encryption); ``account`` is the account that published it as the relay attests it (``""``
+    for an anonymous caller, None when unknown: a message from a relay of an older release).
+    """
+
+    payload: bytes
+    sender: bytes
+    account: str | None
+    #: Its place in the channel's log.
+    seq: int
+    #: The MLS epoch it was sent in.
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A member of a channel as the relay attests it: its identity (the credential of its MLS
+    leaf) and the account its leaf is bound to (None while unbound: added, not joined yet)."""
+
+    identity: bytes
+    account: str | None
+    leaf_index: int
+
+
+def _message(fields: _native.MessageFields) -> Message:
+    payload, sender, account, seq, epoch = fields
+    return Message(payload, sender, account, seq, epoch)
 
 
 async def _in_thread(fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
@@ -387,6 +425,26 @@ class Channel(_Closeable):
         """The identities of the group's members, ourselves included."""
         return self._native.members()
 
+    def roster(self) -> list[Member]:
+        """The members as the relay attests them, in leaf order: each identity with the account
+        its leaf is bound to. Two members never share an identity."""
+        _, members = self._native.roster()
+        return [Member(identity, account, leaf) for leaf, identity, account in members]
+
+    def messages_with_sender(self) -> SenderMessageIterator:
+        """Like :meth:`messages`, but each item is a :class:`Message`: the payload with its
+        sender (identity and account), seq and epoch."""
+        return SenderMessageIterator(self._native)
+
+    def receive_message(self, timeout: float | None = None) -> Message:
+        """Like :meth:`receive`, as a :class:`Message`."""
+        code, fields = self._native.next_message(_check_timeout("timeout", timeout), True)
+        if code == _MESSAGE and fields is not None:
+            return _message(fields)
+        if code == _END:
+            raise EOFError(f"channel {self.name!r} has ended")
+        raise TimeoutError(f"no message on {self.name!r} within {timeout} s")
+
     def epoch(self) -> int:
         """The MLS epoch our group state is at."""
         return self._native.epoch()
@@ -466,6 +524,27 @@ class Channel(_Closeable):
         """Async :meth:`members`."""
         return await _in_thread(self.members)
 
+    async def roster_async(self) -> list[Member]:
+        """Async :meth:`roster`."""
+        return await _in_thread(self.roster)
+
+    def messages_with_sender_async(self) -> AsyncSenderMessageIterator:
+        """Async :meth:`messages_with_sender` (waiting uses no thread)."""
+        return AsyncSenderMessageIterator(self._native)
+
+    async def receive_message_async(self) -> Message:
+        """Async :meth:`receive_message` (bound the wait as for :meth:`receive_async`).
+
+        :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
+        """
+        iterator = AsyncSenderMessageIterator(self._native)
+        try:
+            return await iterator.__anext__()
+        except StopAsyncIteration:
+            raise EOFError(f"channel {self.name!r} has ended") from None
+        finally:
+            iterator.close()
+
     async def close_async(self) -> None:
         """Async :meth:`close`."""
         await _in_thread(self.close)
@@ -528,40 +607,51 @@ class MessageIterator:
         return payload
 
 
-class AsyncMessageIterator:
-    """Async iterator over a channel's incoming messages, for trio and asyncio.
+class SenderMessageIterator:
+    """Blocking iterator over a channel's incoming messages as :class:`Message` (payload,
+    sender, account, seq, epoch); otherwise exactly :class:`MessageIterator`."""
 
-    Waiting costs no thread: the iterator waits for a readiness socket the channel writes to
-    when messages arrive. Cancelling a waiting ``__anext__`` consumes nothing and leaves the
-    channel and the iterator usable. Ends (``StopAsyncIteration``) like :class:`MessageIterator`.
-    """
+    def __init__(self, native: _native.Channel) -> None:
+        self._native = native
+
+    def __iter__(self) -> SenderMessageIterator:
+        return self
+
+    def __next__(self) -> Message:
+        fields = self._native.next_payload(True)
+        if fields is None:
+            raise StopIteration
+        return _message(fields)
+
+
+class _AsyncInbox:
+    """Waits for a channel's next message without a thread: on a readiness socket the channel
+    writes to when messages arrive. Cancelling a wait consumes nothing."""
 
     def __init__(self, native: _native.Channel) -> None:
         self._native = native
         self._waker: _native.Waker | None = native.waker()
 
-    def __aiter__(self) -> AsyncMessageIterator:
-        return self
-
-    async def __anext__(self) -> bytes:
+    async def _next(self, poll: Callable[[], tuple[int, _T | None]]) -> _T | None:
+        """The next item ``poll`` takes, or None once the channel has ended."""
         while True:
-            code, payload = self._native.poll_next()
-            if code == _MESSAGE and payload is not None:
-                return payload
+            code, item = poll()
+            if code == _MESSAGE and item is not None:
+                return item
             if code == _END:
                 self.close()
-                raise StopAsyncIteration
+                return None
             waker = self._waker
             if waker is None:
-                raise StopAsyncIteration
+                return None
             # Drain, then look again, then sleep: a wake-up between the two looks is not lost.
             waker.drain()
-            code, payload = self._native.poll_next()
-            if code == _MESSAGE and payload is not None:
-                return payload
+            code, item = poll()
+            if code == _MESSAGE and item is not None:
+                return item
             if code == _END:
                 self.close()
-                raise StopAsyncIteration
+                return None
             await anyio.wait_readable(waker.fileno())
 
     def close(self) -> None:
@@ -571,3 +661,34 @@ class AsyncMessageIterator:
     async def aclose(self) -> None:
         """Async :meth:`close`."""
         self.close()
+
+
+class AsyncMessageIterator(_AsyncInbox):
+    """Async iterator over a channel's incoming messages, for trio and asyncio.
+
+    Waiting costs no thread: the iterator waits for a readiness socket the channel writes to
+    when messages arrive. Cancelling a waiting ``__anext__`` consumes nothing and leaves the
+    channel and the iterator usable. Ends (``StopAsyncIteration``) like :class:`MessageIterator`.
+    """
+
+    def __aiter__(self) -> AsyncMessageIterator:
+        return self
+
+    async def __anext__(self) -> bytes:
+        payload = await self._next(self._native.poll_next)
+        if payload is None:
+            raise StopAsyncIteration
+        return payload
+
+
+class AsyncSenderMessageIterator(_AsyncInbox):
+    """:class:`AsyncMessageIterator` whose items are :class:`Message`."""
+
+    def __aiter__(self) -> AsyncSenderMessageIterator:
+        return self
+
+    async def __anext__(self) -> Message:
+        fields = await self._next(lambda: self._native.poll_next(True))
+        if fields is None:
+            raise StopAsyncIteration
+        return _message(fields)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from static_sdk import AuthError, MLSEngineError, StaticClient, TransportError
+from static_sdk import AuthError, StaticClient, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.api import Api
 from tests.support.server import ServerProcess
@@ -74,20 +74,31 @@ def test_anonymous_client_on_a_server_that_requires_tokens(
         clients(authed, b"anon").create_channel(channel_name())
 
 
-def test_channels_are_scoped_to_the_account(
+def test_agents_of_two_accounts_share_a_channel(
     authed: ServerProcess, api: Api, clients: Clients
 ) -> None:
+    """The spec's typical flow with agent B holding its own account's key: access follows MLS
+    membership, not the account that created the channel."""
     one, two = api.signup(), api.signup()
     alice = clients(authed, b"alice", api_key=one.key, api_url=authed.http_url)
-    eve = clients(authed, b"eve", api_key=two.key, api_url=authed.http_url)
-    channel = alice.create_channel(channel_name())
-    welcome = channel.add_member(eve.generate_key_package())
-    with pytest.raises(TransportError, match=r"^transport error: .*not on the relay"):
-        eve.join_channel(channel.name, welcome)
-    # The refused join leaves nothing behind: no channel listed, none to reopen.
-    assert eve.channels() == []
-    with pytest.raises(MLSEngineError, match=r"^MLS engine error: not a member"):
-        eve.open_channel(channel.name)
+    bob = clients(authed, b"bob", api_key=two.key, api_url=authed.http_url)
+    alices = alice.create_channel(channel_name())
+    bobs = bob.join_channel(alices.name, alices.add_member(bob.generate_key_package()))
+    alices.send(b"from a")
+    got = bobs.receive_message(WAIT)
+    assert (got.payload, got.sender, got.account) == (b"from a", b"alice", one.id)
+    bobs.send(b"from b")
+    got = alices.receive_message(WAIT)
+    assert (got.payload, got.sender, got.account) == (b"from b", b"bob", two.id)
+    roster = {m.identity: m.account for m in alices.roster()}
+    assert roster == {b"alice": one.id, b"bob": two.id}
+    # The org belongs to the first account that created a channel under it.
+    org = alices.name.split("/")[0]
+    with pytest.raises(AuthError, match=rf"^auth error: .*org '{org}' belongs to another account"):
+        bob.create_channel(f"{org}/other/channel")
+    # Nothing is left behind by the refused create.
+    assert bob.channels() == [alices.name]
+    assert bob.create_channel("bobs-org/x/y").name == "bobs-org/x/y"
 
 
 def test_token_endpoint_is_not_the_relay(authed: ServerProcess, tmp_path: object) -> None:

@@ -407,7 +407,7 @@ impl Channel {
                 .map(|m| RosterMember {
                     leaf_index: m.leaf_index,
                     identity: m.identity.to_vec(),
-                    account: (!m.account.is_empty()).then_some(m.account),
+                    account: m.bound.then_some(m.account),
                 })
                 .collect();
             Ok((answer.epoch, members))

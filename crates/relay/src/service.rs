@@ -934,6 +934,7 @@ impl pb::relay_server::Relay for Relay {
                 leaf_index: leaf.leaf_index,
                 identity: leaf.identity.into(),
                 signature_key: leaf.signature_key.into(),
+                bound: account.is_some(),
                 account: account.map(|a| a.to_string()).unwrap_or_default(),
             })
             .collect();

@@ -1,0 +1,68 @@
+"""Channels governed by MLS membership, through the SDK: senders you can tell apart, identities
+that are unique, the relay's attested roster, removal ending access."""
+
+from __future__ import annotations
+
+import pytest
+
+from static_sdk import MLSEngineError, StaticError
+from tests.sdk.conftest import WAIT, Clients, read_to_end
+from tests.support.server import ServerProcess
+
+
+def test_messages_with_their_sender_seq_and_epoch(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    alices.send(b"one")
+    alices.rotate_keys()
+    alices.send(b"two")
+    first, second = bobs.receive_message(WAIT), bobs.receive_message(WAIT)
+    # Anonymous callers are one principal, the account "".
+    assert (first.payload, first.sender, first.account, first.epoch) == (b"one", b"alice", "", 1)
+    assert (second.payload, second.sender, second.epoch) == (b"two", b"alice", 2)
+    assert second.seq > first.seq > 0
+    # The spec's iterator still yields bytes; the other one yields Messages, in one order.
+    bobs_messages = bobs.messages_with_sender()
+    alices.send(b"three")
+    assert next(bobs_messages).payload == b"three"
+    alices.send(b"four")
+    assert next(iter(bobs.messages())) == b"four"
+
+
+def test_two_members_cannot_hold_one_identity(relay: ServerProcess, clients: Clients) -> None:
+    alices, _ = clients.pair(relay)
+    impostor = clients(relay, b"bob", data_dir=clients.tmp_path / "impostor")
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: .*identity"):
+        alices.add_member(impostor.generate_key_package())
+    # Nothing was left pending: the channel goes on, and removing b"bob" removes one member.
+    alices.send(b"still fine")
+    alices.remove_member(b"bob")
+    assert alices.members() == [b"alice"]
+    assert [m.identity for m in alices.roster()] == [b"alice"]
+
+
+def test_the_roster_is_the_relays_attestation(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    carol = clients(relay, b"carol")
+    welcome = alices.add_member(carol.generate_key_package())
+    # Added but not joined: her leaf is in the group, bound to no account yet.
+    roster = alices.roster()
+    assert [(m.identity, m.account, m.leaf_index) for m in roster] == [
+        (b"alice", "", 0),
+        (b"bob", "", 1),
+        (b"carol", None, 2),
+    ]
+    carols = carol.join_channel(alices.name, welcome)
+    assert [m.account for m in bobs.roster()] == ["", "", ""]
+    assert carols.members() == [b"alice", b"bob", b"carol"]
+
+
+def test_removal_ends_the_removed_members_access(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = clients.pair(relay)
+    alices.send(b"before")
+    assert bobs.receive(WAIT) == b"before"
+    alices.remove_member(b"bob")
+    alices.send(b"after")
+    # Bob's client learns of its removal from the commit and ends; it never sees "after".
+    assert read_to_end(bobs.messages(), WAIT) == []
+    with pytest.raises(StaticError):
+        bobs.send(b"no")
