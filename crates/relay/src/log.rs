@@ -40,7 +40,7 @@ use crate::group::GroupState;
 use crate::members::{GroupChange, Membership, Reach};
 use crate::rules::{check_fence, epoch_after};
 use crate::store::{
-    self, Binding, ChannelRow, Created, Database, LogReader, LogWriter, NewChannel,
+    self, Binding, ChannelRow, Creation, Database, LogReader, LogWriter, NewChannel, StoredGroup,
 };
 
 /// Most publishes one group commit takes.
@@ -570,14 +570,7 @@ impl ChannelLog {
             }
             return Ok(());
         }
-        let stored = self
-            .inner
-            .reader
-            .load_group(channel.id)
-            .await?
-            .ok_or_else(|| {
-                RelayError::Unavailable(format!("channel '{}' has no group state", channel.name))
-            })?;
+        let stored = self.stored_group(channel, false).await?;
         let loaded = Membership::from_stored(stored)?;
         let mut members = channel.members();
         // Another load or a commit may have got further meanwhile: keep the newest.
@@ -601,13 +594,43 @@ impl ChannelLog {
         Ok(channel.reach_in_memory(account).unwrap_or(Reach::None))
     }
 
-    /// The channel's group state at its current epoch (None for a legacy channel).
+    async fn stored_group(&self, channel: &Channel, with_state: bool) -> Result<StoredGroup> {
+        self.inner
+            .reader
+            .load_group(channel.id, with_state)
+            .await?
+            .ok_or_else(|| {
+                RelayError::Unavailable(format!("channel '{}' has no group state", channel.name))
+            })
+    }
+
+    /// The channel's group state at its current epoch (None for a legacy channel), read from
+    /// the store the first time something needs it.
     pub async fn group(&self, channel: &Channel) -> Result<Option<Arc<GroupState>>> {
         if channel.is_legacy() {
             return Ok(None);
         }
         self.load_members(channel, false).await?;
-        Ok(channel.members().as_ref().map(Membership::state))
+        if let Some(state) = channel.members().as_ref().and_then(Membership::state) {
+            return Ok(Some(state));
+        }
+        let stored = self.stored_group(channel, true).await?;
+        let mut members = channel.members();
+        match members.as_mut() {
+            Some(m) if m.epoch() == stored.epoch => {
+                let bytes = stored.state.unwrap_or_default();
+                Ok(Some(m.set_state(&bytes)?))
+            }
+            // Memory moved on meanwhile (or was dropped): take what the store has.
+            _ => {
+                let loaded = Membership::from_stored(stored)?;
+                let state = loaded.state();
+                if members.as_ref().is_none_or(|m| m.epoch() <= loaded.epoch()) {
+                    *members = Some(loaded);
+                }
+                Ok(state)
+            }
+        }
     }
 
     /// The channel's members with the accounts bound to them, and the epoch.
@@ -615,11 +638,14 @@ impl ChannelLog {
         &self,
         channel: &Channel,
     ) -> Result<(u64, Vec<(crate::group::LeafInfo, Option<Arc<str>>)>)> {
-        self.load_members(channel, self.inner.shared).await?;
+        if self.inner.shared {
+            self.load_members(channel, true).await?;
+        }
+        self.group(channel).await?;
         let members = channel.members();
         Ok(members
             .as_ref()
-            .map(|m| (m.epoch(), m.members()))
+            .and_then(|m| Some((m.epoch(), m.members()?)))
             .unwrap_or_default())
     }
 
@@ -1054,12 +1080,12 @@ impl Writer {
             leaf: create.leaf,
         };
         match self.store.create_channel(&channel)? {
-            Created::Created(id) => Ok(id),
-            Created::Exists => Err(RelayError::AlreadyExists(format!(
+            Creation::Done(id) => Ok(id),
+            Creation::NameTaken => Err(RelayError::AlreadyExists(format!(
                 "channel '{}' already exists",
                 create.name
             ))),
-            Created::OrgTaken => Err(RelayError::PermissionDenied(format!(
+            Creation::OrgTaken => Err(RelayError::PermissionDenied(format!(
                 "org '{}' belongs to another account",
                 create.org
             ))),

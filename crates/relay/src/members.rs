@@ -2,7 +2,8 @@
 //! state, as memory keeps them for a loaded channel (docs/design.md §5.2).
 //!
 //! Access is a lookup in [`Membership::reach`] (a hash map, on every publish and every wake-up
-//! of a stream); the group state itself is only read by handshakes and bindings.
+//! of a stream); the group state is only needed by handshakes, bindings and rosters, so it is
+//! loaded only for those (a channel that is only followed holds its bindings alone).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -68,9 +69,12 @@ pub enum Reach {
     None,
 }
 
-/// A channel's group as memory knows it: the state at its epoch and the bound leaves.
+/// A channel's group as memory knows it: its epoch, the bound leaves, and the group state at
+/// that epoch once something needed it.
 pub struct Membership {
-    state: Arc<GroupState>,
+    epoch: u64,
+    /// Loaded when first needed (see the module's notes).
+    state: Option<Arc<GroupState>>,
     bindings: Bindings,
 }
 
@@ -128,34 +132,43 @@ impl Membership {
     /// A new channel's group: nothing bound yet.
     pub fn new(state: GroupState) -> Membership {
         Membership {
-            state: Arc::new(state),
+            epoch: state.epoch(),
+            state: Some(Arc::new(state)),
             bindings: Bindings::default(),
         }
     }
 
-    /// From the store; Unavailable when the stored state does not parse (never expected).
+    /// From the store (its state parsed if it was read); Unavailable when the stored state
+    /// does not parse (never expected).
     pub(crate) fn from_stored(stored: StoredGroup) -> Result<Membership> {
-        let state = GroupState::from_bytes(&stored.state).map_err(|e| {
-            RelayError::Unavailable(format!(
-                "the channel's stored group state is unreadable: {e}"
-            ))
-        })?;
+        let state = stored.state.as_deref().map(parse_state).transpose()?;
         let mut bindings = Bindings::default();
         for (leaf, account) in stored.bindings {
             bindings.bind(leaf, &account);
         }
         Ok(Membership {
-            state: Arc::new(state),
+            epoch: stored.epoch,
+            state: state.map(Arc::new),
             bindings,
         })
     }
 
     pub fn epoch(&self) -> u64 {
-        self.state.epoch()
+        self.epoch
     }
 
-    pub fn state(&self) -> Arc<GroupState> {
-        Arc::clone(&self.state)
+    /// The group state, if loaded.
+    pub fn state(&self) -> Option<Arc<GroupState>> {
+        self.state.clone()
+    }
+
+    /// The state as the store has it at this epoch (read when first needed).
+    pub(crate) fn set_state(&mut self, stored: &[u8]) -> Result<Arc<GroupState>> {
+        let state = Arc::new(parse_state(stored)?);
+        if state.epoch() == self.epoch {
+            self.state = Some(Arc::clone(&state));
+        }
+        Ok(state)
     }
 
     pub fn reach(&self, account: &str) -> Reach {
@@ -188,11 +201,10 @@ impl Membership {
         let next = match change.take_next() {
             Some(next) => next,
             // Applied once only; a second time (never expected) re-reads the stored form.
-            None => GroupState::from_bytes(&change.state).map_err(|e| {
-                RelayError::Unavailable(format!("a group state does not parse: {e}"))
-            })?,
+            None => parse_state(&change.state)?,
         };
-        self.state = Arc::new(next);
+        self.epoch = next.epoch();
+        self.state = Some(Arc::new(next));
         for leaf in &change.removed {
             self.bindings.remove(*leaf, seq);
         }
@@ -200,16 +212,29 @@ impl Membership {
     }
 
     /// The current leaves, each with the account bound to it.
-    pub fn members(&self) -> Vec<(LeafInfo, Option<Arc<str>>)> {
-        self.state
+    /// (None until the state is loaded.)
+    pub fn members(&self) -> Option<Vec<(LeafInfo, Option<Arc<str>>)>> {
+        let members = self
+            .state
+            .as_ref()?
             .members()
             .into_iter()
             .map(|leaf| {
                 let account = self.bindings.by_leaf.get(&leaf.leaf_index).cloned();
                 (leaf, account)
             })
-            .collect()
+            .collect();
+        Some(members)
     }
+}
+
+/// A stored group state, parsed: Unavailable when it does not parse (never expected).
+fn parse_state(stored: &[u8]) -> Result<GroupState> {
+    GroupState::from_bytes(stored).map_err(|e| {
+        RelayError::Unavailable(format!(
+            "the channel's stored group state is unreadable: {e}"
+        ))
+    })
 }
 
 #[cfg(test)]

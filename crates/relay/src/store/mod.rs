@@ -87,18 +87,21 @@ pub(crate) struct NewChannel<'a> {
 
 /// What creating a channel came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Created {
-    Created(i64),
+pub(crate) enum Creation {
+    Done(i64),
     /// The name is taken.
-    Exists,
+    NameTaken,
     /// The org belongs to another account.
     OrgTaken,
 }
 
-/// A channel's group as stored: its state at its current epoch and the bound leaves.
+/// A channel's group as stored: its epoch, the bound leaves, and its state at that epoch
+/// (when asked for).
 #[derive(Debug, Clone)]
 pub(crate) struct StoredGroup {
-    pub state: Vec<u8>,
+    pub epoch: u64,
+    /// Read only when asked for.
+    pub state: Option<Vec<u8>>,
     pub bindings: Vec<(u32, String)>,
 }
 
@@ -119,7 +122,7 @@ pub(crate) trait LogWriter: Send {
 
     /// Create a channel (its epoch-0 row, its group state and the creator's binding too), in
     /// one transaction.
-    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created>;
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Creation>;
 
     /// Bind a leaf to an account, if the channel is still at `binding.epoch` (false: it moved
     /// on, check the proof against the new tree). Replaces the leaf's earlier binding.
@@ -137,7 +140,7 @@ pub(crate) trait LogReader: Send + Sync {
     /// one that another channel's name shadows, else the channel holding the name.
     fn load_channel(&self, account: &str, name: &str) -> StoreFuture<Option<ChannelRow>>;
     /// The channel's group (None for a legacy channel).
-    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>>;
+    fn load_group(&self, channel_id: i64, with_state: bool) -> StoreFuture<Option<StoredGroup>>;
     /// The channel's bound leaves.
     fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>>;
     /// The proposals accepted in `epoch`, in log order.

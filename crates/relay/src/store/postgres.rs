@@ -45,7 +45,7 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
 use crate::store::{
-    new_entries, Binding, ChannelRow, Created, LogReader, LogWriter, NewChannel, Opened,
+    new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, Opened,
     StoreFuture, StoredGroup,
 };
 
@@ -117,7 +117,8 @@ const LOCK_CHANNEL: &str = "SELECT epoch FROM relay_channels WHERE id = $1 FOR U
 /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
 const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
      WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
-const LOAD_GROUP: &str = "SELECT state FROM relay_groups WHERE channel_id = $1";
+const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
+const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL::bytea FROM relay_groups WHERE channel_id = $1";
 const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = $1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
      ORDER BY seq";
@@ -308,7 +309,7 @@ impl LogWriter for PgWriter {
         false
     }
 
-    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created> {
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Creation> {
         let (runtime, conn) = self.connected()?;
         runtime
             .block_on(in_transaction(&conn.client, conn.create(channel)))
@@ -370,22 +371,22 @@ async fn in_transaction<T>(
 
 impl WriteConnection {
     /// A channel's creation (see `LogWriter::create_channel`); the bool: keep it.
-    async fn create(&self, new: &NewChannel<'_>) -> PgResult<(Created, bool)> {
+    async fn create(&self, new: &NewChannel<'_>) -> PgResult<(Creation, bool)> {
         let client = &self.client;
         client.execute(CLAIM_ORG, &[&new.org, &new.account]).await?;
         let owner: String = client.query_one(ORG_OWNER, &[&new.org]).await?.get(0);
         if owner != new.account {
-            return Ok((Created::OrgTaken, false));
+            return Ok((Creation::OrgTaken, false));
         }
         let Some(row) = client.query_opt(CREATE_CHANNEL, &[&new.name]).await? else {
-            return Ok((Created::Exists, false));
+            return Ok((Creation::NameTaken, false));
         };
         let id: i64 = row.get(0);
         let leaf = i32::try_from(new.leaf).unwrap_or(i32::MAX);
         client.execute(INSERT_EPOCH_0, &[&id]).await?;
         client.execute(INSERT_GROUP, &[&id, &new.state]).await?;
         client.execute(BIND, &[&id, &leaf, &new.account]).await?;
-        Ok((Created::Created(id), true))
+        Ok((Creation::Done(id), true))
     }
 
     /// A binding, if the channel (its row locked) is still at the proof's epoch.
@@ -845,15 +846,21 @@ impl LogReader for PgReader {
         })
     }
 
-    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>> {
+    fn load_group(&self, channel_id: i64, with_state: bool) -> StoreFuture<Option<StoredGroup>> {
+        let sql = if with_state {
+            LOAD_GROUP
+        } else {
+            LOAD_GROUP_EPOCH
+        };
         self.run(move |conn| async move {
             let (group, bindings) = futures_util::future::try_join(
-                conn.client.query_opt(LOAD_GROUP, &[&channel_id]),
+                conn.client.query_opt(sql, &[&channel_id]),
                 conn.client.query(LOAD_BINDINGS, &[&channel_id]),
             )
             .await?;
             Ok(group.map(|row| StoredGroup {
-                state: row.get(0),
+                epoch: from_db(row.get(0)),
+                state: row.get(1),
                 bindings: bindings
                     .iter()
                     .map(|b| {

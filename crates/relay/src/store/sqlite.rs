@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
 use crate::store::{
-    new_entries, Binding, ChannelRow, Created, LogReader, LogWriter, NewChannel, NewEntry, Opened,
+    new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
     StoreFuture, StoredGroup,
 };
 
@@ -67,7 +67,8 @@ const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
 /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
 const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
      WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
-const LOAD_GROUP: &str = "SELECT state FROM relay_groups WHERE channel_id = ?1";
+const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = ?1";
+const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL FROM relay_groups WHERE channel_id = ?1";
 const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = ?1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = ?1 AND epoch = ?2 \
      ORDER BY seq";
@@ -141,7 +142,7 @@ fn is_constraint(err: &rusqlite::Error) -> bool {
 
 /// Create a channel: its org claimed (or owned already), its row, its epoch-0 row, its group
 /// and the creator's binding, in one transaction.
-fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Result<Created> {
+fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Result<Creation> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     tx.prepare_cached(CLAIM_ORG)?
         .execute(params![new.org, new.account])?;
@@ -149,7 +150,7 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
         .prepare_cached(ORG_OWNER)?
         .query_row(params![new.org], |row| row.get(0))?;
     if owner != new.account {
-        return Ok(Created::OrgTaken);
+        return Ok(Creation::OrgTaken);
     }
     let inserted = tx
         .prepare_cached(CREATE_CHANNEL)?
@@ -157,7 +158,7 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
     let id = match inserted {
         Ok(id) => id,
         // Dropping `tx` rolls back.
-        Err(err) if is_constraint(&err) => return Ok(Created::Exists),
+        Err(err) if is_constraint(&err) => return Ok(Creation::NameTaken),
         Err(err) => return Err(err),
     };
     tx.prepare_cached(INSERT_EPOCH)?
@@ -167,7 +168,7 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
     tx.prepare_cached(BIND)?
         .execute(params![id, new.leaf, new.account])?;
     tx.commit()?;
-    Ok(Created::Created(id))
+    Ok(Creation::Done(id))
 }
 
 /// Binds a leaf if the channel is still at the proof's epoch.
@@ -208,16 +209,29 @@ fn load_channel(
         .optional()
 }
 
-fn load_group(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<StoredGroup>> {
-    let Some(state) = conn
-        .prepare_cached(LOAD_GROUP)?
-        .query_row(params![channel_id], |row| row.get(0))
+fn load_group(
+    conn: &Connection,
+    channel_id: i64,
+    with_state: bool,
+) -> rusqlite::Result<Option<StoredGroup>> {
+    let sql = if with_state {
+        LOAD_GROUP
+    } else {
+        LOAD_GROUP_EPOCH
+    };
+    let Some((epoch, state)) = conn
+        .prepare_cached(sql)?
+        .query_row(params![channel_id], |row| Ok((row.get(0)?, row.get(1)?)))
         .optional()?
     else {
         return Ok(None);
     };
     let bindings = bindings(conn, channel_id)?;
-    Ok(Some(StoredGroup { state, bindings }))
+    Ok(Some(StoredGroup {
+        epoch,
+        state,
+        bindings,
+    }))
 }
 
 fn bindings(conn: &Connection, channel_id: i64) -> rusqlite::Result<Vec<(u32, String)>> {
@@ -419,9 +433,9 @@ impl LogWriter for SqliteWriter {
         true
     }
 
-    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created> {
+    fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Creation> {
         let created = create_channel(&mut self.conn, channel).map_err(RelayError::store)?;
-        if matches!(created, Created::Created(_)) {
+        if matches!(created, Creation::Done(_)) {
             self.count_commit(channel.state.len());
         }
         Ok(created)
@@ -562,8 +576,8 @@ impl LogReader for SqliteReader {
         on_pool(self, move |conn| load_channel(conn, &account, &name))
     }
 
-    fn load_group(&self, channel_id: i64) -> StoreFuture<Option<StoredGroup>> {
-        on_pool(self, move |conn| load_group(conn, channel_id))
+    fn load_group(&self, channel_id: i64, with_state: bool) -> StoreFuture<Option<StoredGroup>> {
+        on_pool(self, move |conn| load_group(conn, channel_id, with_state))
     }
 
     fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>> {
@@ -747,7 +761,7 @@ mod tests {
             state: b"state",
             leaf: 0,
         };
-        let Created::Created(id) = writer.create_channel(&new).unwrap() else {
+        let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
             panic!("not created");
         };
         let channel = test_channel(id);
