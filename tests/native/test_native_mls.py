@@ -250,9 +250,9 @@ def test_public_state_and_leaf_binding(tmp_path: Path) -> None:
     with pytest.raises(InvalidSignature):
         key.verify(signature, _binding_tbs(CH, "account-a", new_encryption_key))
 
-    with pytest.raises(MLSEngineError, match="^MLS engine error: not a member"):
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: not a member"):
         a.public_state("x/y/z")
-    with pytest.raises(MLSEngineError, match="^MLS engine error: not a member"):
+    with pytest.raises(MLSEngineError, match=r"^MLS engine error: not a member"):
         a.leaf_binding("x/y/z", "account-a")
 
 
