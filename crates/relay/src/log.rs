@@ -586,12 +586,17 @@ impl ChannelLog {
     /// leaf since).
     pub async fn reach(&self, channel: &Channel, account: &str) -> Result<Reach> {
         match channel.reach_in_memory(account) {
+            // A legacy channel's owner is in its row: there is nothing more to read.
+            Some(reach) if channel.is_legacy() => return Ok(reach),
             Some(Reach::None) if self.inner.shared => {}
             Some(reach) => return Ok(reach),
             None => {}
         }
         self.load_members(channel, true).await?;
-        Ok(channel.reach_in_memory(account).unwrap_or(Reach::None))
+        // As just read: another relay's commit may have moved the epoch on meanwhile, and a
+        // member must not be refused for that (the next look reloads).
+        let members = channel.members();
+        Ok(members.as_ref().map_or(Reach::None, |m| m.reach(account)))
     }
 
     async fn stored_group(&self, channel: &Channel, with_state: bool) -> Result<StoredGroup> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, LeafInfo};
-use crate::store::StoredGroup;
+use crate::store::{StoredBinding, StoredGroup};
 
 /// What an accepted commit does to its channel's group: stored with it, applied to memory once
 /// it is durable.
@@ -89,6 +89,26 @@ struct Bindings {
 }
 
 impl Bindings {
+    /// From the store's rows: the current ones bound, the removed ones' accounts departed
+    /// (unless bound by another leaf), each up to the last commit that removed one of theirs.
+    fn from_stored(stored: Vec<StoredBinding>) -> Bindings {
+        let mut bindings = Bindings::default();
+        let mut removed = Vec::new();
+        for row in stored {
+            match row.removed_seq {
+                None => bindings.bind(row.leaf, &row.account),
+                Some(seq) => removed.push((row.account, seq)),
+            }
+        }
+        for (account, seq) in removed {
+            if !bindings.counts.contains_key(account.as_str()) {
+                let departed = bindings.departed.entry(Arc::from(account)).or_insert(seq);
+                *departed = (*departed).max(seq);
+            }
+        }
+        bindings
+    }
+
     fn reach(&self, account: &str) -> Reach {
         if self.counts.contains_key(account) {
             Reach::Member
@@ -142,10 +162,7 @@ impl Membership {
     /// does not parse (never expected).
     pub(crate) fn from_stored(stored: StoredGroup) -> Result<Membership> {
         let state = stored.state.as_deref().map(parse_state).transpose()?;
-        let mut bindings = Bindings::default();
-        for (leaf, account) in stored.bindings {
-            bindings.bind(leaf, &account);
-        }
+        let bindings = Bindings::from_stored(stored.bindings);
         Ok(Membership {
             epoch: stored.epoch,
             state: state.map(Arc::new),
@@ -180,17 +197,15 @@ impl Membership {
         self.bindings.bind(leaf, account);
     }
 
-    /// The bindings as the store has them now (another relay may have bound leaves), keeping
-    /// what this relay knows of departed accounts.
-    pub fn rebind(&mut self, stored: Vec<(u32, String)>) {
-        let departed = std::mem::take(&mut self.bindings.departed);
-        self.bindings = Bindings::default();
-        for (leaf, account) in stored {
-            self.bindings.bind(leaf, &account);
-        }
-        for (account, seq) in departed {
+    /// The bindings as the store has them now (another relay may have bound leaves or
+    /// committed removals), keeping what this relay knows of departed accounts.
+    pub(crate) fn rebind(&mut self, stored: Vec<StoredBinding>) {
+        let known = std::mem::take(&mut self.bindings.departed);
+        self.bindings = Bindings::from_stored(stored);
+        for (account, seq) in known {
             if !self.bindings.counts.contains_key(&account) {
-                self.bindings.departed.insert(account, seq);
+                let departed = self.bindings.departed.entry(account).or_insert(seq);
+                *departed = (*departed).max(seq);
             }
         }
     }
@@ -262,5 +277,28 @@ mod tests {
         assert_eq!(m.reach("b"), Reach::Member);
         m.remove(99, 10);
         assert_eq!(m.reach("c"), Reach::Member);
+    }
+
+    #[test]
+    fn the_stores_rows_give_members_and_departures() {
+        let row = |leaf, account: &str, removed_seq| StoredBinding {
+            leaf,
+            account: account.to_owned(),
+            removed_seq,
+        };
+        let m = Bindings::from_stored(vec![
+            row(0, "a", None),
+            row(1, "b", Some(7)),
+            row(2, "b", Some(9)),
+            row(3, "a", Some(4)),
+            row(4, "c", Some(5)),
+            row(5, "c", None),
+        ]);
+        assert_eq!(m.reach("a"), Reach::Member);
+        // Departed at the last commit that removed one of its leaves.
+        assert_eq!(m.reach("b"), Reach::Until(9));
+        // A removed leaf does not count against a leaf still bound.
+        assert_eq!(m.reach("c"), Reach::Member);
+        assert_eq!(m.reach("d"), Reach::None);
     }
 }

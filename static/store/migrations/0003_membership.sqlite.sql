@@ -31,11 +31,14 @@ CREATE TABLE relay_groups (
     state BLOB NOT NULL
 );
 
--- Leaves bound to accounts: a row per bound leaf of the current group.
+-- Leaves bound to accounts: a row per bound leaf of the current group, and per removed one
+-- (`removed_seq`: the commit that removed it; its account reaches the log up to there) until
+-- its index is bound again.
 CREATE TABLE relay_members (
     channel_id INTEGER NOT NULL REFERENCES relay_channels (id),
     leaf_index INTEGER NOT NULL,
     account TEXT NOT NULL,
+    removed_seq INTEGER,
     PRIMARY KEY (channel_id, leaf_index)
 );
 

@@ -102,7 +102,15 @@ pub(crate) struct StoredGroup {
     pub epoch: u64,
     /// Read only when asked for.
     pub state: Option<Vec<u8>>,
-    pub bindings: Vec<(u32, String)>,
+    pub bindings: Vec<StoredBinding>,
+}
+
+/// A leaf bound to an account, or that was until the commit at `removed_seq` removed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredBinding {
+    pub leaf: u32,
+    pub account: String,
+    pub removed_seq: Option<u64>,
 }
 
 /// A binding to store (see [`LogWriter::bind`]).
@@ -142,7 +150,7 @@ pub(crate) trait LogReader: Send + Sync {
     /// The channel's group (None for a legacy channel).
     fn load_group(&self, channel_id: i64, with_state: bool) -> StoreFuture<Option<StoredGroup>>;
     /// The channel's bound leaves.
-    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>>;
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<StoredBinding>>;
     /// The proposals accepted in `epoch`, in log order.
     fn proposals(&self, channel_id: i64, epoch: u64) -> StoreFuture<Vec<Bytes>>;
     /// The names some legacy channel shadows (read once, at open: no new ones are made).

@@ -46,7 +46,7 @@ use crate::error::{RelayError, Result};
 use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, Opened,
-    StoreFuture, StoredGroup,
+    StoreFuture, StoredBinding, StoredGroup,
 };
 
 /// The NOTIFY channel of commits.
@@ -100,7 +100,8 @@ const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_
 const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
 const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
-const UNBIND: &str = "DELETE FROM relay_members WHERE channel_id = $1 AND leaf_index = ANY($2)";
+const UNBIND: &str = "UPDATE relay_members SET removed_seq = $3 \
+     WHERE channel_id = $1 AND leaf_index = ANY($2) AND removed_seq IS NULL";
 /// Creating a channel, in one transaction (rare: not prepared). The org is claimed if free,
 /// its owner read under a row lock.
 const CLAIM_ORG: &str =
@@ -112,14 +113,16 @@ const INSERT_EPOCH_0: &str =
     "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, 0, 0)";
 const INSERT_GROUP: &str = "INSERT INTO relay_groups (channel_id, epoch, state) VALUES ($1, 0, $2)";
 const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
-     VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) DO UPDATE SET account = excluded.account";
+     VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) \
+     DO UPDATE SET account = excluded.account, removed_seq = NULL";
 const LOCK_CHANNEL: &str = "SELECT epoch FROM relay_channels WHERE id = $1 FOR UPDATE";
 /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
 const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
      WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL::bytea FROM relay_groups WHERE channel_id = $1";
-const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = $1";
+const LOAD_BINDINGS: &str =
+    "SELECT leaf_index, account, removed_seq FROM relay_members WHERE channel_id = $1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
      ORDER BY seq";
 const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
@@ -573,7 +576,13 @@ impl WriteConnection {
                     .iter()
                     .map(|leaf| i32::try_from(*leaf).unwrap_or(i32::MAX))
                     .collect();
-                changes.push((e.channel_id, to_db(change.epoch), &change.state, removed));
+                changes.push((
+                    e.channel_id,
+                    to_db(change.epoch),
+                    &change.state,
+                    removed,
+                    to_db(e.seq),
+                ));
             }
             if e.starts_epoch {
                 epochs.channel_id.push(e.channel_id);
@@ -663,14 +672,14 @@ impl WriteConnection {
                 client.execute(&self.insert_proposal, &params).await
             }));
         }
-        for (channel_id, epoch, state, removed) in &changes {
+        for (channel_id, epoch, state, removed, seq) in &changes {
             steps.push(Box::pin(async move {
                 let params: [&(dyn ToSql + Sync); 3] = [channel_id, epoch, state];
                 client.execute(&self.update_group, &params).await
             }));
             if !removed.is_empty() {
                 steps.push(Box::pin(async move {
-                    let params: [&(dyn ToSql + Sync); 2] = [channel_id, removed];
+                    let params: [&(dyn ToSql + Sync); 3] = [channel_id, removed, seq];
                     client.execute(&self.unbind, &params).await
                 }));
             }
@@ -813,6 +822,15 @@ impl PgReader {
     }
 }
 
+fn stored_binding(row: &tokio_postgres::Row) -> StoredBinding {
+    let leaf: i32 = row.get(0);
+    StoredBinding {
+        leaf: u32::try_from(leaf).unwrap_or(u32::MAX),
+        account: row.get(1),
+        removed_seq: row.get::<_, Option<i64>>(2).map(from_db),
+    }
+}
+
 fn welcome_record(row: &tokio_postgres::Row) -> WelcomeRecord {
     WelcomeRecord {
         welcome: Bytes::from(row.get::<_, Vec<u8>>(0)),
@@ -861,27 +879,15 @@ impl LogReader for PgReader {
             Ok(group.map(|row| StoredGroup {
                 epoch: from_db(row.get(0)),
                 state: row.get(1),
-                bindings: bindings
-                    .iter()
-                    .map(|b| {
-                        let leaf: i32 = b.get(0);
-                        (u32::try_from(leaf).unwrap_or(u32::MAX), b.get(1))
-                    })
-                    .collect(),
+                bindings: bindings.iter().map(stored_binding).collect(),
             }))
         })
     }
 
-    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>> {
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<StoredBinding>> {
         self.run(move |conn| async move {
             let rows = conn.client.query(LOAD_BINDINGS, &[&channel_id]).await?;
-            Ok(rows
-                .iter()
-                .map(|b| {
-                    let leaf: i32 = b.get(0);
-                    (u32::try_from(leaf).unwrap_or(u32::MAX), b.get(1))
-                })
-                .collect())
+            Ok(rows.iter().map(stored_binding).collect())
         })
     }
 

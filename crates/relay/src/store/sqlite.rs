@@ -24,7 +24,7 @@ use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
-    StoreFuture, StoredGroup,
+    StoreFuture, StoredBinding, StoredGroup,
 };
 
 /// A background WAL checkpoint after this many group commits or message bytes, whichever
@@ -59,8 +59,10 @@ const INSERT_GROUP: &str =
     "INSERT INTO relay_groups (channel_id, epoch, state) VALUES (?1, ?2, ?3)";
 const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = ?2, state = ?3 WHERE channel_id = ?1";
 const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
-     VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) DO UPDATE SET account = excluded.account";
-const UNBIND: &str = "DELETE FROM relay_members WHERE channel_id = ?1 AND leaf_index = ?2";
+     VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) \
+     DO UPDATE SET account = excluded.account, removed_seq = NULL";
+const UNBIND: &str = "UPDATE relay_members SET removed_seq = ?3 \
+     WHERE channel_id = ?1 AND leaf_index = ?2 AND removed_seq IS NULL";
 const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES (?1, ?2, ?3, ?4)";
 const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
@@ -69,7 +71,8 @@ const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FRO
      WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = ?1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL FROM relay_groups WHERE channel_id = ?1";
-const LOAD_BINDINGS: &str = "SELECT leaf_index, account FROM relay_members WHERE channel_id = ?1";
+const LOAD_BINDINGS: &str =
+    "SELECT leaf_index, account, removed_seq FROM relay_members WHERE channel_id = ?1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = ?1 AND epoch = ?2 \
      ORDER BY seq";
 const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
@@ -234,9 +237,15 @@ fn load_group(
     }))
 }
 
-fn bindings(conn: &Connection, channel_id: i64) -> rusqlite::Result<Vec<(u32, String)>> {
+fn bindings(conn: &Connection, channel_id: i64) -> rusqlite::Result<Vec<StoredBinding>> {
     let mut stmt = conn.prepare_cached(LOAD_BINDINGS)?;
-    let rows = stmt.query_map(params![channel_id], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    let rows = stmt.query_map(params![channel_id], |row| {
+        Ok(StoredBinding {
+            leaf: row.get(0)?,
+            account: row.get(1)?,
+            removed_seq: row.get(2)?,
+        })
+    })?;
     rows.collect()
 }
 
@@ -291,7 +300,7 @@ fn append(
                 ])?;
                 let mut unbind = tx.prepare_cached(UNBIND)?;
                 for leaf in &change.removed {
-                    unbind.execute(params![e.channel_id, leaf])?;
+                    unbind.execute(params![e.channel_id, leaf, e.seq])?;
                 }
             }
             if e.starts_epoch {
@@ -580,7 +589,7 @@ impl LogReader for SqliteReader {
         on_pool(self, move |conn| load_group(conn, channel_id, with_state))
     }
 
-    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<(u32, String)>> {
+    fn bindings(&self, channel_id: i64) -> StoreFuture<Vec<StoredBinding>> {
         on_pool(self, move |conn| bindings(conn, channel_id))
     }
 
