@@ -342,10 +342,13 @@ class Member:
         self.identity = f"{name}-{uuid.uuid4().hex[:8]}".encode()
         self.dir = tempfile.mkdtemp(prefix="static-member-")
         self.engine = Engine(self.dir, self.identity)
+        self.closed = False
 
     def close(self) -> None:
-        self.engine.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not self.closed:
+            self.closed = True
+            self.engine.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def binding(self, channel: str, account: str | None = None) -> Any:
         """Our leaf's LeafBinding for ``account`` (default: our relay's)."""
@@ -405,7 +408,9 @@ class Group:
     def __init__(self, channel: str, creator: Member) -> None:
         self.channel = channel
         self.members = [creator]
-        self._owned: list[Member] = []
+        #: What the group closes: the members it was given to add, and the connections it was
+        #: given to add a member through (the creator is its relay's).
+        self._owned: list[Member | Relay] = []
         #: The key packages and the Welcome of the latest add; the latest commit and its maker.
         self.key_packages: list[bytes] = []
         self.welcome = b""
@@ -418,8 +423,8 @@ class Group:
         return self.members[0]
 
     def close(self) -> None:
-        for member in self._owned:
-            member.close()
+        for owned in self._owned:
+            owned.close()
 
     def deliver(self, message: bytes, sender: Member | None) -> None:
         """Every member but ``sender`` applies ``message``."""
@@ -429,11 +434,12 @@ class Group:
 
     def add(self, joiners: Sequence[Member | Relay], by: Member | None = None) -> Any:
         """``by`` (default: the creator) adds ``joiners`` in one commit with its Welcome; each
-        joins from it and binds its leaf (a Relay stands for a new member acting through it, closed
-        with the group). The commit's PublishResponse; :attr:`welcome` keeps the Welcome."""
+        joins from it and binds its leaf (a Relay stands for a new member acting through it). The
+        group closes them (and those relays). The commit's PublishResponse; :attr:`welcome` keeps
+        the Welcome."""
         by = by or self.creator
         new = [j if isinstance(j, Member) else Member(j, "joiner") for j in joiners]
-        self._owned += [m for m, j in zip(new, joiners, strict=True) if m is not j]
+        self._owned += [*joiners, *(m for m, j in zip(new, joiners, strict=True) if m is not j)]
         self.key_packages = [m.engine.generate_key_package() for m in new]
         commit, welcome = by.engine.add_members(self.channel, self.key_packages)
         answer = by.publish_commit(self.channel, commit, welcome)
