@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, Subscription, pb, race_commits, status_of
+from tests.relay.client import Member, Relay, Subscription, pb, race_commits, status_of
+from tests.support.api import Api
 from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
@@ -265,3 +266,32 @@ def test_relays_ride_out_a_postgresql_restart(tmp_path: Path) -> None:
         for server in nodes:
             server.kill()
         cluster.stop()
+
+
+def test_a_removal_on_one_relay_ends_streams_on_another(nodes: list[ServerProcess]) -> None:
+    """B's agent reads through one relay, A removes it through another: B's stream gets the
+    entries up to the removing commit (so B learns of its removal), then PERMISSION_DENIED
+    within a second; B's publishes are refused on every relay."""
+    urls = [n.relay_url for n in nodes]
+    api = Api(nodes[0].http_url)
+    a_token, b_token = (api.token(api.signup().key) for _ in range(2))
+    with Relay(urls[0], a_token) as relay_a, Relay(urls[1], b_token) as relay_b:
+        relay_a.create(CHANNEL)
+        group = relay_a.groups[CHANNEL]
+        bob = Member(relay_b, "bob")
+        group.add([bob])  # seq 1, epoch 1
+        sub = relay_b.subscribe(CHANNEL)
+        assert bob.send(CHANNEL, b"from b").seq == 2
+        assert [e.seq for e in sub.wait_for(2)] == [1, 2]
+        assert group.remove(bob).seq == 3
+        removed_at = time.monotonic()
+        error = sub.wait_end(timeout=5)
+        assert time.monotonic() - removed_at < 1.0
+        assert error is not None and status_of(error)[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert [e.seq for e in sub.entries] == [1, 2, 3]
+        assert sub.entries[-1].message == group.last_commit
+        for url in urls:
+            with Relay(url, b_token) as again, pytest.raises(grpc.RpcError) as refused:
+                again.publish(CHANNEL, mls.application(CHANNEL, 2))
+            assert status_of(refused.value)[0] == grpc.StatusCode.PERMISSION_DENIED
+    api.close()
