@@ -135,8 +135,8 @@ def test_the_epoch_fence_is_exact_across_relays(nodes: list[ServerProcess]) -> N
             assert len(won) == 1, (won, lost)
             assert len(lost) == 2 * NODES - 1
             assert (won[0].seq, won[0].epoch) == (epoch + 1, epoch + 1)
-            for code, _, trailers in lost:
-                assert code == grpc.StatusCode.FAILED_PRECONDITION
+            for code, details, trailers in lost:
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, (epoch, code, details)
                 assert trailers["static-current-epoch"] == str(epoch + 1)
         # Every relay fences at the epoch another relay moved the channel to.
         for url in urls:
