@@ -65,18 +65,18 @@ def race(
     count: int,
     channel: str,
     message: Callable[[int], bytes],
-    token: str | None = None,
+    tokens: Sequence[str | None] | None = None,
     winners: list[int] | None = None,
 ) -> tuple[list[Any], list[tuple[grpc.StatusCode, str, dict[str, str]]]]:
     """``count`` publishes at once, each on a connection of its own (publish ``n`` to
-    ``urls[n % len(urls)]``, with ``message(n)``, as ``token``'s account), released together:
-    (the PublishResponses, the refusals as :func:`status_of` gives them). ``winners``, when
-    given, gets the ``n`` of each accepted publish."""
+    ``urls[n % len(urls)]``, with ``message(n)``, with ``tokens[n]``: anonymous by default),
+    released together: (the PublishResponses, the refusals as :func:`status_of` gives them).
+    ``winners``, when given, gets the ``n`` of each accepted publish."""
     barrier = threading.Barrier(count)
     outcomes: list[Any] = []
 
     def publish(n: int) -> None:
-        with Relay(urls[n % len(urls)], token) as own:
+        with Relay(urls[n % len(urls)], tokens[n] if tokens else None) as own:
             barrier.wait(10)
             try:
                 outcomes.append(own.publish(channel, message(n)))
@@ -107,9 +107,8 @@ def race_commits(
     racers = list(members if members is not None else group.members)
     commits = [m.update(group.channel) for m in racers]
     winners: list[int] = []
-    won, lost = race(
-        urls, len(racers), group.channel, commits.__getitem__, racers[0].relay.token, winners
-    )
+    tokens = [m.relay.token for m in racers]
+    won, lost = race(urls, len(racers), group.channel, commits.__getitem__, tokens, winners)
     for n, member in enumerate(racers):
         if n not in winners:
             member.engine.clear_pending_commit(group.channel)
