@@ -5,6 +5,8 @@ The bytes after the cleartext header are filler (the relay never reads them).
 
 from __future__ import annotations
 
+import hashlib
+
 MLS10 = 1
 PUBLIC, PRIVATE, WELCOME, GROUP_INFO, KEY_PACKAGE = 1, 2, 3, 4, 5
 APPLICATION, PROPOSAL, COMMIT = 1, 2, 3
@@ -83,3 +85,36 @@ def welcome(key_package_refs: list[bytes], cipher_suite: int = 1) -> bytes:
         + vec(secrets)
         + vec(b"encrypted group info")
     )
+
+
+def read_varint(data: bytes, at: int) -> tuple[int, int]:
+    """The RFC 9000 variable-length integer at ``at``: (value, the offset after it)."""
+    size = 1 << (data[at] >> 6)
+    value = int.from_bytes(data[at : at + size], "big") & ((1 << (8 * size - 2)) - 1)
+    return value, at + size
+
+
+def read_vec(data: bytes, at: int) -> tuple[bytes, int]:
+    length, at = read_varint(data, at)
+    return data[at : at + length], at + length
+
+
+def welcome_refs(message: bytes) -> list[bytes]:
+    """The KeyPackageRefs an MLSMessage(welcome) names (RFC 9420 §12.4.3.1)."""
+    assert message[:4] == _preamble(WELCOME), "not a welcome"
+    secrets, _ = read_vec(message, 6)  # after the preamble and the cipher suite
+    refs, at = [], 0
+    while at < len(secrets):
+        ref, at = read_vec(secrets, at)
+        refs.append(ref)
+        _, at = read_vec(secrets, at)  # the HPKE ciphertext's kem_output
+        _, at = read_vec(secrets, at)  # and its ciphertext
+    return refs
+
+
+def key_package_ref(message: bytes) -> bytes:
+    """RefHash("MLS 1.0 KeyPackage Reference", KeyPackage) (RFC 9420 §5.2) of an
+    MLSMessage(key_package), with SHA-256 (the cipher suite's hash)."""
+    assert message[:4] == _preamble(KEY_PACKAGE), "not a key package"
+    label = b"MLS 1.0 KeyPackage Reference"
+    return hashlib.sha256(vec(label) + vec(message[4:])).digest()

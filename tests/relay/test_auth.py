@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, pb, status_of
+from tests.relay.client import Member, Relay, pb, status_of
 from tests.support.api import Api
 from tests.support.server import ServerProcess
 
@@ -24,6 +24,9 @@ def _key_id(api: Api, key: str) -> str:
 
 
 def test_jwt_access_and_account_scoped_channels(start_server: Start) -> None:
+    """A channel is reached by the accounts bound to its members. The premise changed: another
+    account's channel was NOT_FOUND and names were per account; now it is PERMISSION_DENIED,
+    names are global (ALREADY_EXISTS) and the org belongs to the account that claimed it."""
     server = start_server(*NO_LIMITS)
     api = Api(server.http_url)
     alice, bob = api.signup(), api.signup()
@@ -34,18 +37,30 @@ def test_jwt_access_and_account_scoped_channels(start_server: Start) -> None:
         second_key = api.create_key(alice.key, name="agent-2")["key"]
         with Relay(server.relay_url, api.token(second_key)) as relay_a2:
             assert [e.seq for e in relay_a2.subscribe(CHANNEL).wait_for(1)] == [1]
+            with pytest.raises(grpc.RpcError) as exists:
+                relay_a2.create(CHANNEL)  # one channel per name, whoever asks
+            assert status_of(exists.value)[0] == grpc.StatusCode.ALREADY_EXISTS
     with Relay(server.relay_url, api.token(bob.key)) as relay_b:
         with pytest.raises(grpc.RpcError) as hidden:
             relay_b.publish(CHANNEL, mls.application(CHANNEL, 0))
-        assert status_of(hidden.value)[0] == grpc.StatusCode.NOT_FOUND
-        relay_b.create(CHANNEL)  # names are per account: Bob's is another channel
-        assert relay_b.publish(CHANNEL, mls.application(CHANNEL, 0, b"bob")).seq == 1
+        assert status_of(hidden.value)[0] == grpc.StatusCode.PERMISSION_DENIED
+        # Bob gets no channel of that name (names are global), nor any under Alice's org.
+        for name in (CHANNEL, "acme/bob/chat"):
+            with pytest.raises(grpc.RpcError) as claimed:
+                relay_b.create(name)
+            code, details, _ = status_of(claimed.value)
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert "org 'acme' belongs to another account" in details
+        relay_b.create("bobco/agents/chat")
+        assert (
+            relay_b.publish("bobco/agents/chat", mls.application("bobco/agents/chat", 0)).seq == 1
+        )
     # An API key itself is not a relay credential, nor is a tampered token.
     token = api.token(alice.key)
     for bad in (alice.key, token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")):
         with Relay(server.relay_url, bad) as relay:
             with pytest.raises(grpc.RpcError) as refused:
-                relay.create("acme/agents/other")
+                relay.create_raw("acme/agents/other")
             assert status_of(refused.value)[0] == grpc.StatusCode.UNAUTHENTICATED
     api.close()
 
@@ -128,12 +143,14 @@ def test_malformed_authorization_is_refused(
     server = start_server()
     api = Api(server.http_url)
     token = api.token(api.signup().key)
-    with Relay(server.relay_url) as relay:
+    with Relay(server.relay_url, token) as relay:
+        group = Member(relay)
+        group.engine.create_group(CHANNEL)
+        state = group.engine.public_state(CHANNEL)
         with pytest.raises(grpc.RpcError) as refused:
-            relay.stub.CreateChannel(
-                pb.CreateChannelRequest(channel=CHANNEL), timeout=5, metadata=header(token)
-            )
+            relay.create_raw(CHANNEL, *state, group.binding(CHANNEL), metadata=header(token))
         assert status_of(refused.value)[0] == grpc.StatusCode.UNAUTHENTICATED
+        group.close()
     with Relay(server.relay_url, token) as relay:
         assert relay.create(CHANNEL).epoch == 0
     api.close()

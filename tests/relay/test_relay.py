@@ -1,4 +1,10 @@
-"""The relay against a real ``static serve`` process, on both store backends, with grpcio."""
+"""The relay against a real ``static serve`` process, on both store backends, with grpcio.
+
+Channels are created from real MLS groups and their commits are real (:mod:`tests.relay.client`'s
+members); application messages are the fake PrivateMessages of :mod:`tests.relay.mls_vectors`
+(the relay cannot read content, so their framing is all it checks). A commit at another epoch
+than the channel's is fenced before it is looked at (docs/design.md §5.2), so stale commits may
+be fake ones."""
 
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, pb, race, status_of
+from tests.relay.client import Member, Relay, pb, race_commits, status_of
 from tests.support.server import ServerProcess
 
 CHANNEL = "acme/agents/chat"
@@ -34,7 +40,7 @@ def test_prints_relay_url_and_round_trips(anon: ServerProcess, relay: Relay) -> 
     created = relay.create(CHANNEL)
     assert (created.channel, created.epoch) == (CHANNEL, 0)
     with pytest.raises(grpc.RpcError) as exists:
-        relay.create(CHANNEL)
+        Member(relay).create(CHANNEL)  # another group of that name
     assert status_of(exists.value)[0] == grpc.StatusCode.ALREADY_EXISTS
     first = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"one"))
     assert (first.seq, first.epoch, first.duplicate) == (1, 0, False)
@@ -95,22 +101,29 @@ def test_concurrent_publishers_one_order(relay: Relay) -> None:
 
 
 def test_two_commits_on_one_epoch_exactly_one_wins(relay: Relay) -> None:
+    """Six members at epoch 1 (the creator added five in one commit) each commit an update."""
     relay.create(CHANNEL)
-    won, lost = race([relay.url], 6, CHANNEL, lambda n: mls.commit(CHANNEL, 0, str(n).encode()))
+    group = relay.groups[CHANNEL]
+    group.add([Relay(relay.url) for _ in range(5)])
+    won, lost = race_commits([relay.url], group)
     assert len(won) == 1 and len(lost) == 5
-    assert (won[0].seq, won[0].epoch) == (1, 1)
+    assert (won[0].seq, won[0].epoch) == (2, 2)
     for code, details, trailers in lost:
         assert code == grpc.StatusCode.FAILED_PRECONDITION
-        assert trailers["static-current-epoch"] == "1"
-        assert "channel epoch 1" in details
-    # The loser catches up and commits on the new epoch.
-    assert relay.publish(CHANNEL, mls.commit(CHANNEL, 1, b"retry")).epoch == 2
+        assert trailers["static-current-epoch"] == "2"
+        assert "channel epoch 2" in details
+    # A loser catches up (it applied the winner's commit) and commits on the new epoch.
+    loser = next(m for m in group.members if m is not group.last_committer)
+    assert group.commit(by=loser).epoch == 3
 
 
 def test_epoch_rules_for_applications_and_proposals(relay: Relay) -> None:
     relay.create(CHANNEL)
-    for epoch in range(7):
-        relay.publish(CHANNEL, mls.commit(CHANNEL, epoch))
+    group = relay.groups[CHANNEL]
+    leaver = Member(relay, "leaver")
+    group.add([leaver])  # epoch 1
+    for _ in range(6):
+        group.commit()
     # At epoch 7: applications of epochs 2..7 are accepted, older or future ones refused.
     assert relay.publish(CHANNEL, mls.application(CHANNEL, 2)).epoch == 7
     for stale in (1, 8):
@@ -122,7 +135,9 @@ def test_epoch_rules_for_applications_and_proposals(relay: Relay) -> None:
     with pytest.raises(grpc.RpcError) as proposal:
         relay.publish(CHANNEL, mls.public_message(CHANNEL, 6, mls.PROPOSAL))
     assert status_of(proposal.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
-    assert relay.publish(CHANNEL, mls.public_message(CHANNEL, 7, mls.PROPOSAL)).epoch == 7
+    # A real proposal (a member's leave) at the current epoch is accepted, and moves nothing.
+    assert relay.publish(CHANNEL, leaver.engine.leave(CHANNEL)).epoch == 7
+    leaver.close()
 
 
 def test_idempotent_retry_returns_the_original_seq(relay: Relay) -> None:
@@ -136,8 +151,8 @@ def test_idempotent_retry_returns_the_original_seq(relay: Relay) -> None:
     retried = relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"a2"), key=b"id-1")
     assert (retried.seq, retried.duplicate) == (keyed.seq, True)
     # A retried commit is not fenced again: it gets its original answer.
-    commit = mls.commit(CHANNEL, 0)
-    won = relay.publish(CHANNEL, commit)
+    commit = relay.member.update(CHANNEL)
+    won = relay.member.publish_commit(CHANNEL, commit)
     assert relay.publish(CHANNEL, commit) == pb.PublishResponse(
         seq=won.seq, epoch=1, duplicate=True
     )
@@ -188,10 +203,14 @@ def test_replay_then_live_across_a_restart(anon: ServerProcess) -> None:
 
 def test_subscribe_from_epoch_and_welcomes(relay: Relay) -> None:
     relay.create(CHANNEL)
+    group = relay.groups[CHANNEL]
     relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"before"))
-    welcome = mls.welcome([b"kp-ref-1", b"kp-ref-2"])
-    commit = relay.publish(CHANNEL, mls.commit(CHANNEL, 0), welcome=welcome)
+    commit = group.add([Relay(relay.url), Relay(relay.url)])
+    welcome = group.welcome
     assert (commit.seq, commit.epoch) == (2, 1)
+    # The refs a Welcome names are those of its key packages (RFC 9420's RefHash).
+    refs = [mls.key_package_ref(kp) for kp in group.key_packages]
+    assert mls.welcome_refs(welcome) == refs
     relay.publish(CHANNEL, mls.application(CHANNEL, 1, b"after"))
     joined = relay.subscribe(CHANNEL, from_epoch=1)
     assert [e.seq for e in joined.wait_for(1)] == [3]
@@ -201,7 +220,7 @@ def test_subscribe_from_epoch_and_welcomes(relay: Relay) -> None:
         list(relay.stub.Subscribe(pb.SubscribeRequest(channel=CHANNEL, from_epoch=9), timeout=5))
     assert status_of(future.value)[0] == grpc.StatusCode.NOT_FOUND
     fetched = relay.stub.FetchWelcome(
-        pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=b"kp-ref-2"), timeout=5
+        pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=refs[1]), timeout=5
     )
     assert (fetched.welcome, fetched.commit_seq, fetched.epoch) == (welcome, 2, 1)
     by_digest = relay.stub.FetchWelcome(
@@ -243,9 +262,9 @@ def test_malformed_oversized_and_misaddressed_messages(relay: Relay) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "with a commit" in details
     code, _, _ = refused(lambda: relay.publish(CHANNEL, mls.welcome([b"r"])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    code, details, _ = refused(lambda: relay.create("not-a-channel"))
+    code, details, _ = refused(lambda: relay.create_raw("not-a-channel"))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "org/namespace/service" in details
-    code, _, _ = refused(lambda: relay.create("a/b/" + "c" * 200))
+    code, _, _ = refused(lambda: relay.create_raw("a/b/" + "c" * 200))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     code, _, _ = refused(
         lambda: relay.publish("acme/agents/none", mls.application("acme/agents/none", 0))
@@ -263,25 +282,32 @@ def test_malformed_oversized_and_misaddressed_messages(relay: Relay) -> None:
 
 
 def test_batched_publish_stops_at_the_first_refusal(relay: Relay) -> None:
+    """Two members at epoch 1 (seq 1 is the add) commit in one pipelined call: the second
+    commit loses the epoch to the first."""
     relay.create(CHANNEL)
+    group = relay.groups[CHANNEL]
+    rival = Member(relay, "rival")
+    group.add([rival])
     requests = [
-        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 0, b"1")),
-        pb.PublishRequest(channel=CHANNEL, message=mls.commit(CHANNEL, 0)),
-        pb.PublishRequest(channel=CHANNEL, message=mls.commit(CHANNEL, 0, b"stale")),
-        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 1, b"never")),
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 1, b"1")),
+        pb.PublishRequest(channel=CHANNEL, message=relay.member.update(CHANNEL)),
+        pb.PublishRequest(channel=CHANNEL, message=rival.update(CHANNEL)),
+        pb.PublishRequest(channel=CHANNEL, message=mls.application(CHANNEL, 2, b"never")),
     ]
     call = relay.stub.PublishStream(iter(requests), timeout=10)
     answers = []
     with pytest.raises(grpc.RpcError) as refused:
         for answer in call:
             answers.append(answer)
-    assert [(a.seq, a.epoch) for a in answers] == [(1, 0), (2, 1)]
+    assert [(a.seq, a.epoch) for a in answers] == [(2, 1), (3, 2)]
     code, _, trailers = status_of(refused.value)
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and trailers["static-current-epoch"] == "1"
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and trailers["static-current-epoch"] == "2"
+    relay.member.settle(CHANNEL, accepted=True)
+    rival.close()
     # The stale commit was not appended; the request after it may have been (pipelined).
     log = relay.subscribe(CHANNEL)
     log.wait_keepalives(1)
-    assert [e.message for e in log.wait_for(2)][:2] == [r.message for r in requests[:2]]
+    assert [e.message for e in log.wait_for(3)][1:3] == [r.message for r in requests[:2]]
     assert requests[2].message not in [e.message for e in log.entries]
     log.cancel()
 
@@ -297,45 +323,51 @@ def test_batched_publish_shares_commits_and_keeps_order(relay: Relay) -> None:
 
 
 def test_publish_batches_answers_every_item_and_goes_on(relay: Relay) -> None:
+    """Two members at epoch 1 (seq 1 is the add); the second's commit loses the epoch."""
     relay.create(CHANNEL)
+    group = relay.groups[CHANNEL]
+    rival = Member(relay, "rival")
+    group.add([rival])
 
     def request(message: bytes) -> object:
         return pb.PublishRequest(channel=CHANNEL, message=message)
 
-    first = [request(mls.application(CHANNEL, 0, str(i).encode())) for i in range(3)]
+    first = [request(mls.application(CHANNEL, 1, str(i).encode())) for i in range(3)]
     second = [
-        request(mls.commit(CHANNEL, 0)),
-        request(mls.commit(CHANNEL, 0, b"stale")),  # loses the epoch: refused, call goes on
+        request(relay.member.update(CHANNEL)),
+        request(rival.update(CHANNEL)),  # loses the epoch: refused, call goes on
         request(b"not mls"),
-        request(mls.application(CHANNEL, 0, b"0")),  # a retry of the first item: duplicate
+        request(mls.application(CHANNEL, 1, b"0")),  # a retry of the first item: duplicate
         pb.PublishRequest(
             channel="acme/agents/other", message=mls.application("acme/agents/other", 1)
         ),
-        request(mls.application(CHANNEL, 1, b"after")),
+        request(mls.application(CHANNEL, 2, b"after")),
     ]
-    third = [request(mls.application(CHANNEL, 1, b"last"))]
+    third = [request(mls.application(CHANNEL, 2, b"last"))]
     answers = relay.publish_batches([first, second, third])
     assert [len(a.results) for a in answers] == [3, 6, 1]
+    relay.member.settle(CHANNEL, accepted=True)
+    rival.close()
     results = [r for a in answers for r in a.results]
     kinds = [r.WhichOneof("outcome") for r in results]
     assert (
         kinds == ["accepted"] * 4 + ["refused", "refused", "accepted", "refused"] + ["accepted"] * 2
     )
     assert [(r.accepted.seq, r.accepted.epoch) for r in results[:4]] == [
-        (1, 0),
-        (2, 0),
-        (3, 0),
+        (2, 1),
+        (3, 1),
         (4, 1),
+        (5, 2),
     ]
     stale = results[4].refused
     assert stale.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-    assert stale.current_epoch == 1 and "stale epoch" in stale.message
+    assert stale.current_epoch == 2 and "stale epoch" in stale.message
     assert results[5].refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert (results[6].accepted.seq, results[6].accepted.duplicate) == (1, True)
+    assert (results[6].accepted.seq, results[6].accepted.duplicate) == (2, True)
     assert results[7].refused.code == grpc.StatusCode.NOT_FOUND.value[0]
-    assert [r.accepted.seq for r in results[8:]] == [5, 6]
+    assert [r.accepted.seq for r in results[8:]] == [6, 7]
     log = relay.subscribe(CHANNEL)
-    assert len(log.wait_for(6)) == 6
+    assert len(log.wait_for(7)) == 7
     log.cancel()
 
 
@@ -394,32 +426,60 @@ def _refusals(relay: Relay, items: list[Any]) -> list[Any]:
     return list(response.results)
 
 
+def _sender_at(message: bytes) -> int:
+    """Where a PublicMessage's sender starts (after the preamble, group id and epoch)."""
+    _, at = mls.read_vec(message, 4)
+    return at + 8
+
+
 def test_every_sender_type_and_a_long_group_id_are_read(relay: Relay) -> None:
+    """Every sender type is read; only members may send handshakes (the premise changed: an
+    external or new-member sender's proposal or commit used to be logged, it is now refused)."""
     # A group id whose length takes a two-byte varint (over 63 bytes).
     long_name = "/".join(["a" * 40, "b" * 40, "c" * 40])
     relay.create(long_name)
     assert relay.publish(long_name, mls.application(long_name, 0, b"x" * 20000)).seq == 1
+    assert relay.commit(long_name) == pb.PublishResponse(seq=2, epoch=1)
     relay.create(CHANNEL)
-    # member, external, new_member_proposal, new_member_commit: senders of 4, 4, 0, 0 bytes.
-    for sender_type in (1, 2, 3, 4):
-        proposal = mls.public_message(CHANNEL, 0, mls.PROPOSAL, sender_type=sender_type)
-        assert relay.publish(CHANNEL, proposal).seq == sender_type
-    answer = relay.publish(CHANNEL, mls.public_message(CHANNEL, 0, mls.COMMIT, sender_type=4))
-    assert (answer.seq, answer.epoch) == (5, 1)
+    group = relay.groups[CHANNEL]
+    other = Member(relay, "other")
+    group.add([other])
+    # Real handshakes with their member sender (type 1, 4 bytes) rewritten into the others:
+    # external (2, 4 bytes), new_member_proposal (3) and new_member_commit (4, no bytes),
+    # without the membership tag a member's message ends with (32 bytes and their length).
+    proposal, commit = other.engine.leave(CHANNEL), relay.member.update(CHANNEL)
+    p, c = _sender_at(proposal), _sender_at(commit)
+    assert proposal[p : p + 5] == b"\x01\x00\x00\x00\x01" and commit[c : c + 5] == bytes(
+        [1, 0, 0, 0, 0]
+    )
+    rewritten = {
+        "an external sender": proposal[:p] + b"\x02\x00\x00\x00\x00" + proposal[p + 5 : -33],
+        "a new member": proposal[:p] + b"\x03" + proposal[p + 5 : -33],
+        "a new member ": commit[:c] + b"\x04" + commit[c + 5 : -33],
+    }
+    for who, message in rewritten.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            relay.publish(CHANNEL, message)
+        code, details, _ = status_of(refused.value)
+        assert code == grpc.StatusCode.PERMISSION_DENIED, details
+        assert details == f"{who.strip()} may not send handshakes; only members may"
+    # The member's own are accepted: nothing above was logged or moved the epoch.
+    assert relay.publish(CHANNEL, proposal) == pb.PublishResponse(seq=2, epoch=1)
+    assert relay.member.publish_commit(CHANNEL, commit) == pb.PublishResponse(seq=3, epoch=2)
 
 
 def test_every_truncation_of_a_message_is_refused(relay: Relay) -> None:
     relay.create(CHANNEL)
-    private, public = mls.application(CHANNEL, 0), mls.commit(CHANNEL, 0)
-    # The relay reads a public message's header only, up to its content (the last 24 bytes of
-    # these vectors are content, signature and tag): every cut before that is refused.
+    private, public = mls.application(CHANNEL, 0), relay.member.update(CHANNEL)
+    # The relay reads a private message's header, and the whole of a handshake (a real
+    # commit, checked against the group): every cut of either is refused.
     cuts = [private[:cut] for cut in range(len(private))]
-    cuts += [public[:cut] for cut in range(len(public) - 24)]
+    cuts += [public[:cut] for cut in range(len(public))]
     results = _refusals(relay, [pb.PublishRequest(channel=CHANNEL, message=m) for m in cuts])
     assert [r.WhichOneof("outcome") for r in results] == ["refused"] * len(cuts)
     assert {r.refused.code for r in results} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
     # Nothing was appended, and the channel is still at epoch 0.
-    assert relay.publish(CHANNEL, public) == pb.PublishResponse(seq=1, epoch=1)
+    assert relay.member.publish_commit(CHANNEL, public) == pb.PublishResponse(seq=1, epoch=1)
 
 
 def test_garbage_is_refused_with_a_reason(relay: Relay) -> None:
@@ -446,7 +506,7 @@ def test_garbage_is_refused_with_a_reason(relay: Relay) -> None:
 
 def test_a_commit_with_a_malformed_welcome_is_refused_whole(relay: Relay) -> None:
     relay.create(CHANNEL)
-    commit = mls.commit(CHANNEL, 0)
+    commit = relay.member.update(CHANNEL)
     whole = mls.welcome([b"ref"])
     bad_welcomes = [mls.welcome([]), commit, *(whole[:cut] for cut in range(1, len(whole)))]
     results = _refusals(
@@ -460,7 +520,8 @@ def test_a_commit_with_a_malformed_welcome_is_refused_whole(relay: Relay) -> Non
     # key packages by refs of any length, and any cipher suite.
     long_ref = b"ref-two" * 20
     welcome = mls.welcome([b"ref-one", long_ref], cipher_suite=3)
-    assert relay.publish(CHANNEL, commit, welcome=welcome) == pb.PublishResponse(seq=1, epoch=1)
+    answer = relay.member.publish_commit(CHANNEL, commit, welcome)
+    assert answer == pb.PublishResponse(seq=1, epoch=1)
     fetched = relay.stub.FetchWelcome(
         pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=long_ref), timeout=5
     )
@@ -477,16 +538,13 @@ def test_idempotency_keys_are_at_most_64_bytes(relay: Relay) -> None:
 
 
 def test_retries_and_the_epoch_fence_hold_across_a_restart(anon: ServerProcess) -> None:
-    message, keyed, commit = (
-        mls.application(CHANNEL, 0, b"once"),
-        mls.application(CHANNEL, 0, b"keyed"),
-        mls.commit(CHANNEL, 0),
-    )
+    message, keyed = mls.application(CHANNEL, 0, b"once"), mls.application(CHANNEL, 0, b"keyed")
     with Relay(anon.relay_url) as relay:
         relay.create(CHANNEL)
         first = relay.publish(CHANNEL, message)
         by_key = relay.publish(CHANNEL, keyed, key=b"id-1")
-        won = relay.publish(CHANNEL, commit)
+        commit = relay.member.update(CHANNEL)
+        won = relay.member.publish_commit(CHANNEL, commit)
     anon.restart()
     with Relay(anon.relay_url) as relay:
         # A retry gets its original answer (the epoch it was appended at, here 0).

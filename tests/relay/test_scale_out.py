@@ -17,7 +17,8 @@ import grpc
 import pytest
 
 from tests.relay import mls_vectors as mls
-from tests.relay.client import Relay, Subscription, pb, race, status_of
+from tests.relay.client import Member, Relay, Subscription, pb, race_commits, status_of
+from tests.support.api import Api
 from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
@@ -69,7 +70,7 @@ def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
     try:
         assert a.create(CHANNEL).epoch == 0
         with pytest.raises(grpc.RpcError) as exists:
-            c.create(CHANNEL)  # one channel, whichever relay is asked
+            c.create(CHANNEL)  # one channel, whichever relay is asked (another group of that name)
         assert status_of(exists.value)[0] == grpc.StatusCode.ALREADY_EXISTS
         on_b = b.subscribe(CHANNEL, after_seq=0)
         on_c = c.subscribe(CHANNEL, after_seq=0, max_batch=16)
@@ -89,10 +90,12 @@ def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
         # A retry on another relay is a duplicate of the original entry.
         again = c.publish(CHANNEL, sent[4])
         assert (again.seq, again.duplicate) == (5, True)
-        # A Welcome kept with a commit on one relay is fetched on another.
-        ref = b"\x07" * 32
-        welcome = mls.welcome([ref])
-        commit = a.publish(CHANNEL, mls.commit(CHANNEL, 0, b"add"), welcome=welcome)
+        # A Welcome kept with a commit on one relay is fetched on another; the joiner binds
+        # its leaf on a third, and the relay it was added on knows it as a member.
+        group = a.groups[CHANNEL]
+        commit = group.add([b])
+        welcome = group.welcome
+        ref = mls.key_package_ref(group.key_packages[0])
         assert (commit.seq, commit.epoch) == (31, 1)
         by_ref = c.stub.FetchWelcome(
             pb.FetchWelcomeRequest(channel=CHANNEL, key_package_ref=ref), timeout=10
@@ -107,8 +110,11 @@ def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
         assert by_digest.commit_seq == 31
         # The epoch it started is known everywhere: a joiner reads from there.
         from_epoch = c.subscribe(CHANNEL, from_epoch=1)
-        b.publish(CHANNEL, mls.application(CHANNEL, 1, b"welcome aboard"))
-        assert [e.seq for e in from_epoch.wait_for(1)] == [32]
+        joiner = group.members[1]
+        assert joiner.send(CHANNEL, b"welcome aboard").seq == 32
+        [entry] = from_epoch.wait_for(1)
+        assert entry.seq == 32
+        assert group.creator.apply(CHANNEL, entry.message).payload == b"welcome aboard"
         for sub in (on_b, on_c, from_epoch):
             sub.cancel()
     finally:
@@ -116,32 +122,34 @@ def test_a_subscriber_on_one_relay_gets_what_was_published_on_another(
             relay.close()
 
 
-def _commit(epoch: int, n: int) -> bytes:
-    return mls.commit(CHANNEL, epoch, f"{epoch}:{n}".encode())
-
-
 def test_the_epoch_fence_is_exact_across_relays(nodes: list[ServerProcess]) -> None:
+    """Six members (the creator added five in one commit, epoch 1) commit an update at each
+    epoch at once, on all relays: one wins each epoch, the others apply its commit."""
     urls = [n.relay_url for n in nodes]
     with Relay(urls[0]) as first:
         first.create(CHANNEL)
-    for epoch in range(3):
-        won, lost = race(
-            urls,
-            2 * NODES,
-            CHANNEL,
-            partial(_commit, epoch),
-        )
-        assert len(won) == 1, (won, lost)
-        assert len(lost) == 2 * NODES - 1
-        assert (won[0].seq, won[0].epoch) == (epoch + 1, epoch + 1)
-        for code, _, trailers in lost:
-            assert code == grpc.StatusCode.FAILED_PRECONDITION
-            assert trailers["static-current-epoch"] == str(epoch + 1)
-    # Every relay fences at the epoch another relay moved the channel to.
-    for url in urls:
-        with Relay(url) as relay, pytest.raises(grpc.RpcError) as stale:
-            relay.publish(CHANNEL, mls.commit(CHANNEL, 1, b"late"))
-        assert status_of(stale.value)[2]["static-current-epoch"] == "3"
+        group = first.groups[CHANNEL]
+        group.add([Relay(urls[n % NODES]) for n in range(1, 2 * NODES)])
+        for epoch in range(1, 4):
+            won, lost = race_commits(urls, group)
+            assert len(won) == 1, (won, lost)
+            assert len(lost) == 2 * NODES - 1
+            assert (won[0].seq, won[0].epoch) == (epoch + 1, epoch + 1)
+            for code, details, trailers in lost:
+                assert code == grpc.StatusCode.FAILED_PRECONDITION, (epoch, code, details)
+                assert trailers["static-current-epoch"] == str(epoch + 1)
+        # Every relay fences at the epoch another relay moved the channel to.
+        for url in urls:
+            with Relay(url) as relay, pytest.raises(grpc.RpcError) as stale:
+                relay.publish(CHANNEL, mls.commit(CHANNEL, 1, b"late"))
+            assert status_of(stale.value)[2]["static-current-epoch"] == "4"
+        # And every relay checks the next commit against the group the race left.
+        for n, url in enumerate(urls):
+            with Relay(url) as relay:
+                member = group.members[n]
+                member.relay, own = relay, member.relay
+                assert group.commit(by=member).epoch == 5 + n
+                member.relay = own
 
 
 def test_a_relay_killed_mid_stream_loses_nothing(nodes: list[ServerProcess]) -> None:
@@ -258,3 +266,32 @@ def test_relays_ride_out_a_postgresql_restart(tmp_path: Path) -> None:
         for server in nodes:
             server.kill()
         cluster.stop()
+
+
+def test_a_removal_on_one_relay_ends_streams_on_another(nodes: list[ServerProcess]) -> None:
+    """B's agent reads through one relay, A removes it through another: B's stream gets the
+    entries up to the removing commit (so B learns of its removal), then PERMISSION_DENIED
+    within a second; B's publishes are refused on every relay."""
+    urls = [n.relay_url for n in nodes]
+    api = Api(nodes[0].http_url)
+    a_token, b_token = (api.token(api.signup().key) for _ in range(2))
+    with Relay(urls[0], a_token) as relay_a, Relay(urls[1], b_token) as relay_b:
+        relay_a.create(CHANNEL)
+        group = relay_a.groups[CHANNEL]
+        bob = Member(relay_b, "bob")
+        group.add([bob])  # seq 1, epoch 1
+        sub = relay_b.subscribe(CHANNEL)
+        assert bob.send(CHANNEL, b"from b").seq == 2
+        assert [e.seq for e in sub.wait_for(2)] == [1, 2]
+        assert group.remove(bob).seq == 3
+        removed_at = time.monotonic()
+        error = sub.wait_end(timeout=5)
+        assert time.monotonic() - removed_at < 1.0
+        assert error is not None and status_of(error)[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert [e.seq for e in sub.entries] == [1, 2, 3]
+        assert sub.entries[-1].message == group.last_commit
+        for url in urls:
+            with Relay(url, b_token) as again, pytest.raises(grpc.RpcError) as refused:
+                again.publish(CHANNEL, mls.application(CHANNEL, 2))
+            assert status_of(refused.value)[0] == grpc.StatusCode.PERMISSION_DENIED
+    api.close()

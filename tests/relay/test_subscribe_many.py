@@ -150,9 +150,11 @@ def test_an_unknown_channel_is_ended_and_the_others_go_on(relay: Relay) -> None:
     many.cancel()
 
 
-def test_other_accounts_channels_are_not_found_and_revocation_ends_the_stream(
+def test_other_accounts_channels_are_refused_and_revocation_ends_the_stream(
     start_server: Start,
 ) -> None:
+    """The premise changed: another account's channel was NOT_FOUND; an account with no bound
+    leaf in it is now refused with PERMISSION_DENIED (the channel's existence is not hidden)."""
     server = start_server(*NO_LIMITS)
     api = Api(server.http_url)
     alice, bob = api.signup(), api.signup()
@@ -164,7 +166,11 @@ def test_other_accounts_channels_are_not_found_and_revocation_ends_the_stream(
         relay_a.create(channel)
         hidden = Many(relay_b)
         hidden.add(channel)
-        assert hidden.answer(channel) == (grpc.StatusCode.NOT_FOUND, f"no channel '{channel}'")
+        assert hidden.answer(channel) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"this account is not a member of channel '{channel}' (no leaf of its group is bound"
+            " to it)",
+        )
         own = Many(relay_a)
         own.add(channel)
         assert own.answer(channel) == 0
