@@ -48,6 +48,7 @@ from typing import Any
 
 import grpc
 
+from static import _native
 from tests.relay._generated import relay_pb2 as pb
 from tests.support.postgres import durable_database
 from tests.support.server import ServerProcess
@@ -109,6 +110,25 @@ class Client:
         self.publish_batches = _stub(self.channel, "PublishBatches")
         self.publish_stream = _stub(self.channel, "PublishStream")
         self.subscribe = _stub(self.channel, "Subscribe")
+
+    def create_channel(self, channel: str) -> None:
+        """Creates ``channel`` from a real MLS group (the relay builds the channel's public
+        group state from the creator's GroupInfo and binds its leaf to the anonymous account)."""
+        with tempfile.TemporaryDirectory(prefix="bench-creator-") as directory:
+            engine = _native.Engine(directory, b"bench-creator")
+            try:
+                engine.create_group(channel)
+                group_info, ratchet_tree = engine.public_state(channel)
+                leaf, signature = engine.leaf_binding(channel, "")
+            finally:
+                engine.close()
+        request = pb.CreateChannelRequest(
+            channel=channel,
+            group_info=group_info,
+            ratchet_tree=ratchet_tree,
+            binding=pb.LeafBinding(leaf_index=leaf, signature=signature),
+        )
+        self.create(request, timeout=10)
 
 
 def _subscriber(target: str, channel: str, count: int, ready: Any, out: Any, stamped: bool) -> None:
@@ -216,7 +236,7 @@ def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> 
     """(messages/s from one pipelined PublishBatches publisher to one batched subscriber, relay
     CPU microseconds per message meanwhile)."""
     client = Client(target)
-    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    client.create_channel(channel)
     messages = [r.message for r in _requests(channel, count)]  # built before the clock starts
     proc, out = _start_batched_subscriber(target, channel, count)
 
@@ -265,7 +285,7 @@ def single_latency(
     """((p50, p99) publish -> ack, (p50, p99) publish -> delivery) in ms, for one message at a
     time (every 5 ms) through an open PublishBatches call and a live batched subscriber, and
     the relay's CPU microseconds per message meanwhile."""
-    Client(target).create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    Client(target).create_channel(channel)
     proc, out = _start_batched_subscriber(target, channel, count, stamped=True)
     cpu_before = cpu_seconds(pid)
     acks = asyncio.run(_one_by_one(target, channel, count, 0.005))
@@ -278,7 +298,7 @@ def single_latency(
 def unary_latency(target: str, channel: str, count: int) -> tuple[float, float]:
     """(p50, p99) ms of one unary Publish at a time."""
     client = Client(target)
-    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    client.create_channel(channel)
     times = []
     for request in _requests(channel, count):
         started = time.monotonic_ns()
@@ -295,7 +315,7 @@ def _p50_p99(values: list[float]) -> tuple[float, float]:
 def fan_out(target: str, channel: str, count: int, subscribers: int) -> float:
     """Deliveries per second from one PublishStream publisher to ``subscribers``."""
     client = Client(target)
-    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    client.create_channel(channel)
     procs, out = _start_subscribers(target, channel, count, subscribers)
     started = time.monotonic()
     for _ in client.publish_stream(_requests(channel, count), timeout=600):
@@ -309,7 +329,7 @@ def fan_out(target: str, channel: str, count: int, subscribers: int) -> float:
 
 def latency(target: str, channel: str, rate: float, seconds: float) -> tuple[float, float]:
     client = Client(target)
-    client.create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    client.create_channel(channel)
     count = int(rate * seconds)
     procs, out = _start_subscribers(target, channel, count, 1, stamped=True)
     for _ in client.publish_stream(_requests(channel, count, rate), timeout=600):
@@ -351,7 +371,7 @@ def rss_kib(pid: int) -> int:
 
 
 def idle_rss(target: str, pid: int, channel: str, n: int) -> tuple[float, float]:
-    Client(target).create(pb.CreateChannelRequest(channel=channel), timeout=10)
+    Client(target).create_channel(channel)
     before = rss_kib(pid)
     ctx = mp.get_context("spawn")
     hold, ready = ctx.Event(), ctx.Event()
