@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final, ParamSpec, Self, TypeVar
+from typing import Final, ParamSpec, Protocol, Self, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -48,6 +48,7 @@ _ASYNC_SLICE: Final[float] = 0.1
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,26 @@ class Member:
     identity: bytes
     account: str | None
     leaf_index: int
+
+
+class _Waiting(Protocol[_T_co]):
+    """An async message iterator (see :func:`_first`)."""
+
+    def __anext__(self) -> Awaitable[_T_co]: ...
+    def close(self) -> None: ...
+
+
+async def _first(iterator: _Waiting[_T], channel: str) -> _T:
+    """The next item of a fresh async iterator, which is then closed.
+
+    :raises EOFError: the channel has ended and nothing is left to read.
+    """
+    try:
+        return await iterator.__anext__()
+    except StopAsyncIteration:
+        raise EOFError(f"channel {channel!r} has ended") from None
+    finally:
+        iterator.close()
 
 
 def _message(fields: _native.MessageFields) -> Message:
@@ -500,13 +521,7 @@ class Channel(_Closeable):
 
         :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
         """
-        iterator = AsyncMessageIterator(self._native)
-        try:
-            return await iterator.__anext__()
-        except StopAsyncIteration:
-            raise EOFError(f"channel {self.name!r} has ended") from None
-        finally:
-            iterator.close()
+        return await _first(AsyncMessageIterator(self._native), self.name)
 
     async def remove_member_async(self, identity: bytes) -> None:
         """Async :meth:`remove_member`."""
@@ -537,13 +552,7 @@ class Channel(_Closeable):
 
         :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
         """
-        iterator = AsyncSenderMessageIterator(self._native)
-        try:
-            return await iterator.__anext__()
-        except StopAsyncIteration:
-            raise EOFError(f"channel {self.name!r} has ended") from None
-        finally:
-            iterator.close()
+        return await _first(AsyncSenderMessageIterator(self._native), self.name)
 
     async def close_async(self) -> None:
         """Async :meth:`close`."""

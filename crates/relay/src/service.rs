@@ -204,6 +204,19 @@ impl Inner {
         }
     }
 
+    /// A unary call on one channel: its caller authenticated, the channel's name checked and
+    /// the channel found (what the caller may do there, its handler checks).
+    async fn addressed<M: Addressed>(
+        &self,
+        request: Request<M>,
+    ) -> Result<(Caller, String, Arc<Channel>, M)> {
+        let (metadata, extensions, mut request) = request.into_parts();
+        let caller = self.caller(&metadata, &extensions).await?;
+        let name = channel_name(request.take_channel())?;
+        let channel = self.channel(&caller.account, &name).await?;
+        Ok((caller, name, channel, request))
+    }
+
     /// The last seq `account` may read of `channel` (u64::MAX for a member; the commit that
     /// removed it for an account that was one, on this relay): PermissionDenied otherwise.
     async fn read_limit(&self, channel: &Channel, account: &str) -> Result<u64> {
@@ -675,6 +688,28 @@ impl Inner {
     }
 }
 
+/// A request naming one channel.
+trait Addressed {
+    fn take_channel(&mut self) -> String;
+}
+
+macro_rules! addressed {
+    ($($request:ty),*) => {
+        $(impl Addressed for $request {
+            fn take_channel(&mut self) -> String {
+                std::mem::take(&mut self.channel)
+            }
+        })*
+    };
+}
+
+addressed!(
+    pb::SubscribeRequest,
+    pb::BindLeafRequest,
+    pb::ListMembersRequest,
+    pb::FetchWelcomeRequest
+);
+
 /// One item of a PublishBatches request.
 enum Slot {
     Waiting(Outcome),
@@ -875,14 +910,11 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<pb::BindLeafRequest>,
     ) -> Result<Response<pb::BindLeafResponse>, Status> {
-        let (metadata, extensions, request) = request.into_parts();
         let inner = &self.0;
-        let caller = inner.caller(&metadata, &extensions).await?;
-        let name = channel_name(request.channel)?;
+        let (caller, name, channel, request) = inner.addressed(request).await?;
         let binding = request
             .binding
             .ok_or_else(|| RelayError::InvalidArgument("binding is required".to_owned()))?;
-        let channel = inner.channel(&caller.account, &name).await?;
         // A commit may move the channel on between the check and the write: then check
         // against the new tree (a few times; commits are not that frequent).
         for _ in 0..BIND_ATTEMPTS {
@@ -914,11 +946,8 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<pb::ListMembersRequest>,
     ) -> Result<Response<pb::ListMembersResponse>, Status> {
-        let (metadata, extensions, request) = request.into_parts();
         let inner = &self.0;
-        let caller = inner.caller(&metadata, &extensions).await?;
-        let name = channel_name(request.channel)?;
-        let channel = inner.channel(&caller.account, &name).await?;
+        let (caller, name, channel, _) = inner.addressed(request).await?;
         inner.require_member(&channel, &caller.account).await?;
         if channel.is_legacy() {
             return Err(RelayError::InvalidArgument(format!(
@@ -979,11 +1008,8 @@ impl pb::relay_server::Relay for Relay {
         request: Request<pb::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         use pb::subscribe_request::Start;
-        let (metadata, extensions, request) = request.into_parts();
         let inner = &self.0;
-        let caller = inner.caller(&metadata, &extensions).await?;
-        let name = channel_name(request.channel)?;
-        let channel = inner.channel(&caller.account, &name).await?;
+        let (caller, _, channel, request) = inner.addressed(request).await?;
         inner.read_limit(&channel, &caller.account).await?;
         let after_seq = match request.start {
             Some(Start::FromEpoch(epoch)) => inner.log.start_of_epoch(&channel, epoch).await?,
@@ -1015,11 +1041,8 @@ impl pb::relay_server::Relay for Relay {
         request: Request<pb::FetchWelcomeRequest>,
     ) -> Result<Response<pb::FetchWelcomeResponse>, Status> {
         use pb::fetch_welcome_request::Key;
-        let (metadata, extensions, request) = request.into_parts();
         let inner = &self.0;
-        let caller = inner.caller(&metadata, &extensions).await?;
-        let name = channel_name(request.channel)?;
-        let channel = inner.channel(&caller.account, &name).await?;
+        let (caller, _, channel, request) = inner.addressed(request).await?;
         inner.require_member(&channel, &caller.account).await?;
         let key = match request.key {
             Some(Key::WelcomeSha256(digest)) => WelcomeKey::Digest(digest.to_vec()),
