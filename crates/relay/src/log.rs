@@ -1054,7 +1054,7 @@ impl Writer {
             leaf: create.leaf,
         };
         match self.store.create_channel(&channel)? {
-            Created::Created(id) => Ok(id),
+            Created::New(id) => Ok(id),
             Created::Exists => Err(RelayError::AlreadyExists(format!(
                 "channel '{}' already exists",
                 create.name

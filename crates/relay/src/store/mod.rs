@@ -88,7 +88,8 @@ pub(crate) struct NewChannel<'a> {
 /// What creating a channel came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Created {
-    Created(i64),
+    /// Created: its row id.
+    New(i64),
     /// The name is taken.
     Exists,
     /// The org belongs to another account.

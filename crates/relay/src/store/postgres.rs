@@ -385,7 +385,7 @@ impl WriteConnection {
         client.execute(INSERT_EPOCH_0, &[&id]).await?;
         client.execute(INSERT_GROUP, &[&id, &new.state]).await?;
         client.execute(BIND, &[&id, &leaf, &new.account]).await?;
-        Ok((Created::Created(id), true))
+        Ok((Created::New(id), true))
     }
 
     /// A binding, if the channel (its row locked) is still at the proof's epoch.

@@ -167,7 +167,7 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
     tx.prepare_cached(BIND)?
         .execute(params![id, new.leaf, new.account])?;
     tx.commit()?;
-    Ok(Created::Created(id))
+    Ok(Created::New(id))
 }
 
 /// Binds a leaf if the channel is still at the proof's epoch.
@@ -421,7 +421,7 @@ impl LogWriter for SqliteWriter {
 
     fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Created> {
         let created = create_channel(&mut self.conn, channel).map_err(RelayError::store)?;
-        if matches!(created, Created::Created(_)) {
+        if matches!(created, Created::New(_)) {
             self.count_commit(channel.state.len());
         }
         Ok(created)
@@ -747,7 +747,7 @@ mod tests {
             state: b"state",
             leaf: 0,
         };
-        let Created::Created(id) = writer.create_channel(&new).unwrap() else {
+        let Created::New(id) = writer.create_channel(&new).unwrap() else {
             panic!("not created");
         };
         let channel = test_channel(id);
