@@ -235,6 +235,12 @@ pub struct Subscription {
     pub batch_sizes: Vec<usize>,
 }
 
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Subscription({})", self.seen())
+    }
+}
+
 impl Subscription {
     pub async fn open(client: &mut RelayClient<Channel>, request: pb::SubscribeRequest) -> Self {
         Subscription::of(client.subscribe(request).await.unwrap().into_inner())
@@ -578,13 +584,14 @@ impl Member {
     }
 
     /// Adds `joiners` in one commit (with its Welcome), published and merged; each joiner joins
-    /// and binds. The relay's answer and the commit (for the other members to apply).
+    /// and binds. The relay's answer, the commit (for the other members to apply) and the
+    /// Welcome.
     pub async fn add(
         &self,
         client: &mut RelayClient<Channel>,
         channel: &str,
         joiners: &[&Member],
-    ) -> (pb::PublishResponse, Bytes) {
+    ) -> (pb::PublishResponse, Bytes, Bytes) {
         let key_packages: Vec<Vec<u8>> = joiners.iter().map(|j| j.key_package()).collect();
         let key_packages: Vec<&[u8]> = key_packages.iter().map(Vec::as_slice).collect();
         let added = self.engine.add_members(channel, &key_packages).unwrap();
@@ -602,7 +609,7 @@ impl Member {
         for joiner in joiners {
             joiner.join(client, channel, &added.welcome).await;
         }
-        (answer, commit)
+        (answer, commit, added.welcome.into())
     }
 
     /// A commit of ours at our epoch (a self-update), pending until [`Member::apply`]ed.
@@ -702,14 +709,21 @@ impl Member {
 }
 
 /// Creates `channel` by `members[0]`, who adds the others in one commit (they join and bind):
-/// everyone at epoch 1, the add at seq 1. With one member: just created (epoch 0).
-pub async fn group_of(client: &mut RelayClient<Channel>, channel: &str, members: &[&Member]) {
+/// everyone at epoch 1, the add at seq 1; its Welcome. With one member: just created (epoch 0,
+/// no Welcome).
+pub async fn group_of(
+    client: &mut RelayClient<Channel>,
+    channel: &str,
+    members: &[&Member],
+) -> Option<Bytes> {
     let (creator, joiners) = members.split_first().unwrap();
     creator.create(client, channel).await;
-    if !joiners.is_empty() {
-        let (added, _) = creator.add(client, channel, joiners).await;
-        assert_eq!((added.seq, added.epoch), (1, 1));
+    if joiners.is_empty() {
+        return None;
     }
+    let (added, _, welcome) = creator.add(client, channel, joiners).await;
+    assert_eq!((added.seq, added.epoch), (1, 1));
+    Some(welcome)
 }
 
 /// The channel's epoch as its members' list says.
