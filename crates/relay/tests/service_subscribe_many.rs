@@ -526,3 +526,31 @@ async fn ten_thousand_channels_on_one_stream() {
         "{rss_before} -> {rss_after} KiB"
     );
 }
+
+/// A follow of an account that a commit removed ends (`ended`, PERMISSION_DENIED) right after
+/// that commit's entry, even when nothing follows it in the log: the follow once waited,
+/// caught up, for the channel's next entry before it noticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_accounts_follow_ends_at_the_commit_that_removed_it() {
+    let relay = Relay::start_with(
+        |c| c.keepalive_interval = Duration::from_secs(60),
+        Some(Arc::new(FakeVerify)),
+    )
+    .await;
+    let mut client = relay.client().await;
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
+    let mut many = Many::open(&mut client, Some("bobco.k1")).await;
+    many.add(from_seq(CHANNEL, 0));
+    assert_eq!(many.live(CHANNEL).await, 1);
+    assert_eq!(many.wait_for(CHANNEL, 1).await, [1]);
+    let removal = alice.remove(CHANNEL, "bob");
+    let removed = alice.publish(&mut client, CHANNEL, removal).await.unwrap();
+    assert_eq!(removed.seq, 2);
+    let ended = tokio::time::timeout(Duration::from_secs(1), many.answer(CHANNEL, 2))
+        .await
+        .expect("the follow did not end within a second of the commit that removed it");
+    assert_refusal(ended, Code::PermissionDenied, &not_a_member(CHANNEL));
+    assert_eq!(many.seqs(CHANNEL), [1, 2]);
+}
