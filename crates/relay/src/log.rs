@@ -578,13 +578,43 @@ impl ChannelLog {
             .ok_or_else(|| {
                 RelayError::Unavailable(format!("channel '{}' has no group state", channel.name))
             })?;
-        let loaded = Membership::from_stored(stored)?;
+        let mut loaded = Membership::from_stored(stored)?;
+        // Memory had an older group: commits since (another relay's, which this one learns
+        // from the store) may have removed accounts it reached. Those read up to the first
+        // commit after it, so that their streams here get the commit before they end.
+        let older = channel
+            .members()
+            .as_ref()
+            .map(Membership::epoch)
+            .filter(|epoch| *epoch < loaded.epoch());
+        let seq = match older {
+            Some(epoch) => self.epoch_start_after(channel, epoch).await?,
+            None => None,
+        };
         let mut members = channel.members();
-        // Another load or a commit may have got further meanwhile: keep the newest.
-        if members.as_ref().is_none_or(|m| m.epoch() <= loaded.epoch()) {
-            *members = Some(loaded);
+        // Another load or a commit may have got further meanwhile: keep the newest, and what
+        // memory knew of departed accounts.
+        match members.as_ref() {
+            Some(current) if current.epoch() > loaded.epoch() => {}
+            current => {
+                if let Some(current) = current {
+                    loaded.succeed(current, seq);
+                }
+                *members = Some(loaded);
+            }
         }
         Ok(())
+    }
+
+    /// The seq of the commit that ended `epoch` (None if the store has no such commit).
+    async fn epoch_start_after(&self, channel: &Channel, epoch: u64) -> Result<Option<u64>> {
+        match epoch
+            .checked_add(1)
+            .filter(|next| i64::try_from(*next).is_ok())
+        {
+            Some(next) => self.inner.reader.epoch_start(channel.id, next).await,
+            None => Ok(None),
+        }
     }
 
     /// How far `account` reaches `channel`: a legacy channel by its owner, any other by an

@@ -122,6 +122,21 @@ impl Bindings {
             self.departed.insert(account, seq);
         }
     }
+
+    /// See [`Membership::succeed`].
+    fn succeed(&mut self, older: &Bindings, seq: Option<u64>) {
+        for (account, departed) in &older.departed {
+            if !self.counts.contains_key(account) {
+                self.departed.insert(Arc::clone(account), *departed);
+            }
+        }
+        let Some(seq) = seq else { return };
+        for account in older.counts.keys() {
+            if !self.counts.contains_key(account) {
+                self.departed.entry(Arc::clone(account)).or_insert(seq);
+            }
+        }
+    }
 }
 
 impl Membership {
@@ -165,6 +180,17 @@ impl Membership {
     /// Binds `leaf` to `account` (replacing its binding).
     pub fn bind(&mut self, leaf: u32, account: &str) {
         self.bindings.bind(leaf, account);
+    }
+
+    /// This membership, loaded from the store, replaces `older` (memory's): what this relay
+    /// knew of accounts that `older` reached and this one does not bind carries over. Those
+    /// departed before stay so; those bound at an older epoch are departed at `seq`, the first
+    /// commit after it (commits since, another relay's, removed their last leaf: that one,
+    /// unless several came at once). At the same epoch nothing was committed in between: only
+    /// departures carry over (as in [`Membership::rebind`]).
+    pub fn succeed(&mut self, older: &Membership, seq: Option<u64>) {
+        let seq = seq.filter(|_| older.epoch() < self.epoch());
+        self.bindings.succeed(&older.bindings, seq);
     }
 
     /// The bindings as the store has them now (another relay may have bound leaves), keeping
@@ -237,5 +263,35 @@ mod tests {
         assert_eq!(m.reach("b"), Reach::Member);
         m.remove(99, 10);
         assert_eq!(m.reach("c"), Reach::Member);
+    }
+
+    #[test]
+    fn a_newer_group_keeps_who_the_older_one_reached() {
+        let mut older = Bindings::default();
+        older.bind(0, "a");
+        older.bind(1, "b");
+        older.bind(2, "c");
+        older.remove(2, 5);
+        // Loaded from the store after commits elsewhere: b's leaf is gone, a's is not.
+        let newer = || {
+            let mut newer = Bindings::default();
+            newer.bind(0, "a");
+            newer
+        };
+        let mut later = newer();
+        later.succeed(&older, Some(8));
+        assert_eq!(later.reach("a"), Reach::Member);
+        assert_eq!(later.reach("b"), Reach::Until(8));
+        assert_eq!(later.reach("c"), Reach::Until(5));
+        assert_eq!(later.reach("d"), Reach::None);
+        // At the same epoch (no commit in between): b's binding went without one.
+        let mut same = newer();
+        same.succeed(&older, None);
+        assert_eq!(same.reach("b"), Reach::None);
+        assert_eq!(same.reach("c"), Reach::Until(5));
+        // Memory that already knew gets the same answers when it is replaced again.
+        let mut again = newer();
+        again.succeed(&later, None);
+        assert_eq!(again.reach("b"), Reach::Until(8));
     }
 }

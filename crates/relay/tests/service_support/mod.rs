@@ -27,7 +27,7 @@ use static_mls::binding::leaf_binding_tbs;
 use static_mls::{Engine, Incoming, CIPHERSUITE};
 use static_relay::pb::relay_client::RelayClient;
 use static_relay::pb::{self, subscribe_response::Item};
-use static_relay::{Principal, RelayConfig, RelayError, RelayServer, Verify};
+use static_relay::{Database, Principal, RelayConfig, RelayError, RelayServer, Verify};
 use tempfile::TempDir;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -76,7 +76,17 @@ impl Relay {
         for schema in SCHEMA {
             connection.execute_batch(schema).unwrap();
         }
-        let mut config = RelayConfig::new(db_path.as_path());
+        Relay::on_database(Database::from(db_path.as_path()), dir, configure, verifier).await
+    }
+
+    /// A relay over `database` (its relay tables made); `dir` lives as long as the relay.
+    pub async fn on_database(
+        database: Database,
+        dir: TempDir,
+        configure: impl FnOnce(&mut RelayConfig),
+        verifier: Option<Arc<dyn Verify>>,
+    ) -> Relay {
+        let mut config = RelayConfig::new(database);
         config.port = 0;
         configure(&mut config);
         let server = RelayServer::start(config, verifier).await.unwrap();

@@ -1,0 +1,273 @@
+//! Membership across relays on one PostgreSQL database: what one relay binds or commits, the
+//! others learn from the store. Runs on a throwaway cluster of its own (initdb in a temporary
+//! directory, loopback only, as `tests/support/postgres.py` makes one); skipped, saying so,
+//! where PostgreSQL's binaries are missing (scripts/ensure-postgres.sh installs them).
+#![allow(clippy::unwrap_used)]
+
+mod service_support;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use static_relay::Database;
+use tempfile::TempDir;
+use tonic::Code;
+
+use service_support::*;
+
+const SCHEMA: [&str; 2] = [
+    include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
+];
+
+/// A PostgreSQL cluster of the test's own, stopped when dropped.
+struct Cluster {
+    bindir: PathBuf,
+    root: TempDir,
+    port: u16,
+    /// PostgreSQL refuses to run as root: then it runs as the `postgres` user.
+    as_root: bool,
+}
+
+/// The directory holding `initdb` and `pg_ctl`, if PostgreSQL is installed.
+fn postgres_bin() -> Option<PathBuf> {
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|bin| bin.join("initdb").exists())
+        .collect();
+    versions.sort();
+    versions.pop().or_else(|| {
+        let out = Command::new("sh")
+            .args(["-c", "command -v initdb"])
+            .output()
+            .ok()?;
+        let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+        Some(path.canonicalize().ok()?.parent()?.to_owned())
+    })
+}
+
+fn id_of(flag: &str) -> u32 {
+    let out = Command::new("id")
+        .args([flag, "postgres"])
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+impl Cluster {
+    /// A started cluster, or None (after saying so) without PostgreSQL.
+    fn start() -> Option<Cluster> {
+        let Some(bindir) = postgres_bin() else {
+            eprintln!("postgresql: skipped (no PostgreSQL binaries: scripts/ensure-postgres.sh)");
+            return None;
+        };
+        let root = tempfile::Builder::new()
+            .prefix("static-pg-")
+            .tempdir()
+            .unwrap();
+        let as_root = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|out| out.stdout.trim_ascii() == b"0");
+        if as_root {
+            std::os::unix::fs::chown(root.path(), Some(id_of("-u")), Some(id_of("-g"))).unwrap();
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cluster = Cluster {
+            bindir,
+            root,
+            port,
+            as_root,
+        };
+        let data = cluster.data();
+        cluster.run(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        );
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={} \
+             -c fsync=off",
+            cluster.root.path().display()
+        );
+        let log = cluster.root.path().join("server.log");
+        cluster.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-o",
+                &options,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        Some(cluster)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.root.path().join("data")
+    }
+
+    fn run(&self, program: &str, args: &[&str]) {
+        let program = self.bindir.join(program);
+        let mut command = if self.as_root {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(&program);
+            command
+        } else {
+            Command::new(&program)
+        };
+        let out = command
+            .args(args)
+            .current_dir(self.root.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            program.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!("postgresql://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// A new database with the relay's tables.
+    async fn database(&self, name: &str) -> String {
+        let admin = connect(&self.url("postgres")).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await
+            .unwrap();
+        let url = self.url(name);
+        let db = connect(&url).await;
+        for schema in SCHEMA {
+            db.batch_execute(schema).await.unwrap();
+        }
+        url
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let data = self.data();
+        let args = ["-D", data.to_str().unwrap(), "-m", "immediate", "stop"];
+        // Best effort: the temporary directory goes anyway.
+        let program = self.bindir.join("pg_ctl");
+        let _ = if self.as_root {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&program)
+                .args(args)
+                .output()
+        } else {
+            Command::new(&program).args(args).output()
+        };
+    }
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Two relays on one database, checking tokens, keep-alives far apart (only entries wake the
+/// streams).
+async fn two_relays(url: &str) -> (Relay, Relay) {
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let dir = tempfile::tempdir().unwrap();
+        let relay = Relay::on_database(
+            Database::parse(url),
+            dir,
+            |c| c.keepalive_interval = Duration::from_secs(60),
+            Some(Arc::new(FakeVerify)),
+        )
+        .await;
+        relays.push(relay);
+    }
+    let b = relays.pop().unwrap();
+    (relays.pop().unwrap(), b)
+}
+
+/// Bob binds through relay A and reads through relay B (B reloads the bindings before it
+/// refuses). Alice removes him through A: his streams on B get the entries up to that commit
+/// (so his client learns of the removal) and then end with PERMISSION_DENIED. B learns the
+/// commit from the store, not from its own writer: it once dropped what it knew of bob with
+/// its old group and ended his streams before the commit, which he then never saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("removal").await;
+    let (a, b) = two_relays(&url).await;
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    group_of(&mut on_a, CHANNEL, &[&alice, &bob]).await;
+
+    let mut bobs = bob.subscribe(&mut on_b, CHANNEL, 0).await.unwrap();
+    assert_eq!(bobs.wait_for(1).await.len(), 1);
+    let mut bobs_many = Many::open(&mut on_b, Some("bobco.k1")).await;
+    bobs_many.add(subscribe_request(CHANNEL, 0));
+    assert_eq!(bobs_many.live(CHANNEL).await, 1);
+    assert_eq!(bobs_many.wait_for(CHANNEL, 1).await, [1]);
+    let hello = alice.encrypt(CHANNEL, b"across relays");
+    alice.publish(&mut on_a, CHANNEL, hello).await.unwrap();
+    bobs.wait_for(2).await;
+    bobs_many.wait_for(CHANNEL, 2).await;
+
+    let removal = alice.remove(CHANNEL, "bob");
+    let removed = alice
+        .publish(&mut on_a, CHANNEL, removal.clone())
+        .await
+        .unwrap();
+    let at = Instant::now();
+    assert_eq!((removed.seq, removed.epoch), (3, 2));
+    let status = bobs.wait_end().await;
+    assert_eq!(bobs.seqs(), [1, 2, 3], "bob's stream ended with {status:?}");
+    assert_status(&status, Code::PermissionDenied, &not_a_member(CHANNEL));
+    assert!(at.elapsed() < Duration::from_secs(1), "{:?}", at.elapsed());
+    assert_eq!(bobs.entries[2].message, removal);
+    let ended = tokio::time::timeout(Duration::from_secs(1), bobs_many.answer(CHANNEL, 2))
+        .await
+        .expect("the follow did not end within a second of the removal");
+    assert_eq!(bobs_many.seqs(CHANNEL), [1, 2, 3]);
+    assert_refusal(ended, Code::PermissionDenied, &not_a_member(CHANNEL));
+    // Refused on both relays from now on.
+    for client in [&mut on_a, &mut on_b] {
+        let late = application(CHANNEL, 2, b"late");
+        let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
+        assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
+    }
+}
