@@ -11,7 +11,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use static_relay::Database;
+use bytes::Bytes;
+use static_relay::{pb, Database};
 use tempfile::TempDir;
 use tonic::Code;
 
@@ -270,4 +271,116 @@ async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
         let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
         assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
     }
+}
+
+/// What one relay learns of a channel's membership, the other one uses: the org claimed on A
+/// is refused on B; bob binds through B and publishes through A; commits are checked on
+/// either relay against the one group (the same epoch raced on both: one wins); a leave
+/// proposed on B is committed by reference on A; a forged commit is refused on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_on_one_database_share_the_membership() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("shared").await;
+    let (a, b) = two_relays(&url).await;
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    alice.create(&mut on_a, CHANNEL).await;
+    let evil = Member::with_token("mallory", "evil.k1");
+    let refused = evil
+        .try_create(&mut on_b, "acme/agents/other")
+        .await
+        .unwrap_err();
+    assert_status(
+        &refused,
+        Code::PermissionDenied,
+        "org 'acme' belongs to another account",
+    );
+    let exists = Member::with_token("alice", "acme.k2")
+        .try_create(&mut on_b, CHANNEL)
+        .await
+        .unwrap_err();
+    assert_eq!(exists.code(), Code::AlreadyExists);
+
+    // The add through A, the binding through B, a message through A.
+    let added = alice
+        .engine
+        .add_member(CHANNEL, &bob.key_package())
+        .unwrap();
+    let with_welcome = pb::PublishRequest {
+        welcome: added.welcome.clone().into(),
+        ..request(CHANNEL, added.commit.into())
+    };
+    on_a.publish(alice.request(with_welcome)).await.unwrap();
+    alice.engine.merge_pending_commit(CHANNEL).unwrap();
+    bob.join(&mut on_b, CHANNEL, &added.welcome).await;
+    let hello = bob.encrypt(CHANNEL, b"bound on B, sent on A");
+    assert_eq!(bob.publish(&mut on_a, CHANNEL, hello).await.unwrap().seq, 2);
+    let list = alice.list_members(&mut on_a, CHANNEL).await.unwrap();
+    let accounts: Vec<_> = list.members.iter().map(|m| m.account.as_str()).collect();
+    assert_eq!((list.epoch, accounts), (1, vec!["acme", "bobco"]));
+
+    // Both commit at epoch 1, alice on A, bob on B: one wins, the other is stale.
+    let (alices, bobs) = (alice.update(CHANNEL), bob.update(CHANNEL));
+    let (on_a_answer, on_b_answer) = tokio::join!(
+        alice.publish(&mut on_a, CHANNEL, alices.clone()),
+        bob.publish(&mut on_b, CHANNEL, bobs.clone()),
+    );
+    let (won, lost, winner) = match (on_a_answer, on_b_answer) {
+        (Ok(won), Err(lost)) => (won, lost, alices),
+        (Err(lost), Ok(won)) => (won, lost, bobs),
+        other => panic!("not exactly one winner: {other:?}"),
+    };
+    assert_eq!((won.seq, won.epoch), (3, 2));
+    assert_eq!(lost.code(), Code::FailedPrecondition);
+    assert_eq!(trailer(&lost, "static-current-epoch").as_deref(), Some("2"));
+    alice.apply(CHANNEL, &winner);
+    bob.apply(CHANNEL, &winner);
+
+    // A forged commit at the new epoch, on either relay.
+    let mut mallory = RawMember::new("alice");
+    mallory.create_look_alike(CHANNEL);
+    mallory.self_update(true);
+    mallory.self_update(true);
+    let forged = mallory.self_update(false);
+    for client in [&mut on_a, &mut on_b] {
+        let refused = client
+            .publish(authed(request(CHANNEL, forged.clone()), "acme.stolen"))
+            .await
+            .unwrap_err();
+        assert_status(
+            &refused,
+            Code::PermissionDenied,
+            "the commit's signature does not verify",
+        );
+    }
+
+    // Bob's leave proposed on B, committed by reference on A.
+    let proposal = Bytes::from(bob.engine.leave(CHANNEL).unwrap());
+    bob.publish(&mut on_b, CHANNEL, proposal.clone())
+        .await
+        .unwrap();
+    alice.apply(CHANNEL, &proposal);
+    let commit = Bytes::from(
+        alice
+            .engine
+            .commit_pending_proposals(CHANNEL)
+            .unwrap()
+            .unwrap(),
+    );
+    let committed = alice
+        .publish(&mut on_a, CHANNEL, commit.clone())
+        .await
+        .unwrap();
+    assert_eq!((committed.seq, committed.epoch), (5, 3));
+    alice.apply(CHANNEL, &commit);
+    for client in [&mut on_a, &mut on_b] {
+        let late = application(CHANNEL, 3, b"gone");
+        let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
+        assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
+    }
+    let list = alice.list_members(&mut on_b, CHANNEL).await.unwrap();
+    assert_eq!((list.epoch, list.members.len()), (3, 1));
 }
