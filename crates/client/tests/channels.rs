@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use support::{
     assert_quiet, expect_error, invite, member_names, receive, receive_n, run_parallel, wait_until,
-    watchdog, Agent, Authority, Job, Provider, Relay, INVALID_NAME, MLS, TRANSPORT, WAIT,
+    watchdog, Agent, Authority, Job, Provider, Relay, AUTH, INVALID_NAME, MLS, TRANSPORT, WAIT,
 };
 
 const QUIET: Duration = Duration::from_millis(500);
@@ -262,10 +262,12 @@ fn final_refusals_of_names_and_welcomes() {
     assert_eq!(receive(&b, WAIT), b"still fine");
 }
 
-/// A Welcome into a channel of another account: the relay does not know the channel for the
-/// joiner's account, so the join fails (and the group is forgotten).
+/// A Welcome into a channel of another account. Before membership the relay kept channels per
+/// account, so such a join was refused; now access follows MLS membership (docs/design.md
+/// §5.2): the joiner binds its leaf to its own account and is a member like any other, while
+/// names stay global and the org its creator's, so the other account cannot create under it.
 #[test]
-fn join_of_another_accounts_channel_is_refused() {
+fn a_member_of_another_account_joins_but_cannot_create_under_the_org() {
     let _watchdog = watchdog("join_other_account", Duration::from_secs(120));
     let authority = Authority::new();
     let relay = Relay::start_with(|_| {}, Some(authority.verifier()));
@@ -273,7 +275,7 @@ fn join_of_another_accounts_channel_is_refused() {
     let mallory =
         support::authed_agent(&relay, "mallory", &Provider::new(&authority, "other", &[]));
     let name = "acme/agents/private";
-    // A channel of mallory's own, followed on the same subscription as the refused one.
+    // A channel of mallory's own, followed on the same subscriptions as the joined one.
     let own = mallory.create_channel("other/agents/own").unwrap();
     let own_peer = support::authed_agent(&relay, "trent", &Provider::new(&authority, "other", &[]));
     let theirs = invite(&own, &own_peer);
@@ -281,17 +283,25 @@ fn join_of_another_accounts_channel_is_refused() {
     let welcome = a
         .add_member(mallory.generate_key_package().unwrap())
         .unwrap();
-    let text = expect_error(mallory.join_channel(name, &welcome), TRANSPORT);
-    assert!(text.contains("not on the relay for this account"), "{text}");
-    // The refusal ended that channel only.
+    let m = mallory.join_channel(name, &welcome).unwrap();
+    a.send(b"to another account".to_vec()).unwrap();
+    assert_eq!(receive(&m, WAIT), b"to another account");
+    m.send(b"from another account".to_vec()).unwrap();
+    assert_eq!(receive(&a, WAIT), b"from another account");
+    // Its own channel goes on beside it.
     theirs.send(b"still here".to_vec()).unwrap();
     assert_eq!(receive(&own, WAIT), b"still here");
-    assert!(!own.is_closed());
-    assert_eq!(mallory.channels().unwrap(), ["other/agents/own"]);
-    let text = expect_error(mallory.open_channel(name), MLS);
-    assert!(text.contains("not a member"), "{text}");
-    // Creating the same name in its own account is another channel altogether.
-    let m = mallory.create_channel(name).unwrap();
-    assert_eq!(member_names(&m), ["mallory"]);
+    assert_eq!(
+        mallory.channels().unwrap(),
+        ["acme/agents/private", "other/agents/own"]
+    );
+    assert_eq!(member_names(&m), ["alice", "mallory"]);
     assert_eq!(member_names(&a), ["alice", "mallory"]);
+    // The org is alice's account's: mallory's account may not create under it.
+    let text = expect_error(mallory.create_channel("acme/agents/mine"), AUTH);
+    assert!(
+        text.contains("org 'acme' belongs to another account"),
+        "{text}"
+    );
+    assert_eq!(mallory.channels().unwrap().len(), 2);
 }

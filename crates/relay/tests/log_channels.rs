@@ -1,6 +1,10 @@
 //! The channel log over a real SQLite database (the relay schema of the Python store's
-//! migrations) in a temporary directory.
+//! migrations) in a temporary directory. Channels are created from real groups (a static-mls
+//! engine's), and commits are real ones checked against the channel's group as the service
+//! checks them; application messages are hand-framed (the log never reads their content).
 #![allow(clippy::unwrap_used)]
+
+mod service_support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,19 +13,24 @@ use std::time::Duration;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use static_relay::framing::parse_message;
+use static_relay::group::{GroupState, Handshake};
 use static_relay::log::{
-    Accepted, Channel, ChannelLog, Checked, Entry, LogSettings, WelcomeKey, WelcomeRecord,
+    Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, LogSettings, WelcomeKey,
+    WelcomeRecord,
 };
+use static_relay::members::{GroupChange, Reach};
 use static_relay::rules::idempotency_key;
 use static_relay::RelayError;
 
-const SCHEMA: &str = include_str!("../../../static/store/migrations/0002_relay.sqlite.sql");
-const SCOPE: &str = "acct-1";
+use service_support::{key_package_ref, public_message, Member, SCHEMA};
+
+/// The account that creates and publishes (names are global: any account reaches a channel
+/// by its name; the log leaves access to the service).
+const ACCOUNT: &str = "acct-1";
 const NAME: &str = "org/ns/service";
 
 const APPLICATION: u8 = 1;
 const PROPOSAL: u8 = 2;
-const COMMIT: u8 = 3;
 
 struct Db {
     _dir: tempfile::TempDir,
@@ -32,7 +41,9 @@ fn new_db() -> Db {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("static.sqlite3");
     let conn = rusqlite::Connection::open(&path).unwrap();
-    conn.execute_batch(SCHEMA).unwrap();
+    for schema in SCHEMA {
+        conn.execute_batch(schema).unwrap();
+    }
     Db { _dir: dir, path }
 }
 
@@ -43,6 +54,26 @@ async fn open(path: &Path, application_window: u64) -> ChannelLog {
     })
     .await
     .unwrap()
+}
+
+/// `name` created for `account` from `member`'s new group (its leaf 0 bound to `account`).
+async fn create(
+    log: &ChannelLog,
+    member: &Member,
+    name: &str,
+    account: &str,
+) -> Result<Arc<Channel>, RelayError> {
+    member.engine.create_group(name).unwrap();
+    let public = member.engine.public_state(name).unwrap();
+    let state = GroupState::create(name, &public.group_info, &public.ratchet_tree).unwrap();
+    log.create(name, account, state, 0).await
+}
+
+/// A new member "alice" and NAME created from her group for ACCOUNT.
+async fn alices_channel(log: &ChannelLog) -> (Member, Arc<Channel>) {
+    let alice = Member::anonymous("alice");
+    let channel = create(log, &alice, NAME, ACCOUNT).await.unwrap();
+    (alice, channel)
 }
 
 fn vector(body: &[u8]) -> Vec<u8> {
@@ -60,7 +91,7 @@ fn vector(body: &[u8]) -> Vec<u8> {
 /// A private MLS message (the relay reads only its header).
 fn private(epoch: u64, content_type: u8, body: &[u8]) -> Bytes {
     let mut m = vec![0, 1, 0, 2];
-    m.extend(vector(b"group"));
+    m.extend(vector(NAME.as_bytes()));
     m.extend(epoch.to_be_bytes());
     m.push(content_type);
     m.extend(vector(b""));
@@ -69,14 +100,48 @@ fn private(epoch: u64, content_type: u8, body: &[u8]) -> Bytes {
     Bytes::from(m)
 }
 
-fn checked(epoch: u64, content_type: u8, body: &[u8]) -> Checked {
-    let message = private(epoch, content_type, body);
+/// `message` as the service hands it to the log, with the group's verdict.
+fn checked_message(message: Bytes, group: GroupCheck) -> Checked {
     Checked {
         header: parse_message(&message).unwrap(),
         key: idempotency_key(b"", &message).unwrap(),
         message,
         welcome: Bytes::new(),
         welcome_refs: Vec::new(),
+        account: Arc::from(ACCOUNT),
+        group,
+    }
+}
+
+/// A hand-framed message the group does not check (an application message).
+fn checked(epoch: u64, content_type: u8, body: &[u8]) -> Checked {
+    checked_message(private(epoch, content_type, body), GroupCheck::Unchecked)
+}
+
+/// A real handshake checked against the channel's group as the service checks it: a commit
+/// carries its change.
+async fn check(log: &ChannelLog, channel: &Channel, message: &Bytes) -> Checked {
+    let state = log.group(channel).await.unwrap().unwrap();
+    let group = match state.check_handshake(message, &[]).unwrap() {
+        Handshake::Proposal { .. } => GroupCheck::Valid(None),
+        Handshake::Commit(outcome) => GroupCheck::Valid(Some(Arc::new(
+            GroupChange::new(outcome.next, outcome.removed).unwrap(),
+        ))),
+    };
+    checked_message(message.clone(), group)
+}
+
+/// A commit of `member`'s (pending in its engine), checked.
+async fn commit_of(log: &ChannelLog, channel: &Channel, member: &Member) -> Checked {
+    let commit = member.update(channel.name());
+    check(log, channel, &commit).await
+}
+
+/// The same publish as the service sees it once its epoch is past: not checked again.
+fn retried(checked: &Checked) -> Checked {
+    Checked {
+        group: GroupCheck::OtherEpoch,
+        ..checked.clone()
     }
 }
 
@@ -116,13 +181,14 @@ fn stale(message_epoch: u64, current_epoch: u64) -> Result<Accepted, RelayError>
     })
 }
 
-/// Commits the channel from its epoch up to `epoch`.
-async fn commit_to(log: &ChannelLog, channel: &Arc<Channel>, epoch: u64) {
+/// `member` (the channel's only member) commits the channel from its epoch up to `epoch`.
+async fn commit_to(log: &ChannelLog, channel: &Arc<Channel>, member: &Member, epoch: u64) {
     while channel.epoch() < epoch {
         let at = channel.epoch();
-        let body = format!("commit {at}");
-        let answer = publish(log, channel, checked(at, COMMIT, body.as_bytes())).await;
+        let commit = commit_of(log, channel, member).await;
+        let answer = publish(log, channel, commit.clone()).await;
         assert_eq!(answer.unwrap().epoch, at + 1);
+        member.apply(channel.name(), &commit.message);
     }
 }
 
@@ -136,50 +202,74 @@ fn assert_consecutive(entries: &[Entry], first: u64) {
 async fn create_load_not_found_already_exists() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    assert!(log.loaded(SCOPE, NAME).is_none());
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    assert!(log.loaded(ACCOUNT, NAME).is_none());
+    let (alice, channel) = alices_channel(&log).await;
     assert_eq!(
         (
             channel.name(),
-            channel.scope(),
+            channel.is_legacy(),
             channel.head_seq(),
             channel.epoch()
         ),
-        (NAME, SCOPE, 0, 0)
+        (NAME, false, 0, 0)
     );
-    assert!(Arc::ptr_eq(&log.loaded(SCOPE, NAME).unwrap(), &channel));
+    assert!(Arc::ptr_eq(&log.loaded(ACCOUNT, NAME).unwrap(), &channel));
     assert!(Arc::ptr_eq(
-        &log.channel(SCOPE, NAME).await.unwrap(),
+        &log.channel(ACCOUNT, NAME).await.unwrap(),
         &channel
     ));
+    // The creator's leaf is bound to its account, and nobody else's.
+    assert_eq!(log.reach(&channel, ACCOUNT).await.unwrap(), Reach::Member);
+    assert_eq!(log.reach(&channel, "acct-2").await.unwrap(), Reach::None);
+    let bob = Member::anonymous("bob");
     assert_eq!(
-        log.create(SCOPE, NAME).await.unwrap_err(),
+        create(&log, &bob, NAME, ACCOUNT).await.unwrap_err(),
         RelayError::AlreadyExists(format!("channel '{NAME}' already exists"))
     );
     assert_eq!(
-        log.channel(SCOPE, "org/ns/missing").await.unwrap_err(),
+        log.channel(ACCOUNT, "org/ns/missing").await.unwrap_err(),
         RelayError::NotFound("no channel 'org/ns/missing'".into())
     );
-    // Names are per scope.
+    // Names were per account before membership; now they are global (the same channel for
+    // every account), and an org is the account's that first created under it.
+    assert!(Arc::ptr_eq(
+        &log.channel("acct-2", NAME).await.unwrap(),
+        &channel
+    ));
+    let carol = Member::anonymous("carol");
     assert_eq!(
-        log.channel("acct-2", NAME).await.unwrap_err(),
-        RelayError::NotFound(format!("no channel '{NAME}'"))
+        create(&log, &carol, "org/ns/carols", "acct-2")
+            .await
+            .unwrap_err(),
+        RelayError::PermissionDenied("org 'org' belongs to another account".into())
     );
-    let other = log.create("acct-2", NAME).await.unwrap();
+    let other = create(&log, &carol, "other/ns/service", "acct-2")
+        .await
+        .unwrap();
     assert!(!Arc::ptr_eq(&other, &channel));
+    assert_eq!(
+        create(&log, &alice, "other/ns/alices", ACCOUNT)
+            .await
+            .unwrap_err(),
+        RelayError::PermissionDenied("org 'other' belongs to another account".into())
+    );
     publish(&log, &channel, checked(0, APPLICATION, b"one"))
         .await
         .unwrap();
     log.close().await;
 
-    // Loaded from the store by another log; its epoch 0 row exists.
+    // Loaded from the store by another log; its epoch 0 row and its group exist.
     let log = open(&db.path, 4).await;
-    assert!(log.loaded(SCOPE, NAME).is_none());
-    let loaded = log.channel(SCOPE, NAME).await.unwrap();
+    assert!(log.loaded(ACCOUNT, NAME).is_none());
+    let loaded = log.channel(ACCOUNT, NAME).await.unwrap();
     assert_eq!((loaded.head_seq(), loaded.epoch()), (1, 0));
     assert_eq!(log.start_of_epoch(&loaded, 0).await.unwrap(), 0);
+    assert_eq!(log.group(&loaded).await.unwrap().unwrap().epoch(), 0);
+    assert_eq!(log.reach(&loaded, ACCOUNT).await.unwrap(), Reach::Member);
+    assert_eq!(log.reach(&loaded, "acct-2").await.unwrap(), Reach::None);
+    let dave = Member::anonymous("dave");
     assert_eq!(
-        log.create(SCOPE, NAME).await.unwrap_err(),
+        create(&log, &dave, NAME, ACCOUNT).await.unwrap_err(),
         RelayError::AlreadyExists(format!("channel '{NAME}' already exists"))
     );
     log.close().await;
@@ -189,13 +279,13 @@ async fn create_load_not_found_already_exists() {
 async fn concurrent_first_loads_share_one_channel() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    log.create(SCOPE, NAME).await.unwrap();
+    alices_channel(&log).await;
     log.close().await;
     let log = open(&db.path, 4).await;
     let tasks: Vec<_> = (0..16)
         .map(|_| {
             let log = log.clone();
-            tokio::spawn(async move { log.channel(SCOPE, NAME).await.unwrap() })
+            tokio::spawn(async move { log.channel(ACCOUNT, NAME).await.unwrap() })
         })
         .collect();
     let mut channels = Vec::new();
@@ -212,7 +302,7 @@ async fn concurrent_first_loads_share_one_channel() {
 async fn concurrent_submitters_get_gap_free_seqs() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let tasks: Vec<_> = (0..8)
         .map(|task| {
             let (log, channel) = (log.clone(), channel.clone());
@@ -255,7 +345,7 @@ async fn more_than_one_commit_batch_submitted_at_once_is_all_decided() {
     // writer thread (it once stayed queued until the next submit woke it).
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let items = (0..1300)
         .map(|i| checked(0, APPLICATION, format!("message {i}").as_bytes()))
         .collect();
@@ -267,55 +357,91 @@ async fn more_than_one_commit_batch_submitted_at_once_is_all_decided() {
     log.close().await;
 }
 
+/// Alice adds bob and carol (epoch 1); then they commit at one epoch, in one batch and from
+/// concurrent tasks, 19 epochs over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fence_lets_one_commit_per_epoch_win() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (alice, channel) = alices_channel(&log).await;
+    let (bob, carol) = (Member::anonymous("bob"), Member::anonymous("carol"));
+    let (bob_kp, carol_kp) = (bob.key_package(), carol.key_package());
+    let added = alice
+        .engine
+        .add_members(NAME, &[&bob_kp, &carol_kp])
+        .unwrap();
+    let add = check(&log, &channel, &added.commit.into()).await;
+    assert_eq!(publish(&log, &channel, add).await, accepted(1, 1, false));
+    alice.engine.merge_pending_commit(NAME).unwrap();
+    for joiner in [&bob, &carol] {
+        joiner.engine.join_group(NAME, &added.welcome).unwrap();
+    }
+    let members = [alice, bob, carol];
     // In one batch.
-    let answers = publish_all(
-        &log,
-        &channel,
-        vec![checked(0, COMMIT, b"a"), checked(0, COMMIT, b"b")],
-    )
-    .await;
-    assert_eq!(answers, vec![accepted(1, 1, false), stale(0, 1)]);
-    assert_eq!((channel.head_seq(), channel.epoch()), (1, 1));
+    let a = commit_of(&log, &channel, &members[0]).await;
+    let b = commit_of(&log, &channel, &members[1]).await;
+    let answers = publish_all(&log, &channel, vec![a.clone(), b]).await;
+    assert_eq!(answers, vec![accepted(2, 2, false), stale(1, 2)]);
+    assert_eq!((channel.head_seq(), channel.epoch()), (2, 2));
+    // The group moved with the commit that won.
+    assert_eq!(log.group(&channel).await.unwrap().unwrap().epoch(), 2);
+    for member in &members {
+        member.apply(NAME, &a.message);
+    }
     // From concurrent tasks, many times over.
-    for epoch in 1..20u64 {
-        let tasks: Vec<_> = (0..3)
-            .map(|i| {
+    for epoch in 2..21u64 {
+        let mut commits = Vec::new();
+        for member in &members {
+            commits.push(commit_of(&log, &channel, member).await);
+        }
+        let tasks: Vec<_> = commits
+            .iter()
+            .cloned()
+            .map(|commit| {
                 let (log, channel) = (log.clone(), channel.clone());
-                tokio::spawn(async move {
-                    let body = format!("commit {epoch} by {i}");
-                    publish(&log, &channel, checked(epoch, COMMIT, body.as_bytes())).await
-                })
+                tokio::spawn(async move { publish(&log, &channel, commit).await })
             })
             .collect();
-        let mut won = 0;
-        for task in tasks {
+        let mut won = Vec::new();
+        for (i, task) in tasks.into_iter().enumerate() {
             match task.await.unwrap() {
                 Ok(a) => {
                     assert_eq!(a.epoch, epoch + 1);
                     assert!(!a.duplicate);
-                    won += 1;
+                    won.push(i);
                 }
                 Err(err) => assert_eq!(err, stale(epoch, epoch + 1).unwrap_err()),
             }
         }
-        assert_eq!(won, 1, "epoch {epoch}");
+        assert_eq!(won.len(), 1, "epoch {epoch}");
         assert_eq!(channel.epoch(), epoch + 1);
+        assert_eq!(
+            log.group(&channel).await.unwrap().unwrap().epoch(),
+            epoch + 1
+        );
+        for member in &members {
+            member.apply(NAME, &commits[won[0]].message);
+        }
     }
-    // Proposals need the current epoch too.
+    // Proposals need the current epoch too (one at another epoch is not checked by the
+    // service, whatever it holds: the fence decides).
     let now = channel.epoch();
-    assert_eq!(
-        publish(&log, &channel, checked(now - 1, PROPOSAL, b"p")).await,
-        stale(now - 1, now)
+    let old = checked_message(
+        public_message(NAME, now - 1, PROPOSAL, b"p"),
+        GroupCheck::OtherEpoch,
     );
+    assert_eq!(publish(&log, &channel, old).await, stale(now - 1, now));
     let head = channel.head_seq();
+    let proposal = Bytes::from(members[2].engine.leave(NAME).unwrap());
+    let proposal = check(&log, &channel, &proposal).await;
     assert_eq!(
-        publish(&log, &channel, checked(now, PROPOSAL, b"p")).await,
+        publish(&log, &channel, proposal.clone()).await,
         accepted(head + 1, now, false)
+    );
+    // Kept for the commits of its epoch.
+    assert_eq!(
+        log.proposals(&channel, now).await.unwrap(),
+        [proposal.message]
     );
     log.close().await;
 }
@@ -324,8 +450,8 @@ async fn fence_lets_one_commit_per_epoch_win() {
 async fn application_messages_within_the_window() {
     let db = new_db();
     let log = open(&db.path, 2).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
-    commit_to(&log, &channel, 3).await;
+    let (alice, channel) = alices_channel(&log).await;
+    commit_to(&log, &channel, &alice, 3).await;
     assert_eq!(
         publish(&log, &channel, checked(3, APPLICATION, b"now")).await,
         accepted(4, 3, false)
@@ -353,7 +479,7 @@ async fn application_messages_within_the_window() {
 async fn retries_get_their_original_answer() {
     let db = new_db();
     let log = open(&db.path, 1).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (alice, channel) = alices_channel(&log).await;
     let first = checked(0, APPLICATION, b"hello");
     assert_eq!(
         publish(&log, &channel, first.clone()).await,
@@ -363,19 +489,23 @@ async fn retries_get_their_original_answer() {
         publish(&log, &channel, first.clone()).await,
         accepted(1, 0, true)
     );
-    let commit = checked(0, COMMIT, b"commit 0");
+    let commit = commit_of(&log, &channel, &alice).await;
     assert_eq!(
         publish(&log, &channel, commit.clone()).await,
         accepted(2, 1, false)
     );
-    commit_to(&log, &channel, 5).await;
+    alice.apply(NAME, &commit.message);
+    commit_to(&log, &channel, &alice, 5).await;
     let head = channel.head_seq();
     // Now stale by epoch: still the original answer, never a refusal.
     assert_eq!(
         publish(&log, &channel, first.clone()).await,
         accepted(1, 0, true)
     );
-    assert_eq!(publish(&log, &channel, commit).await, accepted(2, 1, true));
+    assert_eq!(
+        publish(&log, &channel, retried(&commit)).await,
+        accepted(2, 1, true)
+    );
     // A client-given key: the same key is the same publish, whatever the bytes.
     let mut keyed = checked(5, APPLICATION, b"keyed");
     keyed.key = idempotency_key(b"my-key", &keyed.message).unwrap();
@@ -426,19 +556,29 @@ async fn retries_get_their_original_answer() {
     log.close().await;
 }
 
+/// Alice adds bob and carol with one Welcome; later she removes bob and adds him again with
+/// the same key package (a retried invitation): its ref then names the later Welcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn welcomes_are_kept_with_their_commit() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (alice, channel) = alices_channel(&log).await;
     publish(&log, &channel, checked(0, APPLICATION, b"before"))
         .await
         .unwrap();
-    let welcome = Bytes::from_static(b"\x00\x01\x00\x03 a welcome");
-    let mut commit = checked(0, COMMIT, b"add two");
+    let (bob, carol) = (Member::anonymous("bob"), Member::anonymous("carol"));
+    let (bob_kp, carol_kp) = (bob.key_package(), carol.key_package());
+    let (ref_b, ref_c) = (key_package_ref(&bob_kp), key_package_ref(&carol_kp));
+    let added = alice
+        .engine
+        .add_members(NAME, &[&bob_kp, &carol_kp])
+        .unwrap();
+    let welcome = Bytes::from(added.welcome);
+    let mut commit = check(&log, &channel, &added.commit.into()).await;
     commit.welcome = welcome.clone();
-    commit.welcome_refs = vec![b"ref-a".to_vec(), b"ref-b".to_vec()];
+    commit.welcome_refs = vec![ref_b.clone(), ref_c.clone()];
     assert_eq!(publish(&log, &channel, commit).await, accepted(2, 1, false));
+    alice.engine.merge_pending_commit(NAME).unwrap();
     let record = Some(WelcomeRecord {
         welcome: welcome.clone(),
         commit_seq: 2,
@@ -451,8 +591,8 @@ async fn welcomes_are_kept_with_their_commit() {
             .unwrap(),
         record
     );
-    for r in [b"ref-a", b"ref-b"] {
-        let key = WelcomeKey::KeyPackageRef(r.to_vec());
+    for r in [&ref_b, &ref_c] {
+        let key = WelcomeKey::KeyPackageRef(r.clone());
         assert_eq!(log.fetch_welcome(&channel, key).await.unwrap(), record);
     }
     let unknown = WelcomeKey::KeyPackageRef(b"ref-c".to_vec());
@@ -460,25 +600,33 @@ async fn welcomes_are_kept_with_their_commit() {
     let unknown = WelcomeKey::Digest(vec![0; 32]);
     assert_eq!(log.fetch_welcome(&channel, unknown).await.unwrap(), None);
     // Another channel does not see it.
-    let other = log.create(SCOPE, "org/ns/other").await.unwrap();
-    let key = WelcomeKey::KeyPackageRef(b"ref-a".to_vec());
+    let other = create(&log, &alice, "org/ns/other", ACCOUNT).await.unwrap();
+    let key = WelcomeKey::KeyPackageRef(ref_b.clone());
     assert_eq!(log.fetch_welcome(&other, key).await.unwrap(), None);
-    // A later Welcome for ref-b: the ref now points at it.
-    let later = Bytes::from_static(b"\x00\x01\x00\x03 another welcome");
-    let mut commit = checked(1, COMMIT, b"re-add b");
+    // Bob removed, then added again with the same key package: the ref now points at the
+    // later Welcome.
+    let remove = check(&log, &channel, &alice.remove(NAME, "bob")).await;
+    assert_eq!(
+        publish(&log, &channel, remove.clone()).await,
+        accepted(3, 2, false)
+    );
+    alice.apply(NAME, &remove.message);
+    let readded = alice.engine.add_member(NAME, &bob_kp).unwrap();
+    let later = Bytes::from(readded.welcome);
+    let mut commit = check(&log, &channel, &readded.commit.into()).await;
     commit.welcome = later.clone();
-    commit.welcome_refs = vec![b"ref-b".to_vec()];
-    assert_eq!(publish(&log, &channel, commit).await, accepted(3, 2, false));
-    let key = WelcomeKey::KeyPackageRef(b"ref-b".to_vec());
+    commit.welcome_refs = vec![ref_b.clone()];
+    assert_eq!(publish(&log, &channel, commit).await, accepted(4, 3, false));
+    let key = WelcomeKey::KeyPackageRef(ref_b);
     assert_eq!(
         log.fetch_welcome(&channel, key).await.unwrap(),
         Some(WelcomeRecord {
             welcome: later,
-            commit_seq: 3,
-            epoch: 2
+            commit_seq: 4,
+            epoch: 3
         })
     );
-    let key = WelcomeKey::KeyPackageRef(b"ref-a".to_vec());
+    let key = WelcomeKey::KeyPackageRef(ref_c);
     assert_eq!(log.fetch_welcome(&channel, key).await.unwrap(), record);
     log.close().await;
 }
@@ -487,22 +635,18 @@ async fn welcomes_are_kept_with_their_commit() {
 async fn epochs_start_at_their_commit() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (alice, channel) = alices_channel(&log).await;
     assert_eq!(log.start_of_epoch(&channel, 0).await.unwrap(), 0);
     for body in [b"a", b"b"] {
         publish(&log, &channel, checked(0, APPLICATION, body))
             .await
             .unwrap();
     }
-    publish(&log, &channel, checked(0, COMMIT, b"c"))
-        .await
-        .unwrap();
+    commit_to(&log, &channel, &alice, 1).await;
     publish(&log, &channel, checked(1, APPLICATION, b"d"))
         .await
         .unwrap();
-    publish(&log, &channel, checked(1, COMMIT, b"e"))
-        .await
-        .unwrap();
+    commit_to(&log, &channel, &alice, 2).await;
     assert_eq!(log.start_of_epoch(&channel, 0).await.unwrap(), 0);
     assert_eq!(log.start_of_epoch(&channel, 1).await.unwrap(), 3);
     assert_eq!(log.start_of_epoch(&channel, 2).await.unwrap(), 5);
@@ -517,7 +661,7 @@ async fn epochs_start_at_their_commit() {
     log.close().await;
     // From the store alone.
     let log = open(&db.path, 4).await;
-    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
     assert_eq!(log.start_of_epoch(&channel, 2).await.unwrap(), 5);
     log.close().await;
 }
@@ -526,7 +670,7 @@ async fn epochs_start_at_their_commit() {
 async fn read_after_from_memory_and_from_the_store() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let items: Vec<_> = (0..5)
         .map(|i| checked(0, APPLICATION, format!("m{i}").as_bytes()))
         .collect();
@@ -546,7 +690,7 @@ async fn read_after_from_memory_and_from_the_store() {
 
     // Reopened: nothing in memory, the same entries from the store.
     let log = open(&db.path, 4).await;
-    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
     assert_eq!((channel.head_seq(), channel.epoch()), (5, 0));
     assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), from_memory);
     assert_eq!(
@@ -567,7 +711,7 @@ async fn read_after_from_memory_and_from_the_store() {
 async fn read_after_past_the_ring() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let total = 2300u64;
     for chunk in 0..(total / 100) {
         let items = (0..100)
@@ -601,13 +745,11 @@ async fn read_after_past_the_ring() {
 async fn committed_entries_survive_close_and_reopen() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (alice, channel) = alices_channel(&log).await;
     publish(&log, &channel, checked(0, APPLICATION, b"a"))
         .await
         .unwrap();
-    publish(&log, &channel, checked(0, COMMIT, b"b"))
-        .await
-        .unwrap();
+    commit_to(&log, &channel, &alice, 1).await;
     let c = checked(1, APPLICATION, b"c");
     publish(&log, &channel, c.clone()).await.unwrap();
     let before = log.read_after(&channel, 0, 10).await.unwrap();
@@ -615,32 +757,33 @@ async fn committed_entries_survive_close_and_reopen() {
     drop(log);
 
     let log = open(&db.path, 4).await;
-    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
     assert_eq!((channel.head_seq(), channel.epoch()), (3, 1));
     assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), before);
-    // Idempotency holds across restarts, and the log goes on from its head.
+    // Idempotency holds across restarts, and the log goes on from its head, with the group
+    // as the last commit left it (the next commit checks against it).
     assert_eq!(publish(&log, &channel, c).await, accepted(3, 1, true));
-    assert_eq!(
-        publish(&log, &channel, checked(1, COMMIT, b"d")).await,
-        accepted(4, 2, false)
-    );
+    assert_eq!(log.group(&channel).await.unwrap().unwrap().epoch(), 1);
+    let d = commit_of(&log, &channel, &alice).await;
+    assert_eq!(publish(&log, &channel, d).await, accepted(4, 2, false));
     log.close().await;
     let conn = rusqlite::Connection::open(&db.path).unwrap();
-    let row: (i64, i64) = conn
+    let row: (i64, i64, i64) = conn
         .query_row(
-            "SELECT head_seq, epoch FROM relay_channels WHERE name = ?1",
+            "SELECT head_seq, c.epoch, g.epoch FROM relay_channels c \
+             JOIN relay_groups g ON g.channel_id = c.id WHERE name = ?1",
             [NAME],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
         .unwrap();
-    assert_eq!(row, (4, 2));
+    assert_eq!(row, (4, 2, 2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_head_wakes_a_waiting_reader() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let reader = {
         let (log, channel) = (log.clone(), channel.clone());
         tokio::spawn(async move {
@@ -685,7 +828,7 @@ async fn watch_head_wakes_a_waiting_reader() {
 async fn close_answers_everything_submitted_before_it() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
     let mut outcomes = Vec::new();
     for round in 0..10 {
         let items = (0..50)
@@ -709,8 +852,11 @@ async fn close_answers_everything_submitted_before_it() {
     for outcome in late {
         assert_eq!(outcome.await.unwrap(), Err(shutting_down.clone()));
     }
+    let alice = Member::anonymous("alice");
     assert_eq!(
-        log.create(SCOPE, "org/ns/late").await.unwrap_err(),
+        create(&log, &alice, "org/ns/late", ACCOUNT)
+            .await
+            .unwrap_err(),
         shutting_down
     );
     assert_eq!(channel.head_seq(), 500);
@@ -718,7 +864,7 @@ async fn close_answers_everything_submitted_before_it() {
     log.close().await;
 
     let log = open(&db.path, 4).await;
-    let channel = log.channel(SCOPE, NAME).await.unwrap();
+    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
     assert_eq!(channel.head_seq(), 500);
     log.close().await;
 }
@@ -736,11 +882,11 @@ async fn a_failed_commit_changes_nothing() {
         )
         .unwrap();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
-    let mut bad = checked(0, COMMIT, b"bad");
+    let (alice, channel) = alices_channel(&log).await;
+    let mut bad = commit_of(&log, &channel, &alice).await;
     bad.key = idempotency_key(b"refuse-me", &bad.message).unwrap();
     let good = checked(0, APPLICATION, b"good");
-    let answers = publish_all(&log, &channel, vec![good.clone(), bad]).await;
+    let answers = publish_all(&log, &channel, vec![good.clone(), bad.clone()]).await;
     for answer in answers {
         match answer {
             Err(RelayError::Unavailable(text)) => {
@@ -750,14 +896,15 @@ async fn a_failed_commit_changes_nothing() {
             other => panic!("{other:?}"),
         }
     }
-    // Nothing in memory moved (the commit would have bumped the epoch).
+    // Nothing in memory moved (the commit would have bumped the epoch and the group).
     assert_eq!((channel.head_seq(), channel.epoch()), (0, 0));
+    assert_eq!(log.group(&channel).await.unwrap().unwrap().epoch(), 0);
     assert!(log.read_after(&channel, 0, 10).await.unwrap().is_empty());
     assert_eq!(publish(&log, &channel, good).await, accepted(1, 0, false));
-    assert_eq!(
-        publish(&log, &channel, checked(0, COMMIT, b"fine")).await,
-        accepted(2, 1, false)
-    );
+    // The same commit, checked again, under its own key.
+    let fine = check(&log, &channel, &bad.message).await;
+    assert_eq!(publish(&log, &channel, fine).await, accepted(2, 1, false));
+    assert_eq!(log.group(&channel).await.unwrap().unwrap().epoch(), 1);
     log.close().await;
 }
 
@@ -795,7 +942,7 @@ async fn open_needs_the_relay_tables() {
 async fn a_free_writer_commits_in_the_submitter_a_busy_one_on_its_thread() {
     let db = new_db();
     let log = open(&db.path, 4).await;
-    let channel = log.create(SCOPE, NAME).await.unwrap();
+    let (_alice, channel) = alices_channel(&log).await;
 
     // Free: committed (and answered) before submit returns.
     let mut outcomes = log.submit(vec![(channel.clone(), checked(0, APPLICATION, b"one"))]);

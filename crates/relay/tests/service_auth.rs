@@ -22,6 +22,7 @@ async fn calls_need_a_token_without_allow_anonymous() {
     let mut client = relay.client().await;
     let create = pb::CreateChannelRequest {
         channel: CHANNEL.into(),
+        ..Default::default()
     };
     let missing = client.create_channel(create.clone()).await.unwrap_err();
     assert_status(
@@ -72,52 +73,77 @@ async fn calls_need_a_token_without_allow_anonymous() {
     );
 }
 
+/// Before membership, channels were scoped to accounts: another account did not see one
+/// (NOT_FOUND) and could create its own of the same name. Now names are global and an org
+/// belongs to the account that first created under it (proto/relay.proto, Membership): the
+/// other account is refused (PERMISSION_DENIED) both ways, and creates under its own org.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn channels_are_scoped_to_accounts() {
+async fn names_are_global_and_orgs_belong_to_their_first_account() {
     let relay = relay().await;
     let mut client = relay.client().await;
-    let create = |token| {
-        authed(
-            pb::CreateChannelRequest {
-                channel: CHANNEL.into(),
-            },
-            token,
-        )
-    };
-    client.create_channel(create("alice.k1")).await.unwrap();
+    create_as(&mut client, CHANNEL, "acme.k1").await;
     let publish =
         |token, payload: &[u8]| authed(request(CHANNEL, application(CHANNEL, 0, payload)), token);
     assert_eq!(
         client
-            .publish(publish("alice.k1", b"a"))
+            .publish(publish("acme.k1", b"a"))
             .await
             .unwrap()
             .into_inner()
             .seq,
         1
     );
-    // Another key of the same account shares its channels; another account does not see them.
+    // Another key of the same account acts for it: the account's leaf is bound.
     assert_eq!(
         client
-            .publish(publish("alice.k2", b"b"))
+            .publish(publish("acme.k2", b"b"))
             .await
             .unwrap()
             .into_inner()
             .seq,
         2
     );
-    let hidden = client.publish(publish("bob.k3", b"c")).await.unwrap_err();
-    assert_eq!(hidden.code(), Code::NotFound);
-    client.create_channel(create("bob.k3")).await.unwrap();
-    assert_eq!(
-        client
-            .publish(publish("bob.k3", b"c"))
-            .await
-            .unwrap()
-            .into_inner()
-            .seq,
-        1
+    // Another account finds the channel, and may not use it.
+    let refused = client.publish(publish("bob.k3", b"c")).await.unwrap_err();
+    assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
+    // Nor create it again, nor anything else under the org.
+    let bob = Member::with_token("bob", "bob.k3");
+    for name in [CHANNEL, "acme/agents/other"] {
+        let taken = bob.try_create(&mut client, name).await.unwrap_err();
+        assert_status(
+            &taken,
+            Code::PermissionDenied,
+            "org 'acme' belongs to another account",
+        );
+    }
+    // Its own org is its own: the first to create under it claims it, for good.
+    let bobs = "bobco/agents/chat";
+    bob.create(&mut client, bobs).await;
+    bob.create(&mut client, "bobco/agents/more").await;
+    let carol = Member::with_token("carol", "acme.k1");
+    let taken = carol
+        .try_create(&mut client, "bobco/x/y")
+        .await
+        .unwrap_err();
+    assert_status(
+        &taken,
+        Code::PermissionDenied,
+        "org 'bobco' belongs to another account",
     );
+    // The name exists once: its own account gets ALREADY_EXISTS for it.
+    let again = Member::with_token("bob", "bob.k4");
+    let exists = again.try_create(&mut client, bobs).await.unwrap_err();
+    assert_status(
+        &exists,
+        Code::AlreadyExists,
+        "channel 'bobco/agents/chat' already exists",
+    );
+    let published = client
+        .publish(authed(request(bobs, application(bobs, 0, b"c")), "bob.k3"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(published.seq, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

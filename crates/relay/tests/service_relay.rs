@@ -6,6 +6,7 @@ mod service_support;
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use static_relay::pb;
 use tonic::Code;
@@ -17,10 +18,8 @@ async fn create_publish_subscribe_round_trip() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
     create(&mut client, CHANNEL).await;
-    let exists = client
-        .create_channel(pb::CreateChannelRequest {
-            channel: CHANNEL.into(),
-        })
+    let exists = Member::anonymous("bob")
+        .try_create(&mut client, CHANNEL)
         .await
         .unwrap_err();
     assert_status(
@@ -51,6 +50,7 @@ async fn create_publish_subscribe_round_trip() {
         .unary::<_, pb::CreateChannelResponse, _>(
             tonic::Request::new(pb::CreateChannelRequest {
                 channel: CHANNEL.into(),
+                ..Default::default()
             }),
             "/static.relay.v1.Relay/Nope".parse().unwrap(),
             tonic_prost::ProstCodec::default(),
@@ -134,62 +134,73 @@ async fn concurrent_publishers_see_one_order() {
     assert_eq!(replayed, payloads);
 }
 
+/// Six members (alice added the others in one commit: epoch 1) commit at epoch 1 at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_commits_on_one_epoch_exactly_one_wins() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
+    let members: Vec<Member> = ["alice", "bob", "carol", "dave", "erin", "frank"]
+        .into_iter()
+        .map(Member::anonymous)
+        .collect();
+    group_of(&mut client, CHANNEL, &members.iter().collect::<Vec<_>>()).await;
+    let commits: Vec<_> = members.iter().map(|m| m.update(CHANNEL)).collect();
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(6));
     let mut tasks = Vec::new();
-    for n in 0..6 {
+    for commit in commits.clone() {
         let mut own = relay.client().await;
         let barrier = barrier.clone();
         tasks.push(tokio::spawn(async move {
             barrier.wait().await;
-            publish(
-                &mut own,
-                CHANNEL,
-                commit(CHANNEL, 0, n.to_string().as_bytes()),
-            )
-            .await
+            publish(&mut own, CHANNEL, commit).await
         }));
     }
     let mut won = Vec::new();
     let mut lost = Vec::new();
-    for task in tasks {
+    for (n, task) in tasks.into_iter().enumerate() {
         match task.await.unwrap() {
-            Ok(response) => won.push(response),
+            Ok(response) => won.push((n, response)),
             Err(status) => lost.push(status),
         }
     }
     assert_eq!((won.len(), lost.len()), (1, 5));
-    assert_eq!((won[0].seq, won[0].epoch), (1, 1));
+    let (winner, response) = &won[0];
+    assert_eq!((response.seq, response.epoch), (2, 2));
     for status in lost {
         assert_eq!(status.code(), Code::FailedPrecondition);
         assert_eq!(
             trailer(&status, "static-current-epoch").as_deref(),
-            Some("1")
+            Some("2")
         );
         assert_eq!(
             status.message(),
-            "stale epoch: message epoch 0, channel epoch 1"
+            "stale epoch: message epoch 1, channel epoch 2"
         );
     }
-    let retry = publish(&mut client, CHANNEL, commit(CHANNEL, 1, b"retry"))
-        .await
-        .unwrap();
-    assert_eq!(retry.epoch, 2);
+    // Everyone applies the winner (the losers' commits are void); a loser commits again.
+    for member in &members {
+        member.apply(CHANNEL, &commits[*winner]);
+    }
+    let loser = &members[(winner + 1) % members.len()];
+    let (retry, _) = loser.commit(&mut client, CHANNEL).await;
+    assert_eq!((retry.seq, retry.epoch), (3, 3));
 }
 
+/// Bob joined (epoch 1); alice commits up to epoch 7, bob applying each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn epoch_rules_for_applications_and_proposals() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
-    for epoch in 0..7 {
-        publish(&mut client, CHANNEL, commit(CHANNEL, epoch, b""))
-            .await
-            .unwrap();
+    let (alice, bob) = (Member::anonymous("alice"), Member::anonymous("bob"));
+    group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
+    let mut proposal_at_6 = None;
+    for epoch in 1..7 {
+        if epoch == 6 {
+            // Made at epoch 6, published once the channel is at 7.
+            proposal_at_6 = Some(Bytes::from(bob.engine.leave(CHANNEL).unwrap()));
+        }
+        let (_, commit) = alice.commit(&mut client, CHANNEL).await;
+        bob.apply(CHANNEL, &commit);
     }
     let old = publish(&mut client, CHANNEL, application(CHANNEL, 2, b"x"))
         .await
@@ -205,10 +216,11 @@ async fn epoch_rules_for_applications_and_proposals() {
             Some("7")
         );
     }
-    let proposal = public_message(CHANNEL, 6, PROPOSAL, b"p");
-    let refused = publish(&mut client, CHANNEL, proposal).await.unwrap_err();
+    let refused = publish(&mut client, CHANNEL, proposal_at_6.unwrap())
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition);
-    let proposal = public_message(CHANNEL, 7, PROPOSAL, b"p");
+    let proposal = Bytes::from(bob.engine.leave(CHANNEL).unwrap());
     assert_eq!(
         publish(&mut client, CHANNEL, proposal).await.unwrap().epoch,
         7
@@ -219,7 +231,7 @@ async fn epoch_rules_for_applications_and_proposals() {
 async fn idempotent_retries_return_the_original_seq() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
+    let alice = create(&mut client, CHANNEL).await;
     let message = application(CHANNEL, 0, b"once");
     let first = publish(&mut client, CHANNEL, message.clone())
         .await
@@ -241,9 +253,9 @@ async fn idempotent_retries_return_the_original_seq() {
     let original = client.publish(keyed(b"a")).await.unwrap().into_inner();
     let retried = client.publish(keyed(b"a2")).await.unwrap().into_inner();
     assert_eq!((retried.seq, retried.duplicate), (original.seq, true));
-    // A retried commit is not fenced again: it gets its original answer.
-    let c = commit(CHANNEL, 0, b"");
-    let won = publish(&mut client, CHANNEL, c.clone()).await.unwrap();
+    // A retried commit is not fenced again (nor checked: the group has moved on past it): it
+    // gets its original answer.
+    let (won, c) = alice.commit(&mut client, CHANNEL).await;
     let again = publish(&mut client, CHANNEL, c).await.unwrap();
     assert_eq!(
         again,
@@ -288,21 +300,37 @@ async fn idempotent_retries_return_the_original_seq() {
     assert_eq!(sub.entries.len(), 7, "nothing appended twice");
 }
 
+/// Alice adds bob and carol in one commit with its Welcome; a commit of hers adding dave,
+/// made at epoch 0 but published once the channel is at 1, is refused with its Welcome.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn subscribe_from_epoch_and_fetch_welcomes() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
+    let alice = create(&mut client, CHANNEL).await;
+    let (bob, carol, dave) = (
+        Member::anonymous("bob"),
+        Member::anonymous("carol"),
+        Member::anonymous("dave"),
+    );
+    let dave_kp = dave.key_package();
+    let late = alice.engine.add_member(CHANNEL, &dave_kp).unwrap();
+    alice.engine.clear_pending_commit(CHANNEL).unwrap();
     publish(&mut client, CHANNEL, application(CHANNEL, 0, b"before"))
         .await
         .unwrap();
-    let w = welcome(&[b"kp-ref-1", b"kp-ref-2"]);
+    let (bob_kp, carol_kp) = (bob.key_package(), carol.key_package());
+    let added = alice
+        .engine
+        .add_members(CHANNEL, &[&bob_kp, &carol_kp])
+        .unwrap();
+    let w = Bytes::from(added.welcome);
     let with_welcome = pb::PublishRequest {
         welcome: w.clone(),
-        ..request(CHANNEL, commit(CHANNEL, 0, b""))
+        ..request(CHANNEL, added.commit.into())
     };
     let committed = client.publish(with_welcome).await.unwrap().into_inner();
     assert_eq!((committed.seq, committed.epoch), (2, 1));
+    alice.engine.merge_pending_commit(CHANNEL).unwrap();
     publish(&mut client, CHANNEL, application(CHANNEL, 1, b"after"))
         .await
         .unwrap();
@@ -327,8 +355,9 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
         key: Some(key),
     };
     use pb::fetch_welcome_request::Key;
+    let carol_ref = key_package_ref(&carol_kp);
     let fetched = client
-        .fetch_welcome(fetch(Key::KeyPackageRef(b"kp-ref-2".to_vec().into())))
+        .fetch_welcome(fetch(Key::KeyPackageRef(carol_ref.into())))
         .await
         .unwrap()
         .into_inner();
@@ -343,6 +372,15 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
         .unwrap()
         .into_inner();
     assert_eq!(by_digest.commit_seq, 2);
+    // Joiners bind and fetch it as members would.
+    bob.engine.join_group(CHANNEL, &w).unwrap();
+    bob.bind(&mut client, CHANNEL).await.unwrap();
+    let bob_ref = key_package_ref(&bob_kp);
+    let own = bob
+        .fetch_welcome(&mut client, CHANNEL, Key::KeyPackageRef(bob_ref.into()))
+        .await
+        .unwrap();
+    assert_eq!((own.welcome, own.commit_seq, own.epoch), (w.clone(), 2, 1));
     let unknown = client
         .fetch_welcome(fetch(Key::KeyPackageRef(b"nope".to_vec().into())))
         .await
@@ -361,15 +399,16 @@ async fn subscribe_from_epoch_and_fetch_welcomes() {
     assert_eq!(keyless.code(), Code::InvalidArgument);
     // A refused commit keeps no welcome.
     let late = pb::PublishRequest {
-        welcome: welcome(&[b"kp-x"]),
-        ..request(CHANNEL, commit(CHANNEL, 0, b"late"))
+        welcome: late.welcome.into(),
+        ..request(CHANNEL, late.commit.into())
     };
     assert_eq!(
         client.publish(late).await.unwrap_err().code(),
         Code::FailedPrecondition
     );
+    let dave_ref = key_package_ref(&dave_kp);
     let kept = client
-        .fetch_welcome(fetch(Key::KeyPackageRef(b"kp-x".to_vec().into())))
+        .fetch_welcome(fetch(Key::KeyPackageRef(dave_ref.into())))
         .await
         .unwrap_err();
     assert_eq!(kept.code(), Code::NotFound);
@@ -423,6 +462,7 @@ async fn malformed_oversized_and_misaddressed_messages() {
     let bad_name = client
         .create_channel(pb::CreateChannelRequest {
             channel: "not-a-channel".into(),
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -430,7 +470,10 @@ async fn malformed_oversized_and_misaddressed_messages() {
     assert!(bad_name.message().contains("org/namespace/service"));
     let long = format!("a/b/{}", "c".repeat(200));
     let too_long = client
-        .create_channel(pb::CreateChannelRequest { channel: long })
+        .create_channel(pb::CreateChannelRequest {
+            channel: long,
+            ..Default::default()
+        })
         .await
         .unwrap_err();
     assert_eq!(too_long.code(), Code::InvalidArgument);
@@ -531,16 +574,18 @@ impl tonic::codec::Encoder for RawEncoder {
     }
 }
 
+/// Alice and bob (epoch 1) both commit at epoch 1 on one call: bob's commit loses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_stream_stops_at_the_first_refusal() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
+    let (alice, bob) = (Member::anonymous("alice"), Member::anonymous("bob"));
+    group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
     let requests = vec![
-        request(CHANNEL, application(CHANNEL, 0, b"1")),
-        request(CHANNEL, commit(CHANNEL, 0, b"")),
-        request(CHANNEL, commit(CHANNEL, 0, b"stale")),
-        request(CHANNEL, application(CHANNEL, 1, b"never")),
+        request(CHANNEL, application(CHANNEL, 1, b"1")),
+        request(CHANNEL, alice.update(CHANNEL)),
+        request(CHANNEL, bob.update(CHANNEL)),
+        request(CHANNEL, application(CHANNEL, 2, b"never")),
     ];
     let mut answers = client
         .publish_stream(tokio_stream::iter(requests.clone()))
@@ -555,13 +600,13 @@ async fn publish_stream_stops_at_the_first_refusal() {
             Err(status) => break status,
         }
     };
-    assert_eq!(got, [(1, 0), (2, 1)]);
+    assert_eq!(got, [(2, 1), (3, 2)]);
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(
         trailer(&status, "static-current-epoch").as_deref(),
-        Some("1")
+        Some("2")
     );
-    let mut log = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    let mut log = Subscription::open(&mut client, subscribe_request(CHANNEL, 1)).await;
     log.wait_for(2).await;
     log.wait_keepalives(2).await;
     let messages: Vec<_> = log.entries.iter().map(|e| e.message.clone()).collect();
@@ -570,10 +615,12 @@ async fn publish_stream_stops_at_the_first_refusal() {
         [requests[0].message.clone(), requests[1].message.clone()]
     );
     assert!(!messages.contains(&requests[2].message));
+    alice.apply(CHANNEL, &requests[1].message);
+    bob.apply(CHANNEL, &requests[1].message);
 
     // 500 on one call: one answer each, in order, sharing commits.
     let messages: Vec<_> = (0..500)
-        .map(|i| application(CHANNEL, 1, format!("{i}").as_bytes()))
+        .map(|i| application(CHANNEL, 2, format!("{i}").as_bytes()))
         .collect();
     let mut answers = client
         .publish_stream(tokio_stream::iter(
@@ -590,7 +637,8 @@ async fn publish_stream_stops_at_the_first_refusal() {
         .into_iter()
         .map(|a| a.seq)
         .collect();
-    let start = got.len() as u64 + log.entries.len() as u64 - 2 + 1;
+    // After the add, the answered two, and "never" if it made it in.
+    let start = 1 + got.len() as u64 + log.entries.len() as u64 - 2 + 1;
     assert_eq!(seqs.len(), 500);
     assert!(
         seqs.windows(2).all(|w| w[1] == w[0] + 1),
@@ -599,24 +647,26 @@ async fn publish_stream_stops_at_the_first_refusal() {
     assert!(seqs[0] >= start);
 }
 
+/// Alice and bob (epoch 1) both commit at epoch 1 in one batch: bob's loses, the call goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_batches_answers_every_item_and_goes_on() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
-    create(&mut client, CHANNEL).await;
+    let (alice, bob) = (Member::anonymous("alice"), Member::anonymous("bob"));
+    group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
     let other = "acme/agents/other";
     let first: Vec<_> = (0..3)
-        .map(|i| request(CHANNEL, application(CHANNEL, 0, format!("{i}").as_bytes())))
+        .map(|i| request(CHANNEL, application(CHANNEL, 1, format!("{i}").as_bytes())))
         .collect();
     let second = vec![
-        request(CHANNEL, commit(CHANNEL, 0, b"")),
-        request(CHANNEL, commit(CHANNEL, 0, b"stale")), // loses the epoch: refused, call goes on
+        request(CHANNEL, alice.update(CHANNEL)),
+        request(CHANNEL, bob.update(CHANNEL)), // loses the epoch: refused, call goes on
         request(CHANNEL, bytes::Bytes::from_static(b"not mls")),
-        request(CHANNEL, application(CHANNEL, 0, b"0")), // a retry of the first item
-        request(other, application(other, 1, b"x")),     // no such channel
-        request(CHANNEL, application(CHANNEL, 1, b"after")),
+        request(CHANNEL, application(CHANNEL, 1, b"0")), // a retry of the first item
+        request(other, application(other, 2, b"x")),     // no such channel
+        request(CHANNEL, application(CHANNEL, 2, b"after")),
     ];
-    let third = vec![request(CHANNEL, application(CHANNEL, 1, b"last"))];
+    let third = vec![request(CHANNEL, application(CHANNEL, 2, b"last"))];
     let batches: Vec<_> = [first, second, third]
         .into_iter()
         .map(|requests| pb::PublishBatchRequest { requests })
@@ -646,30 +696,30 @@ async fn publish_batches_answers_every_item_and_goes_on() {
     assert_eq!(
         results[..4].iter().map(accepted).collect::<Vec<_>>(),
         [
-            Some((1, 0, false)),
-            Some((2, 0, false)),
-            Some((3, 0, false)),
-            Some((4, 1, false))
+            Some((2, 1, false)),
+            Some((3, 1, false)),
+            Some((4, 1, false)),
+            Some((5, 2, false))
         ]
     );
     let stale = refused(&results[4]);
     assert_eq!(stale.code, Code::FailedPrecondition as u32);
-    assert_eq!(stale.current_epoch, 1);
+    assert_eq!(stale.current_epoch, 2);
     assert_eq!(
         stale.message,
-        "stale epoch: message epoch 0, channel epoch 1"
+        "stale epoch: message epoch 1, channel epoch 2"
     );
     assert_eq!(refused(&results[5]).code, Code::InvalidArgument as u32);
-    assert_eq!(accepted(&results[6]), Some((1, 0, true)));
+    assert_eq!(accepted(&results[6]), Some((2, 1, true)));
     assert_eq!(refused(&results[7]).code, Code::NotFound as u32);
     assert_eq!(
         results[8..].iter().map(accepted).collect::<Vec<_>>(),
-        [Some((5, 1, false)), Some((6, 1, false))]
+        [Some((6, 2, false)), Some((7, 2, false))]
     );
     let mut log = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
-    log.wait_for(6).await;
+    log.wait_for(7).await;
     log.wait_keepalives(2).await;
-    assert_eq!(log.entries.len(), 6);
+    assert_eq!(log.entries.len(), 7);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

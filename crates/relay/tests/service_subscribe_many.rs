@@ -4,17 +4,15 @@
 
 mod service_support;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, StreamExt as _};
+use static_relay::pb;
 use static_relay::pb::relay_client::RelayClient;
-use static_relay::pb::{self, subscribe_many_request::Op, subscribe_many_response::Item};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming};
+use tonic::Code;
 
 use service_support::*;
 
@@ -26,128 +24,6 @@ fn name(i: usize) -> String {
 
 fn from_seq(channel: &str, after_seq: u64) -> pb::SubscribeRequest {
     subscribe_request(channel, after_seq)
-}
-
-/// A SubscribeMany call: requests sent through `tx`, responses sorted by channel as read.
-struct Many {
-    tx: mpsc::UnboundedSender<pb::SubscribeManyRequest>,
-    stream: Streaming<pb::SubscribeManyResponse>,
-    entries: HashMap<String, Vec<pb::Entry>>,
-    /// Answers to adds, per channel: Ok(head_seq) for a live follow, Err for `ended`.
-    answers: HashMap<String, Vec<Result<u64, pb::Refusal>>>,
-    /// The channel of every `entries` response, in order.
-    order: Vec<String>,
-    keepalives: usize,
-}
-
-impl Many {
-    async fn open(client: &mut RelayClient<Channel>, token: Option<&str>) -> Many {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let requests = UnboundedReceiverStream::new(rx);
-        let stream = match token {
-            Some(token) => client.subscribe_many(authed(requests, token)).await,
-            None => client.subscribe_many(requests).await,
-        };
-        Many {
-            tx,
-            stream: stream.unwrap().into_inner(),
-            entries: HashMap::new(),
-            answers: HashMap::new(),
-            order: Vec::new(),
-            keepalives: 0,
-        }
-    }
-
-    fn send(&self, op: Op) {
-        self.tx
-            .send(pb::SubscribeManyRequest { op: Some(op) })
-            .unwrap();
-    }
-
-    fn add(&self, request: pb::SubscribeRequest) {
-        self.send(Op::Add(request));
-    }
-
-    fn remove(&self, channel: &str) {
-        self.send(Op::Remove(channel.to_owned()));
-    }
-
-    /// The next response; Err: the call ended (with its status, or OK as `Code::Ok`).
-    async fn next(&mut self) -> Result<(), Status> {
-        let response = tokio::time::timeout(WAIT, self.stream.message())
-            .await
-            .expect("the stream went silent")?
-            .ok_or_else(|| Status::new(Code::Ok, "ended"))?;
-        let channel = response.channel;
-        match response.item {
-            Some(Item::Entries(batch)) => {
-                assert!(!batch.entries.is_empty());
-                self.order.push(channel.clone());
-                self.entries
-                    .entry(channel)
-                    .or_default()
-                    .extend(batch.entries);
-            }
-            Some(Item::KeepAlive(_)) if channel.is_empty() => self.keepalives += 1,
-            Some(Item::KeepAlive(k)) => self
-                .answers
-                .entry(channel)
-                .or_default()
-                .push(Ok(k.head_seq)),
-            Some(Item::Ended(refusal)) => {
-                self.answers.entry(channel).or_default().push(Err(refusal))
-            }
-            None => panic!("a response without an item"),
-        }
-        Ok(())
-    }
-
-    async fn until(&mut self, mut done: impl FnMut(&Many) -> bool) {
-        while !done(self) {
-            if let Err(status) = self.next().await {
-                panic!("the stream ended: {status:?}");
-            }
-        }
-    }
-
-    /// The answer to the `n`th add of `channel` (from 1).
-    async fn answer(&mut self, channel: &str, n: usize) -> Result<u64, pb::Refusal> {
-        self.until(|m| m.answers.get(channel).map_or(0, Vec::len) >= n)
-            .await;
-        self.answers[channel][n - 1].clone()
-    }
-
-    async fn live(&mut self, channel: &str) -> u64 {
-        self.answer(channel, 1).await.unwrap()
-    }
-
-    async fn wait_for(&mut self, channel: &str, count: usize) -> Vec<u64> {
-        self.until(|m| m.seqs(channel).len() >= count).await;
-        self.seqs(channel)
-    }
-
-    fn seqs(&self, channel: &str) -> Vec<u64> {
-        self.entries
-            .get(channel)
-            .map_or_else(Vec::new, |e| e.iter().map(|e| e.seq).collect())
-    }
-
-    async fn wait_end(&mut self) -> Status {
-        loop {
-            if let Err(status) = self.next().await {
-                return status;
-            }
-        }
-    }
-}
-
-#[track_caller]
-fn assert_refusal(answer: Result<u64, pb::Refusal>, code: Code, message: &str) {
-    let refusal = answer.unwrap_err();
-    assert_eq!(
-        (Code::from(refusal.code as i32), refusal.message.as_str()),
-        (code, message)
-    );
 }
 
 async fn publish_app(
@@ -239,9 +115,9 @@ async fn adds_start_from_an_epoch() {
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
     let a = name(1);
-    create(&mut client, &a).await;
+    let alice = create(&mut client, &a).await;
     publish_app(&mut client, &a, 0, b"before").await;
-    publish(&mut client, &a, commit(&a, 0, b"1")).await.unwrap();
+    alice.commit(&mut client, &a).await;
     publish_app(&mut client, &a, 1, b"after").await;
     let mut many = Many::open(&mut client, None).await;
     many.add(pb::SubscribeRequest {
@@ -480,13 +356,14 @@ async fn revocation_and_expiry_end_the_stream() {
     let mut doomed = Many::open(&mut client, Some("acme.doomed")).await;
     doomed.add(from_seq(CHANNEL, 0));
     doomed.live(CHANNEL).await;
-    // Another account's channel is simply not found.
+    // Another account's channel: names are global now (membership), so it is found, and
+    // refused since no leaf of its group is bound to that account (was: not found).
     let mut hidden = Many::open(&mut client, Some("bob.k1")).await;
     hidden.add(from_seq(CHANNEL, 0));
     assert_refusal(
         hidden.answer(CHANNEL, 1).await,
-        Code::NotFound,
-        &format!("no channel '{CHANNEL}'"),
+        Code::PermissionDenied,
+        &not_a_member(CHANNEL),
     );
     assert_eq!(relay.server().live_keys(), ["doomed", "k1"]);
     let revoked_at = Instant::now();
@@ -585,10 +462,17 @@ async fn ten_thousand_channels_on_one_stream() {
     .await;
     let client = relay.client().await;
     let created = Instant::now();
-    stream::iter(0..N)
-        .for_each_concurrent(64, |i| {
+    // One member creates them all: its groups first (the engine serialises them anyway), then
+    // the channels, concurrently.
+    let alice = Member::anonymous("alice");
+    let requests: Vec<_> = (0..N).map(|i| alice.create_request(&name(i))).collect();
+    let made = created.elapsed();
+    stream::iter(requests)
+        .for_each_concurrent(64, |request| {
             let mut client = client.clone();
-            async move { create(&mut client, &name(i)).await }
+            async move {
+                client.create_channel(request).await.unwrap();
+            }
         })
         .await;
     let created = created.elapsed();
@@ -628,7 +512,7 @@ async fn ten_thousand_channels_on_one_stream() {
         assert_eq!(many.seqs(&name(i)), expected);
     }
     eprintln!(
-        "{N} channels: created in {created:?}, added and live on one stream in {added:?}, \
+        "{N} channels: created in {created:?} (their groups in {made:?}), added and live on one stream in {added:?}, \
          publish-to-delivery {latencies:?}, a publish on each delivered in {burst:?}; \
          test process RSS {rss_before} KiB before the adds, {rss_after} KiB after"
     );
@@ -641,4 +525,32 @@ async fn ten_thousand_channels_on_one_stream() {
         rss_after.saturating_sub(rss_before) < 200 * 1024,
         "{rss_before} -> {rss_after} KiB"
     );
+}
+
+/// A follow of an account that a commit removed ends (`ended`, PERMISSION_DENIED) right after
+/// that commit's entry, even when nothing follows it in the log: the follow once waited,
+/// caught up, for the channel's next entry before it noticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_accounts_follow_ends_at_the_commit_that_removed_it() {
+    let relay = Relay::start_with(
+        |c| c.keepalive_interval = Duration::from_secs(60),
+        Some(Arc::new(FakeVerify)),
+    )
+    .await;
+    let mut client = relay.client().await;
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
+    let mut many = Many::open(&mut client, Some("bobco.k1")).await;
+    many.add(from_seq(CHANNEL, 0));
+    assert_eq!(many.live(CHANNEL).await, 1);
+    assert_eq!(many.wait_for(CHANNEL, 1).await, [1]);
+    let removal = alice.remove(CHANNEL, "bob");
+    let removed = alice.publish(&mut client, CHANNEL, removal).await.unwrap();
+    assert_eq!(removed.seq, 2);
+    let ended = tokio::time::timeout(Duration::from_secs(1), many.answer(CHANNEL, 2))
+        .await
+        .expect("the follow did not end within a second of the commit that removed it");
+    assert_refusal(ended, Code::PermissionDenied, &not_a_member(CHANNEL));
+    assert_eq!(many.seqs(CHANNEL), [1, 2]);
 }

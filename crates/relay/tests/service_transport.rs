@@ -345,6 +345,7 @@ async fn illegal_header_values_never_reach_the_service() {
     out.extend(h2_frame(1, 0x4, 1, &block)); // HEADERS, END_HEADERS
     let body = grpc_frame(&pb::CreateChannelRequest {
         channel: CHANNEL.into(),
+        ..Default::default()
     });
     out.extend(h2_frame(0, 0x1, 1, &body)); // DATA, END_STREAM
     tcp.write_all(&out).await.unwrap();

@@ -388,6 +388,13 @@ impl Many {
             if let Some(follow) = self.follows.get_mut(&name) {
                 follow.cursor = sent;
             }
+            if sent >= limit {
+                // A departed member has read up to the commit that removed it: ended now, not
+                // at the channel's next entry (which may never come).
+                self.unfollow(&name);
+                let ended = refusal(&not_a_member(channel.name()));
+                return self.send(name, Item::Ended(ended)).await;
+            }
         }
         self.settle(name, id);
         Ok(())

@@ -1,0 +1,386 @@
+//! Membership across relays on one PostgreSQL database: what one relay binds or commits, the
+//! others learn from the store. Runs on a throwaway cluster of its own (initdb in a temporary
+//! directory, loopback only, as `tests/support/postgres.py` makes one); skipped, saying so,
+//! where PostgreSQL's binaries are missing (scripts/ensure-postgres.sh installs them).
+#![allow(clippy::unwrap_used)]
+
+mod service_support;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use static_relay::{pb, Database};
+use tempfile::TempDir;
+use tonic::Code;
+
+use service_support::*;
+
+const SCHEMA: [&str; 2] = [
+    include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
+];
+
+/// A PostgreSQL cluster of the test's own, stopped when dropped.
+struct Cluster {
+    bindir: PathBuf,
+    root: TempDir,
+    port: u16,
+    /// PostgreSQL refuses to run as root: then it runs as the `postgres` user.
+    as_root: bool,
+}
+
+/// The directory holding `initdb` and `pg_ctl`, if PostgreSQL is installed.
+fn postgres_bin() -> Option<PathBuf> {
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("bin"))
+        .filter(|bin| bin.join("initdb").exists())
+        .collect();
+    versions.sort();
+    versions.pop().or_else(|| {
+        let out = Command::new("sh")
+            .args(["-c", "command -v initdb"])
+            .output()
+            .ok()?;
+        let path = PathBuf::from(String::from_utf8(out.stdout).ok()?.trim());
+        Some(path.canonicalize().ok()?.parent()?.to_owned())
+    })
+}
+
+fn id_of(flag: &str) -> u32 {
+    let out = Command::new("id")
+        .args([flag, "postgres"])
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+impl Cluster {
+    /// A started cluster, or None (after saying so) without PostgreSQL.
+    fn start() -> Option<Cluster> {
+        let Some(bindir) = postgres_bin() else {
+            eprintln!("postgresql: skipped (no PostgreSQL binaries: scripts/ensure-postgres.sh)");
+            return None;
+        };
+        let root = tempfile::Builder::new()
+            .prefix("static-pg-")
+            .tempdir()
+            .unwrap();
+        let as_root = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|out| out.stdout.trim_ascii() == b"0");
+        if as_root {
+            std::os::unix::fs::chown(root.path(), Some(id_of("-u")), Some(id_of("-g"))).unwrap();
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cluster = Cluster {
+            bindir,
+            root,
+            port,
+            as_root,
+        };
+        let data = cluster.data();
+        cluster.run(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--no-sync",
+                "-E",
+                "UTF8",
+            ],
+        );
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={} \
+             -c fsync=off",
+            cluster.root.path().display()
+        );
+        let log = cluster.root.path().join("server.log");
+        cluster.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-o",
+                &options,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        Some(cluster)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.root.path().join("data")
+    }
+
+    fn run(&self, program: &str, args: &[&str]) {
+        let program = self.bindir.join(program);
+        let mut command = if self.as_root {
+            let mut command = Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(&program);
+            command
+        } else {
+            Command::new(&program)
+        };
+        let out = command
+            .args(args)
+            .current_dir(self.root.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            program.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!("postgresql://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// A new database with the relay's tables.
+    async fn database(&self, name: &str) -> String {
+        let admin = connect(&self.url("postgres")).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await
+            .unwrap();
+        let url = self.url(name);
+        let db = connect(&url).await;
+        for schema in SCHEMA {
+            db.batch_execute(schema).await.unwrap();
+        }
+        url
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let data = self.data();
+        let args = ["-D", data.to_str().unwrap(), "-m", "immediate", "stop"];
+        // Best effort: the temporary directory goes anyway.
+        let program = self.bindir.join("pg_ctl");
+        let _ = if self.as_root {
+            Command::new("runuser")
+                .args(["-u", "postgres", "--"])
+                .arg(&program)
+                .args(args)
+                .output()
+        } else {
+            Command::new(&program).args(args).output()
+        };
+    }
+}
+
+async fn connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// Two relays on one database, checking tokens, keep-alives far apart (only entries wake the
+/// streams).
+async fn two_relays(url: &str) -> (Relay, Relay) {
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let dir = tempfile::tempdir().unwrap();
+        let relay = Relay::on_database(
+            Database::parse(url),
+            dir,
+            |c| c.keepalive_interval = Duration::from_secs(60),
+            Some(Arc::new(FakeVerify)),
+        )
+        .await;
+        relays.push(relay);
+    }
+    let b = relays.pop().unwrap();
+    (relays.pop().unwrap(), b)
+}
+
+/// Bob binds through relay A and reads through relay B (B reloads the bindings before it
+/// refuses). Alice removes him through A: his streams on B get the entries up to that commit
+/// (so his client learns of the removal) and then end with PERMISSION_DENIED. B learns the
+/// commit from the store, not from its own writer: it once dropped what it knew of bob with
+/// its old group and ended his streams before the commit, which he then never saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("removal").await;
+    let (a, b) = two_relays(&url).await;
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    group_of(&mut on_a, CHANNEL, &[&alice, &bob]).await;
+
+    let mut bobs = bob.subscribe(&mut on_b, CHANNEL, 0).await.unwrap();
+    assert_eq!(bobs.wait_for(1).await.len(), 1);
+    let mut bobs_many = Many::open(&mut on_b, Some("bobco.k1")).await;
+    bobs_many.add(subscribe_request(CHANNEL, 0));
+    assert_eq!(bobs_many.live(CHANNEL).await, 1);
+    assert_eq!(bobs_many.wait_for(CHANNEL, 1).await, [1]);
+    let hello = alice.encrypt(CHANNEL, b"across relays");
+    alice.publish(&mut on_a, CHANNEL, hello).await.unwrap();
+    bobs.wait_for(2).await;
+    bobs_many.wait_for(CHANNEL, 2).await;
+
+    let removal = alice.remove(CHANNEL, "bob");
+    let removed = alice
+        .publish(&mut on_a, CHANNEL, removal.clone())
+        .await
+        .unwrap();
+    let at = Instant::now();
+    assert_eq!((removed.seq, removed.epoch), (3, 2));
+    let status = bobs.wait_end().await;
+    assert_eq!(bobs.seqs(), [1, 2, 3], "bob's stream ended with {status:?}");
+    assert_status(&status, Code::PermissionDenied, &not_a_member(CHANNEL));
+    assert!(at.elapsed() < Duration::from_secs(1), "{:?}", at.elapsed());
+    assert_eq!(bobs.entries[2].message, removal);
+    let ended = tokio::time::timeout(Duration::from_secs(1), bobs_many.answer(CHANNEL, 2))
+        .await
+        .expect("the follow did not end within a second of the removal");
+    assert_eq!(bobs_many.seqs(CHANNEL), [1, 2, 3]);
+    assert_refusal(ended, Code::PermissionDenied, &not_a_member(CHANNEL));
+    // Refused on both relays from now on.
+    for client in [&mut on_a, &mut on_b] {
+        let late = application(CHANNEL, 2, b"late");
+        let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
+        assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
+    }
+}
+
+/// What one relay learns of a channel's membership, the other one uses: the org claimed on A
+/// is refused on B; bob binds through B and publishes through A; commits are checked on
+/// either relay against the one group (the same epoch raced on both: one wins); a leave
+/// proposed on B is committed by reference on A; a forged commit is refused on both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_on_one_database_share_the_membership() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("shared").await;
+    let (a, b) = two_relays(&url).await;
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    alice.create(&mut on_a, CHANNEL).await;
+    let evil = Member::with_token("mallory", "evil.k1");
+    let refused = evil
+        .try_create(&mut on_b, "acme/agents/other")
+        .await
+        .unwrap_err();
+    assert_status(
+        &refused,
+        Code::PermissionDenied,
+        "org 'acme' belongs to another account",
+    );
+    let exists = Member::with_token("alice", "acme.k2")
+        .try_create(&mut on_b, CHANNEL)
+        .await
+        .unwrap_err();
+    assert_eq!(exists.code(), Code::AlreadyExists);
+
+    // The add through A, the binding through B, a message through A.
+    let added = alice
+        .engine
+        .add_member(CHANNEL, &bob.key_package())
+        .unwrap();
+    let with_welcome = pb::PublishRequest {
+        welcome: added.welcome.clone().into(),
+        ..request(CHANNEL, added.commit.into())
+    };
+    on_a.publish(alice.request(with_welcome)).await.unwrap();
+    alice.engine.merge_pending_commit(CHANNEL).unwrap();
+    bob.join(&mut on_b, CHANNEL, &added.welcome).await;
+    let hello = bob.encrypt(CHANNEL, b"bound on B, sent on A");
+    assert_eq!(bob.publish(&mut on_a, CHANNEL, hello).await.unwrap().seq, 2);
+    let list = alice.list_members(&mut on_a, CHANNEL).await.unwrap();
+    let accounts: Vec<_> = list.members.iter().map(|m| m.account.as_str()).collect();
+    assert_eq!((list.epoch, accounts), (1, vec!["acme", "bobco"]));
+
+    // Both commit at epoch 1, alice on A, bob on B: one wins, the other is stale.
+    let (alices, bobs) = (alice.update(CHANNEL), bob.update(CHANNEL));
+    let (on_a_answer, on_b_answer) = tokio::join!(
+        alice.publish(&mut on_a, CHANNEL, alices.clone()),
+        bob.publish(&mut on_b, CHANNEL, bobs.clone()),
+    );
+    let (won, lost, winner) = match (on_a_answer, on_b_answer) {
+        (Ok(won), Err(lost)) => (won, lost, alices),
+        (Err(lost), Ok(won)) => (won, lost, bobs),
+        other => panic!("not exactly one winner: {other:?}"),
+    };
+    assert_eq!((won.seq, won.epoch), (3, 2));
+    assert_eq!(lost.code(), Code::FailedPrecondition);
+    assert_eq!(trailer(&lost, "static-current-epoch").as_deref(), Some("2"));
+    alice.apply(CHANNEL, &winner);
+    bob.apply(CHANNEL, &winner);
+
+    // A forged commit at the new epoch, on either relay.
+    let mut mallory = RawMember::new("alice");
+    mallory.create_look_alike(CHANNEL);
+    mallory.self_update(true);
+    mallory.self_update(true);
+    let forged = mallory.self_update(false);
+    for client in [&mut on_a, &mut on_b] {
+        let refused = client
+            .publish(authed(request(CHANNEL, forged.clone()), "acme.stolen"))
+            .await
+            .unwrap_err();
+        assert_status(
+            &refused,
+            Code::PermissionDenied,
+            "the commit's signature does not verify",
+        );
+    }
+
+    // Bob's leave proposed on B, committed by reference on A.
+    let proposal = Bytes::from(bob.engine.leave(CHANNEL).unwrap());
+    bob.publish(&mut on_b, CHANNEL, proposal.clone())
+        .await
+        .unwrap();
+    alice.apply(CHANNEL, &proposal);
+    let commit = Bytes::from(
+        alice
+            .engine
+            .commit_pending_proposals(CHANNEL)
+            .unwrap()
+            .unwrap(),
+    );
+    let committed = alice
+        .publish(&mut on_a, CHANNEL, commit.clone())
+        .await
+        .unwrap();
+    assert_eq!((committed.seq, committed.epoch), (5, 3));
+    alice.apply(CHANNEL, &commit);
+    for client in [&mut on_a, &mut on_b] {
+        let late = application(CHANNEL, 3, b"gone");
+        let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
+        assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
+    }
+    let list = alice.list_members(&mut on_b, CHANNEL).await.unwrap();
+    assert_eq!((list.epoch, list.members.len()), (3, 1));
+}
