@@ -15,7 +15,9 @@ use openmls::prelude::{MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY, MIXED_PLAINTEXT_WIRE
 use sha2::{Digest, Sha256};
 use static_mls::Incoming;
 use static_relay::framing::{parse_message, ContentType, PRIVATE_MESSAGE};
+use static_relay::pb::relay_client::RelayClient;
 use static_relay::pb::{self, fetch_welcome_request::Key, publish_result::Outcome};
+use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use service_support::*;
@@ -65,6 +67,20 @@ fn from_epoch(epoch: u64) -> pb::SubscribeRequest {
 /// Alice (account acme) adds bob (account bobco): bob joins from the Welcome and has no access
 /// until he binds his leaf; then he reads, publishes, fetches his Welcome, lists the members
 /// (both accounts) and commits like alice.
+/// The Welcome of a refused commit was not kept: the relay answers NOT_FOUND for it.
+async fn assert_welcome_not_kept(
+    client: &mut RelayClient<Channel>,
+    member: &Member,
+    welcome: &[u8],
+) {
+    let digest = Key::WelcomeSha256(Sha256::digest(welcome).to_vec().into());
+    let kept = member
+        .fetch_welcome(client, CHANNEL, digest)
+        .await
+        .unwrap_err();
+    assert_eq!(kept.code(), Code::NotFound);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_of_another_account_joins_by_welcome_and_binding() {
     let relay = relay().await;
@@ -339,12 +355,7 @@ async fn a_forged_commit_is_refused_and_moves_nothing() {
         Code::PermissionDenied,
         "the sender is not a member of the group at epoch 1",
     );
-    let digest = Key::WelcomeSha256(Sha256::digest(&forged_welcome).to_vec().into());
-    let kept = alice
-        .fetch_welcome(&mut client, CHANNEL, digest)
-        .await
-        .unwrap_err();
-    assert_eq!(kept.code(), Code::NotFound);
+    assert_welcome_not_kept(&mut client, &alice, &forged_welcome).await;
 
     // The epoch did not move: a member's commit at epoch 1 is the one that starts epoch 2.
     assert_eq!(epoch_of(&mut client, &alice, CHANNEL).await, 1);
@@ -791,12 +802,7 @@ async fn a_second_leaf_with_an_identity_in_the_group_is_refused() {
         Code::InvalidArgument,
         "identity \"alice\" would be held by leaves 0 and 2",
     );
-    let digest = Key::WelcomeSha256(Sha256::digest(&welcome).to_vec().into());
-    let kept = alice
-        .fetch_welcome(&mut client, CHANNEL, digest)
-        .await
-        .unwrap_err();
-    assert_eq!(kept.code(), Code::NotFound);
+    assert_welcome_not_kept(&mut client, &alice, &welcome).await;
     assert_eq!(epoch_of(&mut client, &alice, CHANNEL).await, 1);
     // Another identity is fine.
     carol.clear();
