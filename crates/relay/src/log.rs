@@ -524,7 +524,7 @@ impl ChannelLog {
             legacy_owner: None,
         };
         let channel = self.inner.registry.remember(name, row);
-        let mut membership = Membership::new(state);
+        let mut membership = Membership::new(0);
         membership.bind(leaf, account);
         *channel.members() = Some(membership);
         Ok(channel)
