@@ -612,7 +612,7 @@ async fn a_leave_committed_by_reference_ends_access() {
     let alice = Member::with_token("alice", "acme.k1");
     let bob = Member::with_token("bob", "bobco.k1");
     group_of(&mut client, CHANNEL, &[&alice, &bob]).await;
-    let proposal = Bytes::from(bob.engine.leave(CHANNEL).unwrap());
+    let proposal = bob.leave(CHANNEL);
     let proposed = bob
         .publish(&mut client, CHANNEL, proposal.clone())
         .await
@@ -622,19 +622,8 @@ async fn a_leave_committed_by_reference_ends_access() {
         alice.apply(CHANNEL, &proposal),
         Incoming::Proposal { .. }
     ));
-    let commit = Bytes::from(
-        alice
-            .engine
-            .commit_pending_proposals(CHANNEL)
-            .unwrap()
-            .unwrap(),
-    );
-    let committed = alice
-        .publish(&mut client, CHANNEL, commit.clone())
-        .await
-        .unwrap();
+    let (committed, commit) = alice.commit_proposals(&mut client, CHANNEL).await;
     assert_eq!((committed.seq, committed.epoch), (3, 2));
-    alice.apply(CHANNEL, &commit);
     assert!(matches!(
         bob.apply(CHANNEL, &commit),
         Incoming::Removed { epoch: 2 }

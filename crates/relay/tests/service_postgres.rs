@@ -358,24 +358,13 @@ async fn relays_on_one_database_share_the_membership() {
     }
 
     // Bob's leave proposed on B, committed by reference on A.
-    let proposal = Bytes::from(bob.engine.leave(CHANNEL).unwrap());
+    let proposal = bob.leave(CHANNEL);
     bob.publish(&mut on_b, CHANNEL, proposal.clone())
         .await
         .unwrap();
     alice.apply(CHANNEL, &proposal);
-    let commit = Bytes::from(
-        alice
-            .engine
-            .commit_pending_proposals(CHANNEL)
-            .unwrap()
-            .unwrap(),
-    );
-    let committed = alice
-        .publish(&mut on_a, CHANNEL, commit.clone())
-        .await
-        .unwrap();
+    let (committed, _) = alice.commit_proposals(&mut on_a, CHANNEL).await;
     assert_eq!((committed.seq, committed.epoch), (5, 3));
-    alice.apply(CHANNEL, &commit);
     for client in [&mut on_a, &mut on_b] {
         let late = application(CHANNEL, 3, b"gone");
         let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();

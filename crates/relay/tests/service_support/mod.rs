@@ -666,6 +666,29 @@ impl Member {
         (answer, commit)
     }
 
+    /// Our leave: a Remove proposal of our own leaf (not published).
+    pub fn leave(&self, channel: &str) -> Bytes {
+        Bytes::from(self.engine.leave(channel).unwrap())
+    }
+
+    /// Commits the proposals we hold, by reference: published on `client`, merged once
+    /// accepted.
+    pub async fn commit_proposals(
+        &self,
+        client: &mut RelayClient<Channel>,
+        channel: &str,
+    ) -> (pb::PublishResponse, Bytes) {
+        let commit = Bytes::from(
+            self.engine
+                .commit_pending_proposals(channel)
+                .unwrap()
+                .unwrap(),
+        );
+        let answer = self.publish(client, channel, commit.clone()).await.unwrap();
+        self.apply(channel, &commit);
+        (answer, commit)
+    }
+
     /// An application message (a real PrivateMessage).
     pub fn encrypt(&self, channel: &str, payload: &[u8]) -> Bytes {
         self.engine.encrypt(channel, payload).unwrap().into()
