@@ -10,7 +10,6 @@ mod service_support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use openmls::prelude::{MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY};
 use sha2::{Digest, Sha256};
 use static_mls::Incoming;

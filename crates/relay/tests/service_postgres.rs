@@ -11,7 +11,6 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use static_relay::{pb, Database};
 use tempfile::TempDir;
 use tonic::Code;
