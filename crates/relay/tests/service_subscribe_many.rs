@@ -18,6 +18,10 @@ use service_support::*;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// Held by the 10,000-channel test, which keeps both cores busy for seconds, and by the tests
+/// that measure time or order under load (they failed now and then beside it).
+static TIMING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn name(i: usize) -> String {
     format!("acme/many/c{i}")
 }
@@ -344,6 +348,7 @@ async fn bad_requests_end_the_stream_and_a_closed_one_ends_when_nothing_is_follo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revocation_and_expiry_end_the_stream() {
+    let _alone = TIMING.lock().await;
     let relay = Relay::start_with(|_| {}, Some(Arc::new(FakeVerify))).await;
     let mut client = relay.client().await;
     create_as(&mut client, CHANNEL, "acme.doomed").await;
@@ -417,6 +422,7 @@ async fn shutdown_ends_the_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_channel_does_not_starve_the_others() {
+    let _alone = TIMING.lock().await;
     const BUSY: usize = 5000;
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
@@ -428,14 +434,19 @@ async fn a_busy_channel_does_not_starve_the_others() {
     many.add(from_seq(&busy, 0));
     many.add(from_seq(&quiet, 0));
     many.live(&quiet).await;
-    // Not read meanwhile: the relay is stuck in the middle of the busy channel's replay.
+    // The relay is in the middle of the busy channel's replay. Counted from when the quiet
+    // entry is in the log (its publish answered), not from before its publish: how long the
+    // publish takes on a loaded machine says nothing of fairness (a CI run saw 1,536 busy
+    // entries go by during the publish alone, with the 10,000-channel test beside it).
     let before = many.seqs(&busy).len();
     publish_app(&mut client, &quiet, 0, b"now").await;
+    let logged = many.seqs(&busy).len();
     many.wait_for(&quiet, 1).await;
     let behind = many.seqs(&busy).len();
     assert!(
-        behind < BUSY / 2,
-        "the quiet channel's entry came after {behind} of {BUSY} busy entries ({before} before it was published)"
+        behind < BUSY && behind - logged < BUSY / 4,
+        "the quiet channel's entry came after {behind} of {BUSY} busy entries ({logged} when it \
+         was logged, {before} before it was published)"
     );
     assert_eq!(
         many.wait_for(&busy, BUSY).await,
@@ -454,6 +465,7 @@ fn rss_kib() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_channels_on_one_stream() {
+    let _alone = TIMING.lock().await;
     const N: usize = 10_000;
     let relay = Relay::start(|c| {
         c.allow_anonymous = true;
