@@ -5,7 +5,7 @@
 # ("invalid channel name: ..."), InternalError ("runtime error: ..."); all subclass RuntimeError.
 # Every bytes value on the wire is a TLS-serialized RFC 9420 MLSMessage.
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Final, Literal, final, overload
 
@@ -219,8 +219,10 @@ class RelayServer:
     token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None), or refuses
     with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). ``database`` is a
     SQLite file or a ``postgresql://`` URL (several relays may share one PostgreSQL database).
-    Construction raises ``OSError`` when the relay cannot start (address in use, database
-    unreachable or without the relay's tables).
+    ``settings`` sets tunable settings by name (see :func:`relay_settings`), the others keep
+    their defaults. Construction raises ``OSError`` when the relay cannot start (address in use,
+    database unreachable or without the relay's tables), ``ValueError`` for a setting unknown or
+    out of its bounds.
     """
 
     def __init__(
@@ -231,16 +233,7 @@ class RelayServer:
         database: str,
         verify: Callable[[str], tuple[str, str, float | None] | tuple[int, str]] | None,
         allow_anonymous: bool,
-        max_message_bytes: int,
-        graceful_timeout: float,
-        application_window: int,
-        keepalive_interval: float,
-        max_streams_per_connection: int,
-        max_subscriptions_per_stream: int,
-        max_follows_per_account: int,
-        reset_burst: int,
-        reset_rate_per_second: float,
-        publish_rate_per_agent: float,
+        settings: Mapping[str, float],
     ) -> None: ...
     @property
     def port(self) -> int: ...
@@ -251,3 +244,7 @@ class RelayServer:
     def shutdown(self) -> None:
         """Stop accepting, end subscriptions (UNAVAILABLE), let in-flight calls finish within
         the graceful timeout, close connections and the log. Blocks; a second call is a no-op."""
+
+def relay_settings() -> list[tuple[str, str, str, float, float, float, str]]:
+    """The relay's tunable settings, its one table: ``(name, flag, kind, default, low, high,
+    help)`` each, kind ``"count"``, ``"real"`` or ``"seconds"``, high ``inf`` for no bound."""

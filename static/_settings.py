@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,33 +81,16 @@ class ApiSettings:
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
-    """The relay's knobs."""
+    """The relay's knobs. Its tunable settings (limits, intervals, rates) are not repeated here:
+    their names, defaults, bounds and flags are the relay's one table
+    (``static._native.relay_settings()``, ``crates/relay/src/settings.rs``)."""
 
     #: Accept relay calls without a token (``--allow-anonymous``).
     allow_anonymous: bool = False
-    #: Largest MLS message accepted on Publish.
-    max_message_bytes: int = 1024 * 1024
-    #: Seconds in-flight calls may take to finish after a shutdown signal.
-    graceful_timeout_seconds: float = 5.0
-    #: Application messages are accepted at the channel's epoch or this many epochs before it.
-    application_epoch_window: int = 5
-    #: A subscription without traffic gets a keep-alive this often (a gone peer shows at once).
-    keepalive_interval_seconds: float = 2.0
     #: How often the API keys behind live streams are re-checked for revocation.
     revocation_check_seconds: float = 0.5
-    #: Concurrent streams (calls) per connection; more get RESOURCE_EXHAUSTED.
-    max_streams_per_connection: int = 100
-    #: Channels one SubscribeMany stream may follow at once; more adds get RESOURCE_EXHAUSTED.
-    max_subscriptions_per_stream: int = 10_000
-    #: Follows one account may hold on all its SubscribeMany streams together (~650 bytes of
-    #: relay memory each); more adds get RESOURCE_EXHAUSTED.
-    max_follows_per_account: int = 100_000
-    #: Stream resets a connection may make: a burst, then this many a second; past it the
-    #: connection is closed (HTTP/2 rapid reset).
-    reset_burst: int = 200
-    reset_rate_per_second: float = 50.0
-    #: Publishes per second per agent (API key, or peer address when anonymous); 0 = no limit.
-    publish_rate_per_agent: float = 10_000.0
+    #: Tunable settings by name, each replacing the relay's default (the rest keep theirs).
+    tunables: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

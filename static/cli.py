@@ -27,15 +27,18 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+_METAVARS: Final = {"count": "N", "real": "NUMBER", "seconds": "SECONDS"}
+
+
 @dataclass(frozen=True)
 class _RelayOption:
-    """A numeric option of the relay: its flag, the ``RelaySettings`` field it sets (whose
-    default is the option's), and its bounds. The environment variable is the flag's name."""
+    """A tunable setting of the relay, from its one table (``static._native.relay_settings()``):
+    its name, flag, kind, default, bounds and help. The environment variable is the flag's name."""
 
+    name: str
     flag: str
-    field: str
-    type: type[int] | type[float]
-    metavar: str
+    kind: str
+    default: float
     low: float
     high: float
     help: str
@@ -48,6 +51,12 @@ class _RelayOption:
     def env(self) -> str:
         return "STATIC_" + self.dest.upper()
 
+    def parse(self, text: str) -> float:
+        """The value of ``text``: a whole number for a count, else a real number."""
+        if self.kind == "count":
+            return int(text)
+        return float(text)
+
     def check(self, value: float) -> None:
         if not self.low <= value <= self.high:
             bounds = (
@@ -58,56 +67,14 @@ class _RelayOption:
             raise ValueError(f"{self.flag} must be {bounds}")
 
 
-_RELAY_OPTIONS: Final = (
-    _RelayOption(
-        "--relay-keepalive",
-        "keepalive_interval_seconds",
-        float,
-        "SECONDS",
-        0.05,
-        300,
-        "keep-alive interval of relay subscriptions, in seconds",
-    ),
-    _RelayOption(
-        "--relay-publish-rate",
-        "publish_rate_per_agent",
-        float,
-        "PER_SECOND",
-        0,
-        math.inf,
-        "relay publishes per second per agent, 0 for no limit",
-    ),
-    _RelayOption(
-        "--relay-max-streams",
-        "max_streams_per_connection",
-        int,
-        "N",
-        1,
-        10_000,
-        "concurrent relay streams per connection",
-    ),
-    _RelayOption(
-        "--relay-max-subscriptions",
-        "max_subscriptions_per_stream",
-        int,
-        "N",
-        1,
-        1_000_000,
-        "channels one relay SubscribeMany stream may follow",
-    ),
-    _RelayOption(
-        "--relay-max-follows",
-        "max_follows_per_account",
-        int,
-        "N",
-        1,
-        100_000_000,
-        "channels one account may follow on all its relay SubscribeMany streams together",
-    ),
-)
+def _relay_options() -> list[_RelayOption]:
+    from static._native import relay_settings
+
+    return [_RelayOption(*row) for row in relay_settings()]
 
 
 def _parser() -> argparse.ArgumentParser:
+    defaults = ServerSettings()
     parser = argparse.ArgumentParser(prog="static", description="Static: API and relay server")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -119,14 +86,14 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--http",
         type=Address.parse,
-        default=_env("STATIC_HTTP", "127.0.0.1:8080"),
+        default=_env("STATIC_HTTP", str(defaults.http)),
         metavar="HOST:PORT",
         help="HTTP API address; port 0 picks a free port [STATIC_HTTP] (default %(default)s)",
     )
     serve.add_argument(
         "--relay",
         type=Address.parse,
-        default=_env("STATIC_RELAY", "127.0.0.1:50051"),
+        default=_env("STATIC_RELAY", str(defaults.relay)),
         metavar="HOST:PORT",
         help="relay (gRPC) address [STATIC_RELAY] (default %(default)s)",
     )
@@ -140,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--data-dir",
         type=Path,
-        default=Path(_env("STATIC_DATA_DIR", "./static-data")),
+        default=Path(_env("STATIC_DATA_DIR", str(defaults.data_dir))),
         metavar="DIR",
         help="directory for the SQLite database and the signing key [STATIC_DATA_DIR] "
         "(default %(default)s)",
@@ -151,19 +118,18 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("STATIC_ALLOW_ANONYMOUS", "").lower() in _TRUE,
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
-    relay_defaults = RelaySettings()
-    for option in _RELAY_OPTIONS:
+    for option in _relay_options():
         serve.add_argument(
             option.flag,
-            type=option.type,
-            default=option.type(_env(option.env, str(getattr(relay_defaults, option.field)))),
-            metavar=option.metavar,
+            type=option.parse,
+            default=option.parse(_env(option.env, f"{option.default:.10g}")),
+            metavar=_METAVARS[option.kind],
             help=f"{option.help} [{option.env}] (default %(default)s)",
         )
     serve.add_argument(
         "--token-ttl",
         type=int,
-        default=int(_env("STATIC_TOKEN_TTL", "900")),
+        default=int(_env("STATIC_TOKEN_TTL", str(defaults.api.token_ttl_seconds))),
         metavar="SECONDS",
         help="lifetime of the JWTs minted by POST /v1/tokens [STATIC_TOKEN_TTL] "
         "(default %(default)s)",
@@ -171,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--signup-rate",
         type=RateLimit.parse,
-        default=_env("STATIC_SIGNUP_RATE", "10/60"),
+        default=_env("STATIC_SIGNUP_RATE", str(defaults.api.signup_rate_limit or "off")),
         metavar="N/SECONDS",
         help="POST /v1/accounts allowed per client address: bursts of N, N per SECONDS; "
         "'off' disables [STATIC_SIGNUP_RATE] (default %(default)s)",
@@ -179,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--key-rate",
         type=RateLimit.parse,
-        default=_env("STATIC_KEY_RATE", "600/60"),
+        default=_env("STATIC_KEY_RATE", str(defaults.api.key_rate_limit or "off")),
         metavar="N/SECONDS",
         help="authenticated requests allowed per API key (JWTs count against their key); "
         "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
@@ -190,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> ServerSettings:
     if not 1 <= args.token_ttl <= 86400:
         raise ValueError("--token-ttl must be between 1 and 86400 seconds")
-    for option in _RELAY_OPTIONS:
+    options = _relay_options()
+    for option in options:
         option.check(getattr(args, option.dest))
     settings = ServerSettings(
         http=args.http,
@@ -204,7 +171,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
         ),
         relay_settings=RelaySettings(
             allow_anonymous=args.allow_anonymous,
-            **{option.field: getattr(args, option.dest) for option in _RELAY_OPTIONS},
+            tunables={option.name: getattr(args, option.dest) for option in options},
         ),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused

@@ -142,16 +142,7 @@ async def serve_rust_relay(
         database=database,
         verify=verify,
         allow_anonymous=relay.allow_anonymous,
-        max_message_bytes=relay.max_message_bytes,
-        graceful_timeout=relay.graceful_timeout_seconds,
-        application_window=relay.application_epoch_window,
-        keepalive_interval=relay.keepalive_interval_seconds,
-        max_streams_per_connection=relay.max_streams_per_connection,
-        max_subscriptions_per_stream=relay.max_subscriptions_per_stream,
-        max_follows_per_account=relay.max_follows_per_account,
-        reset_burst=relay.reset_burst,
-        reset_rate_per_second=relay.reset_rate_per_second,
-        publish_rate_per_agent=relay.publish_rate_per_agent,
+        settings=dict(relay.tunables),
     )
     server = await trio.to_thread.run_sync(start)
     async with trio.open_nursery() as verifications:

@@ -2,17 +2,20 @@
 //! process, on a tokio runtime of its own. Python keeps what is not per message: it passes a
 //! `verify(token)` callable (called once per call, from a blocking thread of that runtime, with
 //! the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and decides when
-//! to stop (`shutdown`). Errors at start are `OSError`s; nothing else raises.
+//! to stop (`shutdown`). Errors at start are `OSError`s (a setting out of its bounds a
+//! `ValueError`); nothing else raises. `relay_settings()` is the table of tunable settings.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
 
-use pyo3::exceptions::PyOSError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::exit;
+use static_relay::settings::Kind;
 use static_relay::{Database, Principal, RelayConfig, RelayError, Verify};
 
 /// gRPC codes a `verify` callable may refuse with.
@@ -101,12 +104,7 @@ impl RelayServer {
 #[pymethods]
 impl RelayServer {
     #[new]
-    #[pyo3(signature = (
-        *, host, port, database, verify, allow_anonymous, max_message_bytes, graceful_timeout,
-        application_window, keepalive_interval, max_streams_per_connection,
-        max_subscriptions_per_stream, max_follows_per_account, reset_burst, reset_rate_per_second, publish_rate_per_agent,
-    ))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, host, port, database, verify, allow_anonymous, settings))]
     fn new(
         py: Python<'_>,
         host: String,
@@ -114,35 +112,17 @@ impl RelayServer {
         database: String,
         verify: Option<Py<PyAny>>,
         allow_anonymous: bool,
-        max_message_bytes: usize,
-        graceful_timeout: f64,
-        application_window: u64,
-        keepalive_interval: f64,
-        max_streams_per_connection: u32,
-        max_subscriptions_per_stream: usize,
-        max_follows_per_account: usize,
-        reset_burst: u32,
-        reset_rate_per_second: f64,
-        publish_rate_per_agent: f64,
+        settings: HashMap<String, f64>,
     ) -> PyResult<Self> {
-        let seconds =
-            |s: f64| Duration::from_secs_f64(if s.is_finite() { s.max(0.0) } else { 0.0 });
-        let config = RelayConfig {
-            host,
-            port,
-            database: Database::parse(&database),
-            allow_anonymous,
-            max_message_bytes,
-            graceful_timeout: seconds(graceful_timeout),
-            application_window,
-            keepalive_interval: seconds(keepalive_interval),
-            max_streams_per_connection,
-            max_subscriptions_per_stream,
-            max_follows_per_account,
-            reset_burst,
-            reset_rate_per_second,
-            publish_rate_per_agent,
-        };
+        let mut config = RelayConfig::new(Database::parse(&database));
+        config.host = host;
+        config.port = port;
+        config.allow_anonymous = allow_anonymous;
+        for (name, value) in settings {
+            config
+                .set(&name, value)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        }
         let verifier = verify.map(|callable| {
             Arc::new(PyVerifier {
                 callable: Arc::new(callable),
@@ -200,7 +180,35 @@ impl RelayServer {
     }
 }
 
+/// The relay's tunable settings, the one table `static serve` builds its flags from:
+/// `[(name, flag, kind, default, low, high, help)]`, kind `"count"`, `"real"` or `"seconds"`,
+/// high `inf` for no bound.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn relay_settings() -> Vec<(
+    &'static str,
+    &'static str,
+    &'static str,
+    f64,
+    f64,
+    f64,
+    &'static str,
+)> {
+    RelayConfig::table()
+        .into_iter()
+        .map(|s| {
+            let kind = match s.kind {
+                Kind::Count => "count",
+                Kind::Real => "real",
+                Kind::Seconds => "seconds",
+            };
+            (s.name, s.flag, kind, s.default, s.low, s.high, s.help)
+        })
+        .collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RelayServer>()?;
+    m.add_function(wrap_pyfunction!(relay_settings, m)?)?;
     Ok(())
 }

@@ -8,7 +8,7 @@
 //! checked as a member would) are pure; `members` is who may reach a channel (bound leaves);
 //! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O,
 //! one module per database;
-//! `service` is the gRPC methods over the log; `server` binds, serves and drains; `auth` is
+//! `service` is the gRPC methods over the log; `server` binds, serves and drains; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 #![forbid(unsafe_code)]
 
@@ -21,11 +21,13 @@ pub mod members;
 pub mod rules;
 mod server;
 mod service;
+pub mod settings;
 mod store;
 
 pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;
-pub use server::{RelayConfig, RelayServer};
+pub use server::RelayServer;
+pub use settings::{RelayConfig, Setting, SettingError};
 pub use store::Database;

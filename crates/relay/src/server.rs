@@ -33,60 +33,13 @@ use crate::log::{ChannelLog, LogSettings};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::rules::TokenBucket;
 use crate::service::{self, Drain, Peer, Relay, ServiceSettings};
-use crate::store::Database;
+use crate::settings::RelayConfig;
 
 /// How long closing connections may take to flush after their GOAWAY (as in Python).
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// HTTP/2 streams a connection may open beyond the relay's cap: those get the cap's
 /// RESOURCE_EXHAUSTED answer, and only past this does h2 itself refuse streams.
 const STREAMS_OVER_CAP: u32 = 100;
-
-/// The relay's knobs (`static/_settings.py::RelaySettings`, same defaults).
-#[derive(Debug, Clone)]
-pub struct RelayConfig {
-    pub host: String,
-    /// 0 picks a free port.
-    pub port: u16,
-    /// A SQLite file or a PostgreSQL URL (its relay tables exist already).
-    pub database: Database,
-    pub allow_anonymous: bool,
-    pub max_message_bytes: usize,
-    pub graceful_timeout: Duration,
-    pub application_window: u64,
-    pub keepalive_interval: Duration,
-    pub max_streams_per_connection: u32,
-    /// Channels one SubscribeMany stream may follow at once.
-    pub max_subscriptions_per_stream: usize,
-    /// Follows one account may hold on all its SubscribeMany streams together.
-    pub max_follows_per_account: usize,
-    pub reset_burst: u32,
-    pub reset_rate_per_second: f64,
-    /// 0 = no limit.
-    pub publish_rate_per_agent: f64,
-}
-
-impl RelayConfig {
-    /// The defaults of `RelaySettings` (and `ServerSettings.relay`: 127.0.0.1:50051) over
-    /// `database`.
-    pub fn new(database: impl Into<Database>) -> RelayConfig {
-        RelayConfig {
-            host: "127.0.0.1".to_owned(),
-            port: 50051,
-            database: database.into(),
-            allow_anonymous: false,
-            max_message_bytes: 1024 * 1024,
-            graceful_timeout: Duration::from_secs(5),
-            application_window: 5,
-            keepalive_interval: Duration::from_secs(2),
-            max_streams_per_connection: 100,
-            max_subscriptions_per_stream: 10_000,
-            max_follows_per_account: 100_000,
-            reset_burst: 200,
-            reset_rate_per_second: 50.0,
-            publish_rate_per_agent: 10_000.0,
-        }
-    }
-}
 
 /// Where the server is in its life; connections and the acceptor watch it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -1,0 +1,289 @@
+//! The relay's configuration: [`RelayConfig`], and the one table of its tunable settings (name,
+//! `static serve` flag, default, bounds, help) that everything else reads: the defaults here, the
+//! Python binding (`static._native.relay_settings()`), the CLI's flags and the docs' `--help`.
+//!
+//! A setting is added in one place, the `settings!` invocation below; the binding, the CLI and
+//! `RelayConfig::set` pick it up by name.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::store::Database;
+
+/// A setting the table refuses.
+#[derive(Debug, Error, PartialEq)]
+pub enum SettingError {
+    #[error("unknown relay setting {0:?}")]
+    Unknown(String),
+    #[error("{flag} must be {bounds}, got {value}")]
+    OutOfBounds {
+        flag: &'static str,
+        bounds: String,
+        value: f64,
+    },
+}
+
+/// How a setting's value is written on the command line and held in [`RelayConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A whole number.
+    Count,
+    /// A real number.
+    Real,
+    /// A duration, written in seconds.
+    Seconds,
+}
+
+/// A setting's value type in [`RelayConfig`]; the table carries every value as `f64`.
+pub trait Value: Copy {
+    const KIND: Kind;
+    fn from_f64(value: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! count_value {
+    ($($t:ty),*) => {$(
+        impl Value for $t {
+            const KIND: Kind = Kind::Count;
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            fn from_f64(value: f64) -> Self {
+                // In bounds already (checked by `set`), so the cast is exact.
+                value as $t
+            }
+            #[allow(clippy::cast_precision_loss)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+        }
+    )*};
+}
+count_value!(u32, u64, usize);
+
+impl Value for f64 {
+    const KIND: Kind = Kind::Real;
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
+
+impl Value for Duration {
+    const KIND: Kind = Kind::Seconds;
+    fn from_f64(value: f64) -> Self {
+        Duration::from_secs_f64(value)
+    }
+    fn to_f64(self) -> f64 {
+        self.as_secs_f64()
+    }
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setting {
+    /// The [`RelayConfig`] field (and the name the Python binding takes).
+    pub name: &'static str,
+    /// `static serve`'s flag; its environment variable is `STATIC_` + the flag's name in capitals.
+    pub flag: &'static str,
+    pub kind: Kind,
+    pub default: f64,
+    pub low: f64,
+    /// `f64::INFINITY` for no upper bound.
+    pub high: f64,
+    pub help: &'static str,
+}
+
+impl Setting {
+    fn check(&self, value: f64) -> Result<f64, SettingError> {
+        let whole = self.kind != Kind::Count || value.fract() == 0.0;
+        if whole && value >= self.low && value <= self.high {
+            return Ok(value);
+        }
+        let bounds = if self.high.is_infinite() {
+            format!(">= {}", self.low)
+        } else {
+            format!("between {} and {}", self.low, self.high)
+        };
+        let bounds = if self.kind == Kind::Count {
+            format!("a whole number {bounds}")
+        } else {
+            bounds
+        };
+        Err(SettingError::OutOfBounds {
+            flag: self.flag,
+            bounds,
+            value,
+        })
+    }
+}
+
+macro_rules! settings {
+    (
+        $(#[$meta:meta])*
+        pub struct $config:ident {
+            $( $(#[doc = $fdoc:literal])* pub $fixed:ident : $fty:ty, )*
+        }
+        tunable {
+            $(
+                $(#[doc = $doc:literal])*
+                $name:ident : $ty:ty = $default:expr,
+                    $flag:literal, $low:expr, $high:expr, $help:literal;
+            )*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $config {
+            $( $(#[doc = $fdoc])* pub $fixed: $fty, )*
+            $( $(#[doc = $doc])* pub $name: $ty, )*
+        }
+
+        impl $config {
+            /// Every tunable setting, with its default.
+            pub fn table() -> Vec<Setting> {
+                vec![$(
+                    Setting {
+                        name: stringify!($name),
+                        flag: $flag,
+                        kind: <$ty as Value>::KIND,
+                        default: Value::to_f64({ let d: $ty = $default; d }),
+                        low: $low,
+                        high: $high,
+                        help: $help,
+                    },
+                )*]
+            }
+
+            /// Set the tunable setting `name` to `value` (in the table's unit), within its bounds.
+            pub fn set(&mut self, name: &str, value: f64) -> Result<(), SettingError> {
+                let table = Self::table();
+                let Some(setting) = table.iter().find(|s| s.name == name) else {
+                    return Err(SettingError::Unknown(name.to_owned()));
+                };
+                let value = setting.check(value)?;
+                match name {
+                    $( stringify!($name) => self.$name = <$ty as Value>::from_f64(value), )*
+                    _ => return Err(SettingError::Unknown(name.to_owned())),
+                }
+                Ok(())
+            }
+
+            fn with_defaults($( $fixed: $fty, )*) -> $config {
+                $config {
+                    $( $fixed, )*
+                    $( $name: $default, )*
+                }
+            }
+        }
+    };
+}
+
+const MIB: usize = 1024 * 1024;
+
+settings! {
+    /// The relay's knobs. Build one with [`RelayConfig::new`] (every tunable at its default),
+    /// then change fields, or [`RelayConfig::set`] them by name.
+    #[derive(Debug, Clone)]
+    pub struct RelayConfig {
+        /// The host to bind (the configured one only, no SO_REUSEPORT). `static serve` passes
+        /// its own default (`static._settings.ServerSettings.relay`).
+        pub host: String,
+        /// 0 picks a free port.
+        pub port: u16,
+        /// A SQLite file or a PostgreSQL URL (its relay tables exist already).
+        pub database: Database,
+        pub allow_anonymous: bool,
+    }
+    tunable {
+        /// Largest MLS message accepted on Publish.
+        max_message_bytes: usize = MIB,
+            "--relay-max-message-bytes", 1024.0, 16.0 * 1024.0 * 1024.0,
+            "largest MLS message the relay accepts, in bytes";
+        /// How long in-flight calls may take to finish after a shutdown signal.
+        graceful_timeout: Duration = Duration::from_secs(5),
+            "--relay-graceful-timeout", 0.0, 3600.0,
+            "seconds in-flight relay calls may take to finish at shutdown";
+        /// Application messages are accepted at the channel's epoch or this many before it.
+        application_window: u64 = 5,
+            "--relay-application-window", 0.0, 1000.0,
+            "epochs before the current one at which application messages are still accepted";
+        /// A subscription without traffic gets a keep-alive this often (a gone peer shows).
+        keepalive_interval: Duration = Duration::from_secs(2),
+            "--relay-keepalive", 0.05, 300.0,
+            "keep-alive interval of relay subscriptions, in seconds";
+        /// Concurrent streams (calls) per connection; more get RESOURCE_EXHAUSTED.
+        max_streams_per_connection: u32 = 100,
+            "--relay-max-streams", 1.0, 10_000.0,
+            "concurrent relay streams per connection";
+        /// Channels one SubscribeMany stream may follow at once.
+        max_subscriptions_per_stream: usize = 10_000,
+            "--relay-max-subscriptions", 1.0, 1_000_000.0,
+            "channels one relay SubscribeMany stream may follow";
+        /// Follows one account may hold on all its SubscribeMany streams together (~650 bytes
+        /// of relay memory each).
+        max_follows_per_account: usize = 100_000,
+            "--relay-max-follows", 1.0, 100_000_000.0,
+            "channels one account may follow on all its relay SubscribeMany streams together";
+        /// Stream resets a connection may make at once (HTTP/2 rapid reset)...
+        reset_burst: u32 = 200,
+            "--relay-reset-burst", 1.0, 100_000.0,
+            "stream resets a relay connection may make in a burst before it is closed";
+        /// ...and then this many a second.
+        reset_rate_per_second: f64 = 50.0,
+            "--relay-reset-rate", 0.0, f64::INFINITY,
+            "stream resets a relay connection may make per second after its burst";
+        /// Publishes per second per agent (API key, or peer address when anonymous); 0 = no
+        /// limit.
+        publish_rate_per_agent: f64 = 10_000.0,
+            "--relay-publish-rate", 0.0, f64::INFINITY,
+            "relay publishes per second per agent, 0 for no limit";
+    }
+}
+
+impl RelayConfig {
+    /// Every tunable at its default, over `database`, on 127.0.0.1 and a free port.
+    pub fn new(database: impl Into<Database>) -> RelayConfig {
+        RelayConfig::with_defaults("127.0.0.1".to_owned(), 0, database.into(), false)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_within_their_own_bounds() {
+        let table = RelayConfig::table();
+        let mut config = RelayConfig::new(std::path::PathBuf::from("x.db"));
+        for setting in &table {
+            assert!(setting.flag.starts_with("--relay-"), "{}", setting.name);
+            config.set(setting.name, setting.default).unwrap();
+        }
+        let names: std::collections::HashSet<_> = table.iter().map(|s| s.flag).collect();
+        assert_eq!(names.len(), table.len(), "flags are unique");
+    }
+
+    #[test]
+    fn set_checks_name_bounds_and_wholeness() {
+        let mut config = RelayConfig::new(std::path::PathBuf::from("x.db"));
+        config.set("keepalive_interval", 0.5).unwrap();
+        assert_eq!(config.keepalive_interval, Duration::from_millis(500));
+        config.set("max_streams_per_connection", 7.0).unwrap();
+        assert_eq!(config.max_streams_per_connection, 7);
+        assert_eq!(
+            config.set("nope", 1.0),
+            Err(SettingError::Unknown("nope".into()))
+        );
+        let err = config.set("max_streams_per_connection", 0.0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--relay-max-streams must be a whole number between 1 and 10000, got 0"
+        );
+        assert!(config.set("max_streams_per_connection", 1.5).is_err());
+        assert!(config.set("keepalive_interval", f64::NAN).is_err());
+        assert!(config.set("publish_rate_per_agent", f64::INFINITY).is_ok());
+        assert!(config.set("publish_rate_per_agent", -1.0).is_err());
+    }
+}
