@@ -2,36 +2,43 @@
 and logs grow. Prints figures; asserts nothing.
 
     .venv/bin/python bench/scale.py [--quick] [--sections rss,mls,members,publish,prune]
-                                    [--relay-arg=--flag=value ...]
+                                    [--idle SECONDS] [--relay-arg=--flag=value ...]
 
-Sections (each a function below; ``--sections`` picks some, in this order):
+Sections (each a function below; ``--sections`` picks some, always in this order):
 
 * ``rss``: a real ``static serve`` (SQLite, temporary directory, loopback; a fresh one per
   size, stopped at the end, on failure and on Ctrl-C too) whose relay gets 10, 100 and 1,000
-  channels (each created from a real MLS group), then traffic on every one of them (pipelined
-  PublishBatches of 1 KiB messages), then nothing for ``--idle`` seconds. Its RSS from
-  ``/proc/<pid>/status`` at the start, right after the traffic (busy), at its peak (VmHWM) and
-  after the idle wait; ratios against the RSS at the start.
+  channels (each created from a real MLS group), then 256 messages of 1 KiB on every one of
+  them (pipelined PublishBatches), then nothing for ``--idle`` seconds (30). Its RSS from
+  ``/proc/<pid>/status`` at the start (after one channel's traffic: the first use's fixed
+  costs paid), right after the traffic (busy), at its peak (VmHWM) and after the idle wait;
+  ratios against the start.
 * ``mls``: encrypt and decrypt of a 1 KiB application message at N = 2, 32, 128, 512 members,
   by the MLS engine (``static._native.Engine``: durable, each call an fsync'd SQLite write) and
   by mls-rs (``mls_rs_uniffi``, the ``agentvault-mls-rs-uniffi`` package of the dev extra, its
-  state in memory) in the same run; ratios against N=2 and against mls-rs.
-* ``members``: add (the commit made and merged), join (the Welcome processed by the joiner) and
-  rotate (an empty commit with an update path, made and merged) at N members, by the engine and
-  by mls-rs; the add commit's size; the group is held at N (each added joiner removed again).
+  state in memory) in the same run: wall time, and this process's CPU time (what the calls
+  compute, without the disk's waits, which dominate the wall time on a busy disk); ratios
+  against N=2 and against mls-rs.
+* ``members``: add (the commit made and merged; wall and CPU), join (the Welcome processed by a
+  new joiner) and rotate (an empty commit with an update path, made and merged) at N members,
+  by the engine and by mls-rs; the add commit's size. The group is made in one commit and held
+  at N (each added joiner removed again); medians.
 * ``publish``: the relay's CPU per publish (``/proc/<pid>/stat``: utime + stime of the whole
-  ``static serve`` process) and the pipelined rate on one channel at an empty log, then after
-  the log was filled to 400k entries (the time that takes is printed), and the relay's disk
-  (:func:`relay_disk`: the SQLite database file plus its WAL) at the end.
-* ``prune``: the relay's disk before and after pruning under a 1-hour policy set through the
-  relay's retention RPC: half the entries written by a relay whose clock is 2 hours behind
-  (libfaketime), the other half after a restart at the real time. Prints "n/a (no retention
-  RPC)" while ``proto/relay.proto`` has none, and "n/a (no libfaketime)" without libfaketime
-  (``apt-get install libfaketime``).
+  ``static serve`` process, 10 ms ticks) and the pipelined rate on one channel at an empty log,
+  then after the log was filled to 400k entries (how long that takes is printed), and the
+  relay's disk (:func:`relay_disk`: the SQLite database file plus its WAL) at the end.
+* ``prune``: the relay's disk before and after pruning under a 1-hour policy, set through the
+  relay's retention RPC (found by name in ``proto/relay.proto``'s Relay service, its request
+  filled by field names: ``channel`` and a max-age field), and unary publish latency while it
+  prunes: the channel created at the real time, half the entries written by the relay restarted
+  with its wall clock 2 hours behind (libfaketime), the other half after a restart at the real
+  time. Prints "n/a (no retention RPC)" while the proto has none, and "n/a (no libfaketime)"
+  without libfaketime (``apt-get install libfaketime``).
 
-``--quick`` runs smaller sizes (a smoke run, well under a minute). Every figure is from one
-run of one build on this machine, which is shared: the load at the start is printed, and
-figures on a shared 2-core machine vary from run to run (compare ratios of the same run).
+``--relay-arg`` passes flags to every ``static serve`` (e.g. a shorter idle timeout, a cache
+budget). ``--quick`` runs smaller sizes (a smoke run, about 15 s). Every figure is from one run
+of one build on this machine: the load is printed at the start and at the end, and figures on
+a shared 2-core machine vary from run to run (compare the ratios of one run).
 """
 
 from __future__ import annotations
@@ -59,7 +66,8 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -562,32 +570,65 @@ def _pair(root: Path, n: int) -> tuple[_native.Engine, _native.Engine]:
 ROUNDS = 3
 
 
-def _engine_round(a: _native.Engine, b: _native.Engine, count: int) -> tuple[float, float]:
-    """Microseconds per encrypt (by ``a``) and per decrypt (by ``b``) of ``count`` messages."""
-    payload = bytes(PAYLOAD)
-    started = time.perf_counter()
-    messages = [a.encrypt(CHANNEL, payload) for _ in range(count)]
-    enc = (time.perf_counter() - started) / count * 1e6
-    started = time.perf_counter()
+@dataclass(frozen=True)
+class PerMessage:
+    """Microseconds per encrypt and per decrypt: wall time, and this process's CPU time (all its
+    threads: what the call computes, without the waits for the disk)."""
+
+    enc: float
+    dec: float
+    enc_cpu: float
+    dec_cpu: float
+
+    @property
+    def both(self) -> float:
+        return self.enc + self.dec
+
+    @property
+    def both_cpu(self) -> float:
+        return self.enc_cpu + self.dec_cpu
+
+    @staticmethod
+    def best(rounds: Sequence[PerMessage]) -> PerMessage:
+        return PerMessage(
+            min(r.enc for r in rounds),
+            min(r.dec for r in rounds),
+            min(r.enc_cpu for r in rounds),
+            min(r.dec_cpu for r in rounds),
+        )
+
+
+def _round(
+    encrypt: Callable[[], bytes], decrypt: Callable[[bytes], object], count: int
+) -> PerMessage:
+    """``count`` encrypts, then as many decrypts of what they made."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    messages = [encrypt() for _ in range(count)]
+    enc, enc_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu = time.perf_counter(), time.process_time()
     for m in messages:
-        b.process_incoming(CHANNEL, m)
-    return enc, (time.perf_counter() - started) / count * 1e6
+        decrypt(m)
+    dec, dec_cpu = time.perf_counter() - wall, time.process_time() - cpu
+    us = 1e6 / count
+    return PerMessage(enc * us, dec * us, enc_cpu * us, dec_cpu * us)
 
 
-def _mls_rs_round(ref: MlsRs, a: Any, b: Any, count: int) -> tuple[float, float]:
-    """As :func:`_engine_round`, by mls-rs (bytes in and out, as the engine's calls)."""
+def _measure(
+    encrypt: Callable[[], bytes], decrypt: Callable[[bytes], object], count: int
+) -> PerMessage:
+    _round(encrypt, decrypt, 5)  # warm-up
+    return PerMessage.best([_round(encrypt, decrypt, count) for _ in range(ROUNDS)])
+
+
+def _mls_rs_per_message(ref: MlsRs, n: int, count: int) -> PerMessage:
+    """As the engine's figures, by mls-rs (bytes in and out, as the engine's calls)."""
     payload = bytes(PAYLOAD)
-    started = time.perf_counter()
-    messages = [bytes(a.encrypt_application_message(payload).to_bytes()) for _ in range(count)]
-    enc = (time.perf_counter() - started) / count * 1e6
-    started = time.perf_counter()
-    for m in messages:
-        b.process_incoming_message(ref.message(m))
-    return enc, (time.perf_counter() - started) / count * 1e6
-
-
-def _best(rounds: list[tuple[float, float]]) -> tuple[float, float]:
-    return min(r[0] for r in rounds), min(r[1] for r in rounds)
+    a, b = ref.group(n, ref.client(b"bob"))
+    return _measure(
+        lambda: bytes(a.encrypt_application_message(payload).to_bytes()),
+        lambda m: b.process_incoming_message(ref.message(m)),
+        count,
+    )
 
 
 def section_mls(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
@@ -595,44 +636,57 @@ def section_mls(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
     count = sizes.messages
     say(
         f"mls: per size, {count} messages of 1 KiB encrypted by one member and decrypted by"
-        f" another, best of {ROUNDS} rounds"
+        f" another, best of {ROUNDS} rounds (wall time; CPU: this process's, no disk waits)"
     )
     mls = _mls_rs()
     ref = MlsRs(mls) if mls is not None else None
-    results: list[tuple[int, float, float, float | None, float | None]] = []
+    payload = bytes(PAYLOAD)
+    results: list[tuple[int, PerMessage, PerMessage | None]] = []
     for n in sizes.groups:
         a, b = _pair(tmp / f"mls-{n}", n)
         try:
-            _engine_round(a, b, 5)  # warm-up
-            enc, dec = _best([_engine_round(a, b, count) for _ in range(ROUNDS)])
+            ours = _measure(
+                partial(a.encrypt, CHANNEL, payload), partial(b.process_incoming, CHANNEL), count
+            )
         finally:
             a.close()
             b.close()
-        rs_enc = rs_dec = None
-        if ref is not None:
-            ga, gb = ref.group(n, ref.client(b"bob"))
-            _mls_rs_round(ref, ga, gb, 5)
-            rs_enc, rs_dec = _best([_mls_rs_round(ref, ga, gb, count) for _ in range(ROUNDS)])
-        results.append((n, enc, dec, rs_enc, rs_dec))
-        say(
-            f"  N={n:<4} engine encrypt {enc:7.0f} us, decrypt {dec:7.0f} us"
-            + (f"; mls-rs {rs_enc:6.0f} us, {rs_dec:6.0f} us" if rs_enc and rs_dec else "")
+        theirs = None if ref is None else _mls_rs_per_message(ref, n, count)
+        results.append((n, ours, theirs))
+        line = (
+            f"  N={n:<4} engine encrypt {ours.enc:6.0f} us (CPU {ours.enc_cpu:4.0f}), decrypt"
+            f" {ours.dec:6.0f} us (CPU {ours.dec_cpu:4.0f})"
         )
+        if theirs is not None:
+            line += (
+                f"; mls-rs {theirs.enc:4.0f} us (CPU {theirs.enc_cpu:4.0f}),"
+                f" {theirs.dec:4.0f} us (CPU {theirs.dec_cpu:4.0f})"
+            )
+        say(line)
     rows: list[Row] = []
-    base = results[0]
-    for n, enc, dec, rs_enc, rs_dec in results:
+    base = results[0][1]
+    for n, ours, theirs in results:
         size = f"N={n}"
-        rs_both = rs_enc + rs_dec if rs_enc is not None and rs_dec is not None else None
-        rows.append(Row("encrypt 1 KiB", size, f"{enc:.0f} us", ratio(enc, base[1])))
-        rows.append(Row("decrypt 1 KiB", size, f"{dec:.0f} us", ratio(dec, base[2])))
+        rows.append(Row("encrypt 1 KiB", size, f"{ours.enc:.0f} us", ratio(ours.enc, base.enc)))
+        rows.append(Row("decrypt 1 KiB", size, f"{ours.dec:.0f} us", ratio(ours.dec, base.dec)))
         rows.append(
             Row(
                 "encrypt + decrypt",
                 size,
-                f"{enc + dec:.0f} us",
-                ratio(enc + dec, base[1] + base[2]),
-                "-" if rs_both is None else f"{rs_both:.0f} us",
-                "-" if rs_both is None else ratio(enc + dec, rs_both),
+                f"{ours.both:.0f} us",
+                ratio(ours.both, base.both),
+                "-" if theirs is None else f"{theirs.both:.0f} us",
+                "-" if theirs is None else ratio(ours.both, theirs.both),
+            )
+        )
+        rows.append(
+            Row(
+                "encrypt + decrypt, CPU",
+                size,
+                f"{ours.both_cpu:.0f} us",
+                ratio(ours.both_cpu, base.both_cpu),
+                "-" if theirs is None else f"{theirs.both_cpu:.0f} us",
+                "-" if theirs is None else ratio(ours.both_cpu, theirs.both_cpu),
             )
         )
     if ref is None:
@@ -649,6 +703,8 @@ class Ops:
     """Timings (ms) of one implementation at one size."""
 
     add: list[float] = field(default_factory=list)
+    #: This process's CPU time of each add (ms): what it computes, without the disk's waits.
+    add_cpu: list[float] = field(default_factory=list)
     join: list[float] = field(default_factory=list)
     rotate: list[float] = field(default_factory=list)
     commit_bytes: int = 0
@@ -667,10 +723,10 @@ def _engine_ops(root: Path, n: int, repeats: int) -> Ops:
             joiner = _native.Engine(root / f"joiner-{n}-{i}", b"joiner")
             try:
                 kp = joiner.generate_key_package()
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 commit, welcome = creator.add_member(CHANNEL, kp)
                 creator.merge_pending_commit(CHANNEL)
-                added = time.perf_counter()
+                added, cpu = time.perf_counter(), time.process_time() - cpu
                 joiner.join_group(CHANNEL, welcome)
                 joined = time.perf_counter()
             finally:
@@ -683,6 +739,7 @@ def _engine_ops(root: Path, n: int, repeats: int) -> Ops:
             rotated = time.perf_counter()
             if i:
                 ops.add.append((added - started) * 1000)
+                ops.add_cpu.append(cpu * 1000)
                 ops.join.append((joined - added) * 1000)
                 ops.rotate.append((rotated - started_rotate) * 1000)
                 ops.commit_bytes, ops.welcome_bytes = len(commit), len(welcome)
@@ -697,11 +754,11 @@ def _mls_rs_ops(ref: MlsRs, n: int, repeats: int) -> Ops:
     for i in range(repeats + 1):
         joiner = ref.client(b"joiner")
         kp = ref.message(bytes(joiner.generate_key_package_message().to_bytes()))
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         out = group.add_members([kp])
         commit = bytes(out.commit_message.to_bytes())
         group.process_incoming_message(out.commit_message)
-        added = time.perf_counter()
+        added, cpu = time.perf_counter(), time.process_time() - cpu
         welcome = bytes(out.welcome_message.to_bytes())
         joiner.join_group(None, ref.message(welcome))
         joined = time.perf_counter()
@@ -712,6 +769,7 @@ def _mls_rs_ops(ref: MlsRs, n: int, repeats: int) -> Ops:
         rotated = time.perf_counter()
         if i:
             ops.add.append((added - started) * 1000)
+            ops.add_cpu.append(cpu * 1000)
             ops.join.append((joined - added) * 1000)
             ops.rotate.append((rotated - started_rotate) * 1000)
             ops.commit_bytes, ops.welcome_bytes = len(commit), len(welcome)
@@ -733,12 +791,14 @@ def section_members(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
         results.append((n, ours, theirs))
         med = statistics.median
         line = (
-            f"  N={n:<4} engine add {med(ours.add):7.2f} ms, join {med(ours.join):7.2f} ms,"
+            f"  N={n:<4} engine add {med(ours.add):7.2f} ms (CPU {med(ours.add_cpu):.2f}),"
+            f" join {med(ours.join):7.2f} ms,"
             f" rotate {med(ours.rotate):7.2f} ms, add commit {ours.commit_bytes:,} B"
         )
         if theirs is not None:
             line += (
-                f"; mls-rs {med(theirs.add):6.2f}, {med(theirs.join):6.2f},"
+                f"; mls-rs {med(theirs.add):6.2f} (CPU {med(theirs.add_cpu):.2f}),"
+                f" {med(theirs.join):6.2f},"
                 f" {med(theirs.rotate):6.2f} ms, {theirs.commit_bytes:,} B"
             )
         say(line)
@@ -749,6 +809,7 @@ def section_members(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
         size = f"N={n}"
         for what, mine, first, other in (
             ("add (commit + merge)", ours.add, base.add, theirs.add if theirs else None),
+            ("add, CPU", ours.add_cpu, base.add_cpu, theirs.add_cpu if theirs else None),
             ("join (Welcome)", ours.join, base.join, theirs.join if theirs else None),
             (
                 "rotate (commit + merge)",
@@ -1021,6 +1082,13 @@ def main() -> None:
         help="comma-separated sections to run (default %(default)s)",
     )
     parser.add_argument(
+        "--idle",
+        type=float,
+        metavar="SECONDS",
+        help="how long the rss section leaves its channels idle (default"
+        f" {FULL.idle:g}, {QUICK.idle:g} with --quick; the relay's own idle timeout must fit)",
+    )
+    parser.add_argument(
         "--relay-arg",
         action="append",
         default=[],
@@ -1034,6 +1102,10 @@ def main() -> None:
     if unknown or not wanted:
         parser.error(f"unknown sections {unknown}: pick from {','.join(SECTIONS)}")
     sizes = QUICK if args.quick else FULL
+    if args.idle is not None:
+        if args.idle < 0:
+            parser.error("--idle must be >= 0")
+        sizes = replace(sizes, idle=args.idle)
     signal.signal(signal.SIGTERM, _terminate)
 
     say(f"bench/scale.py{' --quick' if args.quick else ''}: git {git_revision()}")
