@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -77,6 +77,8 @@ from static import _native
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay.client import Relay
 from tests.support.server import ServerProcess
+
+_T = TypeVar("_T")
 
 PAYLOAD = 1024
 KIB = 1024
@@ -385,7 +387,6 @@ class Published:
     accepted: int
     seconds: float
     relay_cpu: float
-    refusals: dict[str, int] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -431,10 +432,10 @@ def publish(
                 text = f"{result.refused.code}: {result.refused.message}"
                 refusals[text] = refusals.get(text, 0) + 1
     seconds = time.perf_counter() - started
-    done = Published(count, accepted, seconds, server.cpu() - cpu, refusals)
-    if refusals:
-        say(f"    refused: {refusals}")
-    return done
+    if accepted != count:
+        # The figures would be of refusals, not of publishes.
+        raise RuntimeError(f"{accepted} of {count} publishes accepted; refused: {refusals}")
+    return Published(count, accepted, seconds, server.cpu() - cpu)
 
 
 def _mib(value: float) -> str:
@@ -565,20 +566,19 @@ def _pair(root: Path, n: int) -> tuple[_native.Engine, _native.Engine]:
     return a, b
 
 
-#: Rounds of the encrypt/decrypt loop per size: the best is kept (the engine's figures are
-#: dominated by the fsync of each durable write, which is noisy on a shared disk).
-ROUNDS = 3
-
-
 @dataclass(frozen=True)
 class PerMessage:
-    """Microseconds per encrypt and per decrypt: wall time, and this process's CPU time (all its
-    threads: what the call computes, without the waits for the disk)."""
+    """Per encrypt and per decrypt: the median wall time (us), the median CPU time of this
+    process (us; what the call computes, without the waits for the disk, which dominate the
+    wall time on a busy disk), and the bytes this process wrote (``/proc/self/io`` wchar: the
+    state each call makes durable), on average."""
 
     enc: float
     dec: float
     enc_cpu: float
     dec_cpu: float
+    enc_written: float
+    dec_written: float
 
     @property
     def both(self) -> float:
@@ -588,36 +588,56 @@ class PerMessage:
     def both_cpu(self) -> float:
         return self.enc_cpu + self.dec_cpu
 
-    @staticmethod
-    def best(rounds: Sequence[PerMessage]) -> PerMessage:
-        return PerMessage(
-            min(r.enc for r in rounds),
-            min(r.dec for r in rounds),
-            min(r.enc_cpu for r in rounds),
-            min(r.dec_cpu for r in rounds),
-        )
+    @property
+    def both_written(self) -> float:
+        return self.enc_written + self.dec_written
 
 
-def _round(
-    encrypt: Callable[[], bytes], decrypt: Callable[[bytes], object], count: int
-) -> PerMessage:
-    """``count`` encrypts, then as many decrypts of what they made."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    messages = [encrypt() for _ in range(count)]
-    enc, enc_cpu = time.perf_counter() - wall, time.process_time() - cpu
-    wall, cpu = time.perf_counter(), time.process_time()
-    for m in messages:
-        decrypt(m)
-    dec, dec_cpu = time.perf_counter() - wall, time.process_time() - cpu
-    us = 1e6 / count
-    return PerMessage(enc * us, dec * us, enc_cpu * us, dec_cpu * us)
+def written() -> int:
+    """Bytes this process has passed to write(2) and its kind so far (``/proc/self/io``)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _timed(call: Callable[[], _T], wall: list[float], cpu: list[float]) -> _T:
+    """``call()``, its wall and CPU time (us) appended to ``wall`` and ``cpu``."""
+    started, cpu_started = time.perf_counter(), time.process_time()
+    result = call()
+    cpu.append((time.process_time() - cpu_started) * 1e6)
+    wall.append((time.perf_counter() - started) * 1e6)
+    return result
 
 
 def _measure(
     encrypt: Callable[[], bytes], decrypt: Callable[[bytes], object], count: int
 ) -> PerMessage:
-    _round(encrypt, decrypt, 5)  # warm-up
-    return PerMessage.best([_round(encrypt, decrypt, count) for _ in range(ROUNDS)])
+    """``count`` encrypts, then as many decrypts of what they made (after 5 of each untimed)."""
+    for _ in range(5):
+        decrypt(encrypt())
+    enc: list[float] = []
+    enc_cpu: list[float] = []
+    dec: list[float] = []
+    dec_cpu: list[float] = []
+    before = written()
+    messages = [_timed(encrypt, enc, enc_cpu) for _ in range(count)]
+    between = written()
+    for m in messages:
+        _timed(partial(decrypt, m), dec, dec_cpu)
+    after = written()
+    med = statistics.median
+    return PerMessage(
+        med(enc),
+        med(dec),
+        med(enc_cpu),
+        med(dec_cpu),
+        (between - before) / count,
+        (after - between) / count,
+    )
 
 
 def _mls_rs_per_message(ref: MlsRs, n: int, count: int) -> PerMessage:
@@ -636,7 +656,7 @@ def section_mls(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
     count = sizes.messages
     say(
         f"mls: per size, {count} messages of 1 KiB encrypted by one member and decrypted by"
-        f" another, best of {ROUNDS} rounds (wall time; CPU: this process's, no disk waits)"
+        f" another: medians of wall and CPU time (this process's: no disk waits), bytes written"
     )
     mls = _mls_rs()
     ref = MlsRs(mls) if mls is not None else None
@@ -654,8 +674,9 @@ def section_mls(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
         theirs = None if ref is None else _mls_rs_per_message(ref, n, count)
         results.append((n, ours, theirs))
         line = (
-            f"  N={n:<4} engine encrypt {ours.enc:6.0f} us (CPU {ours.enc_cpu:4.0f}), decrypt"
-            f" {ours.dec:6.0f} us (CPU {ours.dec_cpu:4.0f})"
+            f"  N={n:<4} engine encrypt {ours.enc:6.0f} us (CPU {ours.enc_cpu:4.0f},"
+            f" {ours.enc_written / KIB:5.1f} KiB written), decrypt {ours.dec:6.0f} us"
+            f" (CPU {ours.dec_cpu:4.0f}, {ours.dec_written / KIB:5.1f} KiB written)"
         )
         if theirs is not None:
             line += (
@@ -689,6 +710,14 @@ def section_mls(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
                 "-" if theirs is None else ratio(ours.both_cpu, theirs.both_cpu),
             )
         )
+        rows.append(
+            Row(
+                "encrypt + decrypt, written",
+                size,
+                f"{ours.both_written / KIB:.1f} KiB",
+                ratio(ours.both_written, base.both_written),
+            )
+        )
     if ref is None:
         say("  (mls-rs missing: install the dev extra for the reference)")
     say("  (the engine's every call is a durable SQLite write; mls-rs keeps its state in memory)")
@@ -705,6 +734,8 @@ class Ops:
     add: list[float] = field(default_factory=list)
     #: This process's CPU time of each add (ms): what it computes, without the disk's waits.
     add_cpu: list[float] = field(default_factory=list)
+    #: Bytes this process wrote for each add (``/proc/self/io`` wchar: the state made durable).
+    add_written: list[float] = field(default_factory=list)
     join: list[float] = field(default_factory=list)
     rotate: list[float] = field(default_factory=list)
     commit_bytes: int = 0
@@ -723,10 +754,11 @@ def _engine_ops(root: Path, n: int, repeats: int) -> Ops:
             joiner = _native.Engine(root / f"joiner-{n}-{i}", b"joiner")
             try:
                 kp = joiner.generate_key_package()
-                started, cpu = time.perf_counter(), time.process_time()
+                started, cpu, wrote = time.perf_counter(), time.process_time(), written()
                 commit, welcome = creator.add_member(CHANNEL, kp)
                 creator.merge_pending_commit(CHANNEL)
                 added, cpu = time.perf_counter(), time.process_time() - cpu
+                wrote = written() - wrote
                 joiner.join_group(CHANNEL, welcome)
                 joined = time.perf_counter()
             finally:
@@ -740,6 +772,7 @@ def _engine_ops(root: Path, n: int, repeats: int) -> Ops:
             if i:
                 ops.add.append((added - started) * 1000)
                 ops.add_cpu.append(cpu * 1000)
+                ops.add_written.append(wrote)
                 ops.join.append((joined - added) * 1000)
                 ops.rotate.append((rotated - started_rotate) * 1000)
                 ops.commit_bytes, ops.welcome_bytes = len(commit), len(welcome)
@@ -793,7 +826,8 @@ def section_members(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
         line = (
             f"  N={n:<4} engine add {med(ours.add):7.2f} ms (CPU {med(ours.add_cpu):.2f}),"
             f" join {med(ours.join):7.2f} ms,"
-            f" rotate {med(ours.rotate):7.2f} ms, add commit {ours.commit_bytes:,} B"
+            f" rotate {med(ours.rotate):7.2f} ms, add commit {ours.commit_bytes:,} B, add wrote"
+            f" {med(ours.add_written) / KIB:.1f} KiB"
         )
         if theirs is not None:
             line += (
@@ -828,6 +862,14 @@ def section_members(sizes: Sizes, tmp: Path, extra: Sequence[str]) -> list[Row]:
                     "-" if other is None else ratio(med(mine), med(other)),
                 )
             )
+        rows.append(
+            Row(
+                "add, written",
+                size,
+                f"{med(ours.add_written) / KIB:.1f} KiB",
+                ratio(med(ours.add_written), med(base.add_written)),
+            )
+        )
         rows.append(
             Row(
                 "add commit size",
