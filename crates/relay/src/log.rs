@@ -26,10 +26,15 @@
 //! * **Readers pull.** A subscriber holds a cursor and reads what is after it: from the ring
 //!   while the ring still reaches back to it (no store access), else from the store. A slow
 //!   subscriber costs nothing but its cursor.
+//! * **Memory bounded by configuration.** The rings of all channels together hold at most
+//!   [`LogSettings::cache_bytes`] (the oldest entries go first, whichever their channel), and
+//!   a channel nobody used for [`LogSettings::idle_unload`] is unloaded entirely (see
+//!   [`Registry::unload_idle`]); it is loaded again from the store when next named.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tokio::sync::{oneshot, watch};
@@ -45,10 +50,18 @@ use crate::store::{
 
 /// Most publishes one group commit takes.
 const MAX_BATCH: usize = 512;
-/// A channel's ring of recent entries keeps at most this many entries...
-const RING_ENTRIES: usize = 2048;
-/// ...and this many bytes of messages.
-const RING_BYTES: usize = 8 * 1024 * 1024;
+/// What the rings of all channels may hold together, by default: 64 MiB. A subscriber that
+/// keeps up reads each entry right after its commit, so the rings only need the last moments
+/// of traffic: 64 MiB is ~16,000 entries of 4 KiB (or 64 of 1 MiB), and fits a small server.
+/// Before this budget each channel kept up to 2,048 entries / 8 MiB: with 4 KiB messages the
+/// relay grew from 159 MiB at 10 busy channels to 926 MiB at 100 (issue 20).
+pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+/// A channel nobody used for this long is unloaded, by default.
+pub const DEFAULT_IDLE_UNLOAD: Duration = Duration::from_secs(60);
+/// Bytes each cached entry is charged on top of its message: its ring slot (an `Entry`, 72
+/// bytes), the message's own allocation and the budget's queue item (24), rounded up. Bounds
+/// the entries count too: 64 MiB holds at most 524,288 entries, however small.
+const ENTRY_OVERHEAD: usize = 128;
 const SHUTTING_DOWN: &str = "relay is shutting down";
 
 pub struct LogSettings {
@@ -56,6 +69,13 @@ pub struct LogSettings {
     pub database: Database,
     /// Application messages are accepted at the channel's epoch or this many before it.
     pub application_window: u64,
+    /// What the rings of recent entries hold, all channels together, in bytes (see
+    /// [`DEFAULT_CACHE_BYTES`]); 0 caches nothing (every read goes to the store).
+    pub cache_bytes: usize,
+    /// A channel with no publish, no subscriber and no call for this long is unloaded (its
+    /// ring, group state and bindings dropped) and read again from the store when next named.
+    /// Zero: never unloaded.
+    pub idle_unload: Duration,
 }
 
 /// Everything the service decided about a publish before its channel is looked up.
@@ -143,10 +163,14 @@ pub struct Channel {
     epoch: AtomicU64,
     ring: Mutex<Ring>,
     head_tx: watch::Sender<u64>,
+    /// When it was last named, appended to or seen in use (see [`Cache::now`]): how long it
+    /// has been idle.
+    used: AtomicU64,
+    cache: Arc<Cache>,
 }
 
 impl Channel {
-    fn new(name: &str, row: ChannelRow) -> Channel {
+    fn new(name: &str, row: ChannelRow, cache: &Arc<Cache>) -> Channel {
         Channel {
             id: row.id,
             scope: row.scope,
@@ -155,9 +179,16 @@ impl Channel {
             members: Mutex::new(None),
             head: AtomicU64::new(row.head_seq),
             epoch: AtomicU64::new(row.epoch),
-            ring: Mutex::new(Ring::default()),
+            ring: Mutex::new(Ring::new(Arc::clone(cache))),
             head_tx: watch::Sender::new(row.head_seq),
+            used: AtomicU64::new(cache.now()),
+            cache: Arc::clone(cache),
         }
+    }
+
+    /// Used at `now` (see [`Cache::now`]).
+    fn touch(&self, now: u64) {
+        self.used.fetch_max(now, Ordering::Relaxed);
     }
 
     pub fn name(&self) -> &str {
@@ -242,6 +273,10 @@ impl Channel {
         self.ring.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn cache(&self) -> &Cache {
+        &self.cache
+    }
+
     /// Up to `limit` ring entries after `cursor`; None when the ring does not reach back.
     fn ring_after(&self, cursor: u64, limit: usize) -> Option<Vec<Entry>> {
         let ring = self.ring();
@@ -268,14 +303,30 @@ impl std::fmt::Debug for Channel {
     }
 }
 
-/// A channel's recent entries (consecutive seqs), bounded in count and bytes.
-#[derive(Default)]
+/// A channel's recent entries (consecutive seqs), charged to the [`Cache`] they share with
+/// every other channel's.
 struct Ring {
     entries: VecDeque<Entry>,
+    /// What they are charged (see [`charge`]).
     bytes: usize,
+    cache: Arc<Cache>,
+}
+
+/// What a cached entry costs the budget.
+fn charge(entry: &Entry) -> usize {
+    entry.message.len() + ENTRY_OVERHEAD
 }
 
 impl Ring {
+    fn new(cache: Arc<Cache>) -> Ring {
+        Ring {
+            entries: VecDeque::new(),
+            bytes: 0,
+            cache,
+        }
+    }
+
+    /// Caches `entry` (the budget is enforced by [`Cache::cached`], afterwards).
     fn push(&mut self, entry: Entry) {
         if self
             .entries
@@ -283,25 +334,97 @@ impl Ring {
             .is_some_and(|last| last.seq + 1 != entry.seq)
         {
             // Another relay appended in between (PostgreSQL): start again from here.
-            self.entries.clear();
-            self.bytes = 0;
+            self.evict_through(u64::MAX);
         }
-        self.bytes += entry.message.len();
+        let charged = charge(&entry);
+        self.bytes += charged;
+        self.cache.charged.fetch_add(charged, Ordering::AcqRel);
         self.entries.push_back(entry);
-        while self.entries.len() > RING_ENTRIES || self.bytes > RING_BYTES {
-            match self.entries.pop_front() {
-                Some(old) => self.bytes -= old.message.len(),
-                None => break,
+    }
+
+    /// Drops the entries up to `seq`, giving back what they were charged.
+    fn evict_through(&mut self, seq: u64) {
+        let mut freed = 0;
+        while self.entries.front().is_some_and(|first| first.seq <= seq) {
+            if let Some(old) = self.entries.pop_front() {
+                freed += charge(&old);
             }
+        }
+        self.bytes -= freed;
+        self.cache.release(freed);
+        // A burst of small entries may have grown the ring's buffer far beyond what it holds
+        // now: give that back too (amortized: only once it is mostly empty).
+        if self.entries.capacity() > 64 && self.entries.len() < self.entries.capacity() / 4 {
+            self.entries.shrink_to_fit();
+        }
+    }
+}
+
+impl Drop for Ring {
+    /// Unloaded: what its entries were charged goes back to the budget.
+    fn drop(&mut self) {
+        self.cache.release(self.bytes);
+    }
+}
+
+/// What the rings of all channels hold together, bounded in bytes; and the clock of the
+/// channels' idle times.
+pub(crate) struct Cache {
+    limit: usize,
+    /// What the rings' entries are charged now (see [`charge`]).
+    charged: AtomicUsize,
+    /// The cached entries in the order they were cached (the oldest first), at most
+    /// `limit / ENTRY_OVERHEAD`. An item whose entry already left its ring (its channel
+    /// unloaded, or restarted by another relay's append) is skipped when it comes up.
+    order: Mutex<VecDeque<(Weak<Channel>, u64)>>,
+    start: Instant,
+}
+
+impl Cache {
+    fn new(limit: usize) -> Cache {
+        Cache {
+            limit,
+            charged: AtomicUsize::new(0),
+            order: Mutex::new(VecDeque::new()),
+            start: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the log opened.
+    fn now(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn release(&self, bytes: usize) {
+        self.charged.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// Entry `seq` of `channel` was just cached: the oldest entries (of any channel) go until
+    /// the rings are within the budget again. On the writer only (it alone caches entries).
+    fn cached(&self, channel: &Arc<Channel>, seq: u64) {
+        let mut order = self.order.lock().unwrap_or_else(PoisonError::into_inner);
+        order.push_back((Arc::downgrade(channel), seq));
+        let most_items = self.limit / ENTRY_OVERHEAD;
+        while self.charged.load(Ordering::Acquire) > self.limit || order.len() > most_items {
+            let Some((oldest, seq)) = order.pop_front() else {
+                break;
+            };
+            // Gone: it was unloaded, and its ring gave its charge back then.
+            if let Some(oldest) = oldest.upgrade() {
+                oldest.ring().evict_through(seq);
+            }
+        }
+        if order.capacity() > 64 && order.len() < order.capacity() / 4 {
+            order.shrink_to_fit();
         }
     }
 }
 
 /// The loaded channels, by name and by id; shared with the store (PostgreSQL moves their
 /// heads on other relays' commits).
-#[derive(Default)]
 pub(crate) struct Registry {
     state: Mutex<RegistryState>,
+    cache: Arc<Cache>,
 }
 
 #[derive(Default)]
@@ -315,12 +438,21 @@ struct RegistryState {
     by_id: HashMap<i64, Arc<Channel>>,
     /// Loads in flight (their rows read, their channels not yet here)...
     loading: usize,
-    /// ...and the heads announced meanwhile for channels not here, so that none is missed
-    /// between reading a row and remembering its channel. Emptied when no load is in flight.
+    /// ...and the heads announced meanwhile for channels not here (by another relay's commit,
+    /// or as they were when unloaded), so that none is missed between reading a row and
+    /// remembering its channel. Emptied when no load is in flight.
     announced: HashMap<i64, (u64, u64)>,
 }
 
 impl Registry {
+    /// No channel loaded yet; their rings hold at most `cache_bytes` together.
+    fn new(cache_bytes: usize) -> Registry {
+        Registry {
+            state: Mutex::default(),
+            cache: Arc::new(Cache::new(cache_bytes)),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, RegistryState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -329,11 +461,14 @@ impl Registry {
     /// account's own legacy channel is looked up here: whether it has one, the store knows.
     fn loaded(&self, account: &str, name: &str) -> Option<Arc<Channel>> {
         let state = self.lock();
-        if state.shadowed.contains(name) {
+        let channel = if state.shadowed.contains(name) {
             let scope = legacy_scope(account);
-            return state.by_name.get(&scope)?.get(name).cloned();
-        }
-        state.by_name.get("")?.get(name).cloned()
+            state.by_name.get(&scope)?.get(name)
+        } else {
+            state.by_name.get("")?.get(name)
+        }?;
+        channel.touch(self.cache.now());
+        Some(Arc::clone(channel))
     }
 
     fn set_shadowed(&self, names: Vec<String>) {
@@ -346,9 +481,63 @@ impl Registry {
         if let Some(channel) = state.by_id.get(&id) {
             channel.advance(head, epoch);
         } else if state.loading > 0 {
-            let seen = state.announced.entry(id).or_insert((head, epoch));
-            *seen = (seen.0.max(head), seen.1.max(epoch));
+            state.announce(id, head, epoch);
         }
+    }
+
+    /// Unloads the channels that nothing but the registry holds (no call, stream or publish
+    /// in flight) and that nobody used for `idle`; returns how many. Their memory (ring, group
+    /// state, bindings) is freed here, outside the registry's lock.
+    ///
+    /// Exact on both stores: a channel is only unloaded once no publish holds it, so whatever
+    /// memory knew of it is durable (heads and group move in memory only after COMMIT), and a
+    /// load reads its row again. A load in flight may have read its row before a commit that
+    /// this unload outlived: it gets the unloaded channel's head and epoch (`announced`).
+    pub(crate) fn unload_idle(&self, idle: Duration) -> usize {
+        let now = self.cache.now();
+        let idle = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
+        let mut unloaded = Vec::new();
+        {
+            let mut guard = self.lock();
+            let state = &mut *guard;
+            state.by_id.retain(|_, channel| {
+                // Two references, `by_name`'s and this one: nobody else holds it, and nobody
+                // can take one meanwhile (they are only cloned from here, under this lock).
+                if Arc::strong_count(channel) > 2 {
+                    channel.touch(now);
+                    return true;
+                }
+                if now.saturating_sub(channel.used.load(Ordering::Relaxed)) < idle {
+                    return true;
+                }
+                unloaded.push(Arc::clone(channel));
+                false
+            });
+            for channel in &unloaded {
+                if let Some(names) = state.by_name.get_mut(&channel.scope) {
+                    names.remove(&channel.name);
+                    if names.is_empty() {
+                        state.by_name.remove(&channel.scope);
+                    }
+                }
+                if state.loading > 0 {
+                    state.announce(channel.id, channel.head_seq(), channel.epoch());
+                }
+            }
+            if !unloaded.is_empty() {
+                shrink(&mut state.by_id);
+                shrink(&mut state.by_name);
+                if let Some(names) = state.by_name.get_mut("") {
+                    shrink(names);
+                }
+            }
+        }
+        unloaded.len()
+    }
+
+    /// How many channels are loaded.
+    fn loaded_count(&self) -> usize {
+        self.lock().by_id.len()
     }
 
     /// The ids of the loaded channels.
@@ -376,7 +565,7 @@ impl Registry {
             Some(existing) => Arc::clone(existing),
             None => {
                 let scope = row.scope.clone();
-                let channel = Arc::new(Channel::new(name, row));
+                let channel = Arc::new(Channel::new(name, row, &self.cache));
                 state
                     .by_name
                     .entry(scope)
@@ -389,7 +578,22 @@ impl Registry {
         if let Some((head, epoch)) = state.announced.remove(&id) {
             channel.advance(head, epoch);
         }
+        channel.touch(self.cache.now());
         channel
+    }
+}
+
+impl RegistryState {
+    fn announce(&mut self, id: i64, head: u64, epoch: u64) {
+        let seen = self.announced.entry(id).or_insert((head, epoch));
+        *seen = (seen.0.max(head), seen.1.max(epoch));
+    }
+}
+
+/// Gives back a map's room once it holds far fewer than it could (after an unload).
+fn shrink<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() < map.capacity() / 4 {
+        map.shrink_to_fit();
     }
 }
 
@@ -440,7 +644,7 @@ impl Drop for Inner {
 impl ChannelLog {
     /// Open the database and start the writer.
     pub async fn open(settings: LogSettings) -> Result<ChannelLog> {
-        let registry = Arc::new(Registry::default());
+        let registry = Arc::new(Registry::new(settings.cache_bytes));
         let opened = store::open(&settings.database, &registry).await?;
         let queue = Arc::new(Queue {
             state: Mutex::new(QueueState::default()),
@@ -474,6 +678,13 @@ impl ChannelLog {
                 opened.reader.close();
                 return Err(err);
             }
+        }
+        if !settings.idle_unload.is_zero() {
+            tokio::spawn(unload_idle_channels(
+                Arc::clone(&registry),
+                settings.idle_unload,
+                queue.stopped.subscribe(),
+            ));
         }
         Ok(ChannelLog {
             inner: Arc::new(Inner {
@@ -549,6 +760,23 @@ impl ChannelLog {
     /// The channel if it is in memory already (no store access).
     pub fn loaded(&self, account: &str, name: &str) -> Option<Arc<Channel>> {
         self.inner.registry.loaded(account, name)
+    }
+
+    /// Unloads now the channels nobody holds and nobody used for `idle` (what the log does
+    /// by itself every so often, see [`LogSettings::idle_unload`]); returns how many.
+    pub fn unload_idle(&self, idle: Duration) -> usize {
+        self.inner.registry.unload_idle(idle)
+    }
+
+    /// How many channels are loaded.
+    pub fn loaded_channels(&self) -> usize {
+        self.inner.registry.loaded_count()
+    }
+
+    /// What the rings of recent entries hold now, all channels together (messages and
+    /// bookkeeping, as charged against [`LogSettings::cache_bytes`]).
+    pub fn cached_bytes(&self) -> usize {
+        self.inner.registry.cache.charged.load(Ordering::Acquire)
     }
 
     /// Loads the channel's group from the store into memory when it was not loaded or is
@@ -817,6 +1045,23 @@ impl ChannelLog {
         // The sender lives in the queue, which we hold: this only ends once stopped.
         let _ = stopped.wait_for(|stopped| *stopped).await;
         self.inner.reader.close();
+    }
+}
+
+/// Unloads the channels idle for `idle`, checking every quarter of it (so a channel goes at
+/// most 1.25 `idle` after its last use), until the writer stops.
+async fn unload_idle_channels(
+    registry: Arc<Registry>,
+    idle: Duration,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let every = (idle / 4).clamp(Duration::from_millis(10), Duration::from_secs(15));
+    loop {
+        tokio::select! {
+            _ = stopped.wait_for(|stopped| *stopped) => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        registry.unload_idle(idle);
     }
 }
 
@@ -1149,9 +1394,12 @@ fn committed(batch: &[Publish], plan: &Plan) {
                 seq,
                 epoch: p.checked.header.epoch,
                 content_type: p.checked.header.content_type as u32,
-                message: p.checked.message.clone(),
+                // A copy of its own: the request's bytes may be a slice of a larger receive
+                // buffer, which the ring would otherwise keep whole (uncounted).
+                message: Bytes::copy_from_slice(&p.checked.message),
                 account: Arc::clone(&p.checked.account),
             });
+            p.channel.cache().cached(&p.channel, seq);
             if let GroupCheck::Valid(Some(change)) = &p.checked.group {
                 // Before the epoch moves (below): whoever sees the new epoch finds the group
                 // that goes with it.
@@ -1166,6 +1414,7 @@ fn committed(batch: &[Publish], plan: &Plan) {
     }
     for (channel, t) in plan.changed(batch) {
         channel.move_forward(t.head, t.epoch);
+        channel.touch(channel.cache().now());
     }
 }
 
@@ -1269,7 +1518,11 @@ pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
         scope: String::new(),
         legacy_owner: None,
     };
-    Arc::new(Channel::new("org/ns/service", row))
+    Arc::new(Channel::new(
+        "org/ns/service",
+        row,
+        &Arc::new(Cache::new(DEFAULT_CACHE_BYTES)),
+    ))
 }
 
 /// A publish whose answer nobody waits for (for the stores' tests).
@@ -1306,42 +1559,95 @@ mod tests {
     use super::test_entry as entry;
     use super::*;
 
-    fn channel() -> Channel {
+    fn channel(id: i64, cache: &Arc<Cache>) -> Arc<Channel> {
         let row = ChannelRow {
-            id: 1,
+            id,
             epoch: 0,
             head_seq: 0,
             scope: String::new(),
             legacy_owner: None,
         };
-        Channel::new("org/ns/service", row)
+        Arc::new(Channel::new(&format!("org/ns/c{id}"), row, cache))
+    }
+
+    fn cache(channel: &Arc<Channel>, seq: u64, size: usize) {
+        channel.ring().push(entry(seq, size));
+        channel.cache().cached(channel, seq);
+    }
+
+    fn seqs(channel: &Channel) -> Vec<u64> {
+        channel.ring().entries.iter().map(|e| e.seq).collect()
     }
 
     #[test]
-    fn the_ring_is_bounded_by_count_and_bytes() {
-        let channel = channel();
-        for seq in 1..=2100 {
-            channel.ring().push(entry(seq, 10));
+    fn the_rings_share_one_budget_the_oldest_entries_go_first() {
+        let per = 1000 + ENTRY_OVERHEAD;
+        let budget = Arc::new(Cache::new(10 * per));
+        let (a, b) = (channel(1, &budget), channel(2, &budget));
+        for seq in 1..=6 {
+            cache(&a, seq, 1000);
         }
-        assert_eq!(channel.ring().entries.len(), RING_ENTRIES);
-        assert_eq!(channel.ring().bytes, RING_ENTRIES * 10);
-        // 2100 - 2048 entries fell out: the ring reaches back to cursor 52.
-        assert!(channel.ring_after(51, 10).is_none());
-        let page = channel.ring_after(52, 3).unwrap();
-        assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), [53, 54, 55]);
-        assert!(channel.ring_after(2100, 10).is_none());
+        for seq in 1..=4 {
+            cache(&b, seq, 1000);
+        }
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+        // Over the budget: a's oldest go, whichever channel caches.
+        cache(&b, 5, 1000);
+        cache(&b, 6, 1000);
+        assert_eq!(seqs(&a), [3, 4, 5, 6]);
+        assert_eq!(seqs(&b), [1, 2, 3, 4, 5, 6]);
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+        // The ring reaches back to cursor 2 only: older cursors read the store.
+        assert!(a.ring_after(1, 10).is_none());
+        let page = a.ring_after(2, 3).unwrap();
+        assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4, 5]);
+        assert!(a.ring_after(6, 10).is_none());
 
-        let channel = super::tests::channel();
-        for seq in 1..=3 {
-            channel.ring().push(entry(seq, 3 * 1024 * 1024));
+        // One entry larger than the whole budget leaves nothing cached anywhere.
+        cache(&a, 7, 11 * per);
+        assert!(seqs(&a).is_empty() && seqs(&b).is_empty());
+        assert_eq!(budget.charged.load(Ordering::Acquire), 0);
+        assert!(a.ring_after(6, 10).is_none());
+
+        // An unloaded channel gives its charge back; its queued items are skipped later.
+        for seq in 8..=12 {
+            cache(&a, seq, 1000);
         }
-        assert_eq!(channel.ring().entries.len(), 2);
-        assert_eq!(channel.ring_after(1, 10).unwrap().len(), 2);
-        // An entry larger than the whole ring leaves it empty: readers go to the store.
-        channel.ring().push(entry(4, RING_BYTES + 1));
-        let ring = channel.ring();
-        assert_eq!((ring.entries.len(), ring.bytes), (0, 0));
-        drop(ring);
-        assert!(channel.ring_after(3, 10).is_none());
+        cache(&b, 7, 1000);
+        drop(a);
+        assert_eq!(budget.charged.load(Ordering::Acquire), per);
+        for seq in 8..=16 {
+            cache(&b, seq, 1000);
+        }
+        assert_eq!(seqs(&b), (7..=16).collect::<Vec<_>>());
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+    }
+
+    #[test]
+    fn tiny_entries_are_bounded_in_count_too() {
+        let budget = Arc::new(Cache::new(100 * ENTRY_OVERHEAD));
+        let a = channel(1, &budget);
+        for seq in 1..=1000 {
+            cache(&a, seq, 0);
+        }
+        assert_eq!(a.ring().entries.len(), 100);
+        assert!(budget.order.lock().unwrap().len() <= 100);
+        // No budget: nothing is cached at all.
+        let none = Arc::new(Cache::new(0));
+        let b = channel(2, &none);
+        cache(&b, 1, 10);
+        assert!(seqs(&b).is_empty());
+        assert_eq!(none.charged.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn another_relays_append_restarts_the_ring() {
+        let budget = Arc::new(Cache::new(DEFAULT_CACHE_BYTES));
+        let a = channel(1, &budget);
+        cache(&a, 1, 10);
+        cache(&a, 2, 10);
+        cache(&a, 5, 10);
+        assert_eq!(seqs(&a), [5]);
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 + ENTRY_OVERHEAD);
     }
 }

@@ -86,6 +86,8 @@ impl RelayServer {
         let log = ChannelLog::open(LogSettings {
             database: config.database.clone(),
             application_window: config.application_window,
+            cache_bytes: crate::log::DEFAULT_CACHE_BYTES,
+            idle_unload: crate::log::DEFAULT_IDLE_UNLOAD,
         })
         .await?;
         let auth = Authenticator::new(verifier, config.allow_anonymous);
@@ -140,6 +142,11 @@ impl RelayServer {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The channels' log (what is loaded and cached: for the tests and benchmarks).
+    pub fn log(&self) -> &ChannelLog {
+        &self.log
     }
 
     /// The API keys behind live streams (for the revocation checks).

@@ -16,7 +16,7 @@ use static_relay::framing::parse_message;
 use static_relay::group::{GroupState, Handshake};
 use static_relay::log::{
     Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, LogSettings, WelcomeKey,
-    WelcomeRecord,
+    WelcomeRecord, DEFAULT_CACHE_BYTES, DEFAULT_IDLE_UNLOAD,
 };
 use static_relay::members::{GroupChange, Reach};
 use static_relay::rules::idempotency_key;
@@ -48,9 +48,27 @@ fn new_db() -> Db {
 }
 
 async fn open(path: &Path, application_window: u64) -> ChannelLog {
+    open_with(
+        path,
+        application_window,
+        DEFAULT_CACHE_BYTES,
+        DEFAULT_IDLE_UNLOAD,
+    )
+    .await
+}
+
+/// [`open`] with the rings' budget and the idle time given.
+async fn open_with(
+    path: &Path,
+    application_window: u64,
+    cache_bytes: usize,
+    idle_unload: Duration,
+) -> ChannelLog {
     ChannelLog::open(LogSettings {
         database: path.into(),
         application_window,
+        cache_bytes,
+        idle_unload,
     })
     .await
     .unwrap()
@@ -710,7 +728,8 @@ async fn read_after_from_memory_and_from_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_after_past_the_ring() {
     let db = new_db();
-    let log = open(&db.path, 4).await;
+    // Room for about 500 of these entries (~50 bytes each, plus their bookkeeping).
+    let log = open_with(&db.path, 4, 500 * 180, DEFAULT_IDLE_UNLOAD).await;
     let (_alice, channel) = alices_channel(&log).await;
     let total = 2300u64;
     for chunk in 0..(total / 100) {
@@ -722,7 +741,15 @@ async fn read_after_past_the_ring() {
         }
     }
     assert_eq!(channel.head_seq(), total);
-    // The ring keeps the last 2048: older cursors read the store, in pages.
+    // The rings keep the last ~500: older cursors read the store, in pages.
+    assert!(log.cached_bytes() <= 500 * 180);
+    assert!(
+        log.read_after(&channel, total - 10, 10)
+            .await
+            .unwrap()
+            .len()
+            == 10
+    );
     let mut cursor = 0;
     let mut count = 0;
     loop {
@@ -915,6 +942,8 @@ async fn open_needs_the_relay_tables() {
     let err = ChannelLog::open(LogSettings {
         database: missing.into(),
         application_window: 4,
+        cache_bytes: DEFAULT_CACHE_BYTES,
+        idle_unload: DEFAULT_IDLE_UNLOAD,
     })
     .await
     .err()
@@ -928,6 +957,8 @@ async fn open_needs_the_relay_tables() {
     let err = ChannelLog::open(LogSettings {
         database: empty.into(),
         application_window: 4,
+        cache_bytes: DEFAULT_CACHE_BYTES,
+        idle_unload: DEFAULT_IDLE_UNLOAD,
     })
     .await
     .err()
