@@ -1640,6 +1640,34 @@ mod tests {
         assert_eq!(none.charged.load(Ordering::Acquire), 0);
     }
 
+    /// A load that read its row before a commit, while the channel was unloaded after that
+    /// commit: it gets the unloaded channel's head and epoch, not its row's.
+    #[test]
+    fn a_load_in_flight_gets_the_head_of_a_channel_unloaded_meanwhile() {
+        let registry = Arc::new(Registry::new(DEFAULT_CACHE_BYTES));
+        let row = |head_seq, epoch| ChannelRow {
+            id: 7,
+            epoch,
+            head_seq,
+            scope: String::new(),
+            legacy_owner: None,
+        };
+        let stale = row(3, 1);
+        let loaded = registry.remember("org/ns/c", row(3, 1));
+        loaded.advance(5, 2);
+        drop(loaded);
+        let loading = registry.loading();
+        assert_eq!(registry.unload_idle(Duration::ZERO), 1);
+        let again = registry.remember("org/ns/c", stale);
+        assert_eq!((again.head_seq(), again.epoch()), (5, 2));
+        drop((again, loading));
+        // No load in flight: nothing is remembered of what was unloaded.
+        assert_eq!(registry.unload_idle(Duration::ZERO), 1);
+        assert!(registry.lock().announced.is_empty());
+        let fresh = registry.remember("org/ns/c", row(9, 4));
+        assert_eq!((fresh.head_seq(), fresh.epoch()), (9, 4));
+    }
+
     #[test]
     fn another_relays_append_restarts_the_ring() {
         let budget = Arc::new(Cache::new(DEFAULT_CACHE_BYTES));

@@ -1008,3 +1008,240 @@ async fn a_free_writer_commits_in_the_submitter_a_busy_one_on_its_thread() {
     );
     log.close().await;
 }
+
+/// Unloads `name`'s channel (nobody may hold it) and loads it again from the store.
+async fn reloaded(log: &ChannelLog, name: &str) -> Arc<Channel> {
+    assert_eq!(log.unload_idle(Duration::ZERO), 1);
+    assert!(log.loaded(ACCOUNT, name).is_none());
+    assert_eq!(log.loaded_channels(), 0);
+    log.channel(ACCOUNT, name).await.unwrap()
+}
+
+/// A channel unloaded and loaded again is the same channel: head, epoch, the fence, retries
+/// (their original seq), its group and who reaches it (a member, a removed one up to its
+/// removal, an outsider), and a reader's cursor carries on. Not unloaded while held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unloaded_channel_reloads_exactly() {
+    let db = new_db();
+    let log = open(&db.path, 1).await;
+    let (alice, channel) = alices_channel(&log).await;
+    let first = checked(0, APPLICATION, b"first");
+    assert_eq!(
+        publish(&log, &channel, first.clone()).await,
+        accepted(1, 0, false)
+    );
+    // Bob is added (epoch 1) and binds his leaf.
+    let bob = Member::anonymous("bob");
+    let added = alice
+        .engine
+        .add_members(NAME, &[&bob.key_package()])
+        .unwrap();
+    let add = check(&log, &channel, &added.commit.into()).await;
+    assert_eq!(
+        publish(&log, &channel, add.clone()).await,
+        accepted(2, 1, false)
+    );
+    alice.engine.merge_pending_commit(NAME).unwrap();
+    assert!(log.bind(&channel, 1, 1, "acct-bob").await.unwrap());
+    assert_eq!(
+        log.reach(&channel, "acct-bob").await.unwrap(),
+        Reach::Member
+    );
+    let second = checked(1, APPLICATION, b"second");
+    assert_eq!(
+        publish(&log, &channel, second.clone()).await,
+        accepted(3, 1, false)
+    );
+    let read_before = log.read_after(&channel, 0, 10).await.unwrap();
+
+    // Held (a call, a stream, a publish in flight): never unloaded.
+    assert_eq!(log.unload_idle(Duration::ZERO), 0);
+    assert_eq!(log.loaded_channels(), 1);
+    drop(channel);
+    let channel = reloaded(&log, NAME).await;
+    assert_eq!((channel.head_seq(), channel.epoch()), (3, 1));
+    assert_eq!(log.read_after(&channel, 0, 10).await.unwrap(), read_before);
+    assert_eq!(
+        log.read_after(&channel, 2, 10).await.unwrap(),
+        read_before[2..]
+    );
+    assert_eq!(log.reach(&channel, ACCOUNT).await.unwrap(), Reach::Member);
+    assert_eq!(
+        log.reach(&channel, "acct-bob").await.unwrap(),
+        Reach::Member
+    );
+    assert_eq!(log.reach(&channel, "acct-3").await.unwrap(), Reach::None);
+    assert_eq!(log.group(&channel).await.unwrap().unwrap().epoch(), 1);
+    // Retries get their original answer; the fence holds at the reloaded epoch.
+    assert_eq!(publish(&log, &channel, first).await, accepted(1, 0, true));
+    assert_eq!(
+        publish(&log, &channel, retried(&add)).await,
+        accepted(2, 1, true)
+    );
+    assert_eq!(
+        publish(&log, &channel, checked(0, PROPOSAL, b"stale")).await,
+        stale(0, 1)
+    );
+
+    // Alice removes bob (epoch 2); reloaded, bob reaches up to that commit only.
+    let removal = check(&log, &channel, &alice.remove(NAME, "bob")).await;
+    assert_eq!(
+        publish(&log, &channel, removal.clone()).await,
+        accepted(4, 2, false)
+    );
+    alice.apply(NAME, &removal.message);
+    drop(channel);
+    let channel = reloaded(&log, NAME).await;
+    assert_eq!((channel.head_seq(), channel.epoch()), (4, 2));
+    assert_eq!(
+        log.reach(&channel, "acct-bob").await.unwrap(),
+        Reach::Until(4)
+    );
+    assert_eq!(
+        publish(&log, &channel, retried(&removal)).await,
+        accepted(4, 2, true)
+    );
+    // A stale commit is refused, the next one is checked against the reloaded group.
+    assert_eq!(
+        publish(&log, &channel, retried(&add)).await,
+        accepted(2, 1, true)
+    );
+    let next = commit_of(&log, &channel, &alice).await;
+    assert_eq!(
+        publish(&log, &channel, next.clone()).await,
+        accepted(5, 3, false)
+    );
+    alice.apply(NAME, &next.message);
+    assert_eq!(publish(&log, &channel, second).await, accepted(3, 1, true));
+    let all = log.read_after(&channel, 0, 10).await.unwrap();
+    assert_consecutive(&all, 1);
+    assert_eq!(all.len(), 5);
+    log.close().await;
+}
+
+/// Loads, publishes and unloads of one channel racing each other: every publish is answered
+/// once, seqs stay gap-free (a load that read its row before a commit the unload outlived
+/// takes the unloaded channel's head).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unloads_race_loads_and_publishes() {
+    let db = new_db();
+    let log = open(&db.path, 4).await;
+    let (_alice, channel) = alices_channel(&log).await;
+    drop(channel);
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let unloader = {
+        let (log, done) = (log.clone(), Arc::clone(&done));
+        tokio::spawn(async move {
+            let mut unloads = 0;
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                unloads += log.unload_idle(Duration::ZERO);
+                tokio::task::yield_now().await;
+            }
+            unloads
+        })
+    };
+    let publishers: Vec<_> = (0..4)
+        .map(|p| {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut seqs = Vec::new();
+                for i in 0..50 {
+                    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
+                    let item = checked(0, APPLICATION, format!("{p}/{i}").as_bytes());
+                    let answer = publish(&log, &channel, item).await.unwrap();
+                    assert!(!answer.duplicate);
+                    seqs.push(answer.seq);
+                }
+                seqs
+            })
+        })
+        .collect();
+    let mut seqs = Vec::new();
+    for publisher in publishers {
+        seqs.extend(publisher.await.unwrap());
+    }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let unloads = unloader.await.unwrap();
+    assert!(unloads > 0, "never unloaded: the race was not run");
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=200).collect::<Vec<u64>>());
+    let channel = log.channel(ACCOUNT, NAME).await.unwrap();
+    assert_eq!(channel.head_seq(), 200);
+    let mut all = log.read_after(&channel, 0, 256).await.unwrap();
+    assert_consecutive(&all, 1);
+    assert_eq!(all.len(), 200);
+    all.dedup_by(|a, b| a.message == b.message);
+    assert_eq!(all.len(), 200);
+    log.close().await;
+}
+
+/// The rings of many channels together stay within the budget, whichever channel publishes;
+/// what fell out is read from the store; unloaded channels give theirs back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_budget_holds_across_many_channels() {
+    let db = new_db();
+    let budget = 64 * 1024;
+    let log = open_with(&db.path, 4, budget, DEFAULT_IDLE_UNLOAD).await;
+    let alice = Member::anonymous("alice");
+    let mut channels = Vec::new();
+    for c in 0..12 {
+        let name = format!("org/many/c{c}");
+        channels.push(create(&log, &alice, &name, ACCOUNT).await.unwrap());
+    }
+    let body = |c: usize, i: usize| format!("{c}/{i}").into_bytes().repeat(700);
+    for i in 0..8 {
+        for (c, channel) in channels.iter().enumerate() {
+            publish(&log, channel, checked(0, APPLICATION, &body(c, i)))
+                .await
+                .unwrap();
+            assert!(log.cached_bytes() <= budget, "{}", log.cached_bytes());
+        }
+    }
+    assert!(log.cached_bytes() > budget / 2);
+    for (c, channel) in channels.iter().enumerate() {
+        let entries = log.read_after(channel, 0, 100).await.unwrap();
+        assert_consecutive(&entries, 1);
+        let expected: Vec<Bytes> = (0..8)
+            .map(|i| private(0, APPLICATION, &body(c, i)))
+            .collect();
+        let messages: Vec<Bytes> = entries.into_iter().map(|e| e.message).collect();
+        assert_eq!(messages, expected);
+    }
+    drop(channels);
+    assert_eq!(log.unload_idle(Duration::ZERO), 12);
+    assert_eq!(log.cached_bytes(), 0);
+    log.close().await;
+}
+
+/// The log unloads idle channels by itself, and never one that something holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_channels_are_unloaded_by_themselves() {
+    let db = new_db();
+    let log = open_with(&db.path, 4, DEFAULT_CACHE_BYTES, Duration::from_millis(100)).await;
+    let alice = Member::anonymous("alice");
+    let held = create(&log, &alice, "org/idle/held", ACCOUNT)
+        .await
+        .unwrap();
+    let idle = create(&log, &alice, "org/idle/idle", ACCOUNT)
+        .await
+        .unwrap();
+    publish(&log, &idle, checked(0, APPLICATION, b"once"))
+        .await
+        .unwrap();
+    drop(idle);
+    let started = std::time::Instant::now();
+    while log.loaded_channels() > 1 {
+        assert!(started.elapsed() < Duration::from_secs(5), "not unloaded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Idle since its publish, 100 ms at least.
+    assert!(started.elapsed() >= Duration::from_millis(75));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(log.loaded_channels(), 1);
+    assert!(log.loaded(ACCOUNT, "org/idle/idle").is_none());
+    assert_eq!(held.head_seq(), 0);
+    let idle = log.channel(ACCOUNT, "org/idle/idle").await.unwrap();
+    assert_eq!(idle.head_seq(), 1);
+    assert_eq!(log.read_after(&idle, 0, 10).await.unwrap().len(), 1);
+    log.close().await;
+}

@@ -372,3 +372,72 @@ async fn relays_on_one_database_share_the_membership() {
     let list = alice.list_members(&mut on_b, CHANNEL).await.unwrap();
     assert_eq!((list.epoch, list.members.len()), (3, 1));
 }
+
+/// Unloads every channel of `relay` that nothing holds any more (a stream that just ended
+/// lets go of its channel a moment later).
+async fn unload_all(relay: &Relay) {
+    let log = relay.server().log();
+    let started = Instant::now();
+    loop {
+        log.unload_idle(Duration::ZERO);
+        if log.loaded_channels() == 0 {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "still loaded");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A channel unloaded on relay A while relay B publishes and commits (A's NOTIFYs find it
+/// gone): A reads it again from the store when next named, and carries on exactly (the next
+/// seq, the new epoch, the fence, its members); a subscriber resumes on A from its cursor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("unload").await;
+    let (a, b) = two_relays(&url).await;
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    group_of(&mut on_a, CHANNEL, &[&alice, &bob]).await;
+    let hello = alice.encrypt(CHANNEL, b"on a");
+    assert_eq!(
+        alice.publish(&mut on_a, CHANNEL, hello).await.unwrap().seq,
+        2
+    );
+    let mut bobs = bob.subscribe(&mut on_a, CHANNEL, 0).await.unwrap();
+    assert_eq!(bobs.wait_for(2).await.len(), 2);
+    drop(bobs);
+    unload_all(&a).await;
+
+    // Alice's commit at epoch 1, left for later: bob's commit on B will have made it stale.
+    let stale = alice.update(CHANNEL);
+    for i in 0..3 {
+        let message = bob.encrypt(CHANNEL, format!("on b {i}").as_bytes());
+        bob.publish(&mut on_b, CHANNEL, message).await.unwrap();
+    }
+    let (moved, commit) = bob.commit(&mut on_b, CHANNEL).await;
+    assert_eq!((moved.seq, moved.epoch), (6, 2));
+    assert_eq!(a.server().log().loaded_channels(), 0);
+
+    let refused = alice.publish(&mut on_a, CHANNEL, stale).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    alice.apply(CHANNEL, &commit);
+    let back = alice.encrypt(CHANNEL, b"back on a");
+    let answer = alice.publish(&mut on_a, CHANNEL, back).await.unwrap();
+    assert_eq!((answer.seq, answer.epoch), (7, 2));
+    let mut resumed = bob.subscribe(&mut on_a, CHANNEL, 2).await.unwrap();
+    resumed.wait_for(5).await;
+    assert_eq!(resumed.seqs(), [3, 4, 5, 6, 7]);
+    assert_eq!(epoch_of(&mut on_a, &alice, CHANNEL).await, 2);
+
+    // Unloaded again with a stream open on B; A's commit reaches it, A's next load is exact.
+    let mut on_b_stream = alice.subscribe(&mut on_b, CHANNEL, 7).await.unwrap();
+    drop(resumed);
+    unload_all(&a).await;
+    let (next, _) = alice.commit(&mut on_a, CHANNEL).await;
+    assert_eq!((next.seq, next.epoch), (8, 3));
+    assert_eq!(on_b_stream.wait_for(1).await[0].seq, 8);
+}
