@@ -2,6 +2,8 @@
 //! the relay (`static-relay`) use these types; [`PROTO_DESCRIPTOR`] is the compiled descriptor.
 //! The constants here are the ones both sides must agree on.
 
+#![forbid(unsafe_code)]
+
 /// The generated protobuf messages, tonic client and server of `static.relay.v1`.
 #[allow(clippy::all, clippy::pedantic, clippy::unwrap_used, missing_docs)]
 pub mod pb {

@@ -4,6 +4,8 @@
 //! `Engine` is usable from many Python threads at once. Errors map to the Python classes of
 //! `static._errors` in exactly one place, `From<NativeError> for PyErr` (`error`).
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod exit;
 mod relay;

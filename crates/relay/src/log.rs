@@ -1061,7 +1061,11 @@ async fn unload_idle_channels(
             _ = stopped.wait_for(|stopped| *stopped) => return,
             () = tokio::time::sleep(every) => {}
         }
-        registry.unload_idle(idle);
+        if registry.unload_idle(idle) > 0 {
+            // What they held is free but still resident (glibc's arenas): give it back, off
+            // the runtime's workers, one trim at a time (see `crate::memory`).
+            let _ = tokio::task::spawn_blocking(crate::memory::give_back).await;
+        }
     }
 }
 
