@@ -50,14 +50,6 @@ use crate::store::{
 
 /// Most publishes one group commit takes.
 const MAX_BATCH: usize = 512;
-/// What the rings of all channels may hold together, by default: 64 MiB. A subscriber that
-/// keeps up reads each entry right after its commit, so the rings only need the last moments
-/// of traffic: 64 MiB is ~16,000 entries of 4 KiB (or 64 of 1 MiB), and fits a small server.
-/// Before this budget each channel kept up to 2,048 entries / 8 MiB: with 4 KiB messages the
-/// relay grew from 159 MiB at 10 busy channels to 926 MiB at 100 (issue 20).
-pub const DEFAULT_CACHE_BYTES: usize = 64 * 1024 * 1024;
-/// A channel nobody used for this long is unloaded, by default.
-pub const DEFAULT_IDLE_UNLOAD: Duration = Duration::from_secs(60);
 /// Bytes each cached entry is charged on top of its message: its ring slot (an `Entry`, 72
 /// bytes), the message's own allocation and the budget's queue item (24), rounded up. Bounds
 /// the entries count too: 64 MiB holds at most 524,288 entries, however small.
@@ -69,8 +61,8 @@ pub struct LogSettings {
     pub database: Database,
     /// Application messages are accepted at the channel's epoch or this many before it.
     pub application_window: u64,
-    /// What the rings of recent entries hold, all channels together, in bytes (see
-    /// [`DEFAULT_CACHE_BYTES`]); 0 caches nothing (every read goes to the store).
+    /// What the rings of recent entries hold, all channels together, in bytes
+    /// (`RelayConfig::cache_bytes`); 0 caches nothing (every read goes to the store).
     pub cache_bytes: usize,
     /// A channel with no publish, no subscriber and no call for this long is unloaded (its
     /// ring, group state and bindings dropped) and read again from the store when next named.
@@ -1525,7 +1517,7 @@ pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
     Arc::new(Channel::new(
         "org/ns/service",
         row,
-        &Arc::new(Cache::new(DEFAULT_CACHE_BYTES)),
+        &Arc::new(Cache::new(1024 * 1024)),
     ))
 }
 
@@ -1648,7 +1640,7 @@ mod tests {
     /// commit: it gets the unloaded channel's head and epoch, not its row's.
     #[test]
     fn a_load_in_flight_gets_the_head_of_a_channel_unloaded_meanwhile() {
-        let registry = Arc::new(Registry::new(DEFAULT_CACHE_BYTES));
+        let registry = Arc::new(Registry::new(1024 * 1024));
         let row = |head_seq, epoch| ChannelRow {
             id: 7,
             epoch,
@@ -1674,7 +1666,7 @@ mod tests {
 
     #[test]
     fn another_relays_append_restarts_the_ring() {
-        let budget = Arc::new(Cache::new(DEFAULT_CACHE_BYTES));
+        let budget = Arc::new(Cache::new(1024 * 1024));
         let a = channel(1, &budget);
         cache(&a, 1, 10);
         cache(&a, 2, 10);

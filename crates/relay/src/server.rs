@@ -86,8 +86,8 @@ impl RelayServer {
         let log = ChannelLog::open(LogSettings {
             database: config.database.clone(),
             application_window: config.application_window,
-            cache_bytes: crate::log::DEFAULT_CACHE_BYTES,
-            idle_unload: crate::log::DEFAULT_IDLE_UNLOAD,
+            cache_bytes: config.cache_bytes,
+            idle_unload: config.idle_unload,
         })
         .await?;
         let auth = Authenticator::new(verifier, config.allow_anonymous);

@@ -233,6 +233,23 @@ settings! {
         reset_rate_per_second: f64 = 50.0,
             "--relay-reset-rate", 0.0, f64::INFINITY,
             "stream resets a relay connection may make per second after its burst";
+        /// What the rings of recent entries (read by live subscribers without the store) hold,
+        /// all channels together, each entry charged its message and 128 bytes; past it the
+        /// oldest go first, whichever their channel. A subscriber that keeps up reads each
+        /// entry right after its commit, so the rings only need the last moments of traffic:
+        /// 64 MiB is ~16,000 entries of 4 KiB (or 64 of 1 MiB) and fits a small server. Each
+        /// channel kept up to 8 MiB before: with 4 KiB messages the relay grew from 159 MiB at
+        /// 10 busy channels to 926 MiB at 100 (issue 20).
+        cache_bytes: usize = 64 * MIB,
+            "--relay-cache-bytes", 0.0, 1024.0 * 1024.0 * 1024.0 * 1024.0,
+            "bytes of recent entries the relay keeps in memory for live subscribers, all channels together";
+        /// A channel with no publish, no subscriber and no call for this long is unloaded (its
+        /// ring, group state and bindings) and read again from the store when next named; 0
+        /// never unloads. A minute keeps a channel with sparse traffic loaded between its
+        /// messages, while one that went quiet gives its memory back soon.
+        idle_unload: Duration = Duration::from_secs(60),
+            "--relay-idle-unload", 0.0, 86_400.0,
+            "seconds without traffic after which a relay channel is unloaded from memory, 0 for never";
         /// Publishes per second per agent (API key, or peer address when anonymous); 0 = no
         /// limit.
         publish_rate_per_agent: f64 = 10_000.0,

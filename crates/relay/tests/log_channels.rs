@@ -16,11 +16,16 @@ use static_relay::framing::parse_message;
 use static_relay::group::{GroupState, Handshake};
 use static_relay::log::{
     Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, LogSettings, WelcomeKey,
-    WelcomeRecord, DEFAULT_CACHE_BYTES, DEFAULT_IDLE_UNLOAD,
+    WelcomeRecord,
 };
 use static_relay::members::{GroupChange, Reach};
 use static_relay::rules::idempotency_key;
-use static_relay::RelayError;
+use static_relay::{RelayConfig, RelayError};
+
+/// The relay's defaults.
+fn defaults() -> RelayConfig {
+    RelayConfig::new(PathBuf::from("unused.db"))
+}
 
 use service_support::{key_package_ref, public_message, Member, SCHEMA};
 
@@ -51,8 +56,8 @@ async fn open(path: &Path, application_window: u64) -> ChannelLog {
     open_with(
         path,
         application_window,
-        DEFAULT_CACHE_BYTES,
-        DEFAULT_IDLE_UNLOAD,
+        defaults().cache_bytes,
+        defaults().idle_unload,
     )
     .await
 }
@@ -729,7 +734,7 @@ async fn read_after_from_memory_and_from_the_store() {
 async fn read_after_past_the_ring() {
     let db = new_db();
     // Room for about 500 of these entries (~50 bytes each, plus their bookkeeping).
-    let log = open_with(&db.path, 4, 500 * 180, DEFAULT_IDLE_UNLOAD).await;
+    let log = open_with(&db.path, 4, 500 * 180, defaults().idle_unload).await;
     let (_alice, channel) = alices_channel(&log).await;
     let total = 2300u64;
     for chunk in 0..(total / 100) {
@@ -942,8 +947,8 @@ async fn open_needs_the_relay_tables() {
     let err = ChannelLog::open(LogSettings {
         database: missing.into(),
         application_window: 4,
-        cache_bytes: DEFAULT_CACHE_BYTES,
-        idle_unload: DEFAULT_IDLE_UNLOAD,
+        cache_bytes: defaults().cache_bytes,
+        idle_unload: defaults().idle_unload,
     })
     .await
     .err()
@@ -957,8 +962,8 @@ async fn open_needs_the_relay_tables() {
     let err = ChannelLog::open(LogSettings {
         database: empty.into(),
         application_window: 4,
-        cache_bytes: DEFAULT_CACHE_BYTES,
-        idle_unload: DEFAULT_IDLE_UNLOAD,
+        cache_bytes: defaults().cache_bytes,
+        idle_unload: defaults().idle_unload,
     })
     .await
     .err()
@@ -1181,7 +1186,7 @@ async fn unloads_race_loads_and_publishes() {
 async fn the_cache_budget_holds_across_many_channels() {
     let db = new_db();
     let budget = 64 * 1024;
-    let log = open_with(&db.path, 4, budget, DEFAULT_IDLE_UNLOAD).await;
+    let log = open_with(&db.path, 4, budget, defaults().idle_unload).await;
     let alice = Member::anonymous("alice");
     let mut channels = Vec::new();
     for c in 0..12 {
@@ -1217,7 +1222,13 @@ async fn the_cache_budget_holds_across_many_channels() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_channels_are_unloaded_by_themselves() {
     let db = new_db();
-    let log = open_with(&db.path, 4, DEFAULT_CACHE_BYTES, Duration::from_millis(100)).await;
+    let log = open_with(
+        &db.path,
+        4,
+        defaults().cache_bytes,
+        Duration::from_millis(100),
+    )
+    .await;
     let alice = Member::anonymous("alice");
     let held = create(&log, &alice, "org/idle/held", ACCOUNT)
         .await
