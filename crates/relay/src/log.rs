@@ -410,6 +410,16 @@ impl Cache {
             order.shrink_to_fit();
         }
     }
+
+    /// Forgets the items of unloaded channels: each would otherwise keep its channel's
+    /// allocation (a few hundred bytes, though not what it held) until it came up.
+    fn forget_unloaded(&self) {
+        let mut order = self.order.lock().unwrap_or_else(PoisonError::into_inner);
+        order.retain(|(channel, _)| channel.strong_count() > 0);
+        if order.capacity() > 64 && order.len() < order.capacity() / 4 {
+            order.shrink_to_fit();
+        }
+    }
 }
 
 /// The loaded channels, by name and by id; shared with the store (PostgreSQL moves their
@@ -524,7 +534,12 @@ impl Registry {
                 }
             }
         }
-        unloaded.len()
+        let count = unloaded.len();
+        if count > 0 {
+            drop(unloaded);
+            self.cache.forget_unloaded();
+        }
+        count
     }
 
     /// How many channels are loaded.
@@ -1612,6 +1627,9 @@ mod tests {
         cache(&b, 7, 1000);
         drop(a);
         assert_eq!(budget.charged.load(Ordering::Acquire), per);
+        assert_eq!(budget.order.lock().unwrap().len(), 6);
+        budget.forget_unloaded();
+        assert_eq!(budget.order.lock().unwrap().len(), 1);
         for seq in 8..=16 {
             cache(&b, seq, 1000);
         }
