@@ -860,3 +860,68 @@ async fn streaming_calls_send_headers_before_any_request() {
     drop(tx);
     assert!(next_answer(&mut answers).await.unwrap().is_none());
 }
+
+/// Waits until `relay` has `count` channels loaded (the log unloads idle ones by itself).
+async fn loaded(relay: &Relay, count: usize) {
+    within("the idle channels to be unloaded", async {
+        while relay.server().log().loaded_channels() != count {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+/// Channels unloaded when idle, through the service: a Subscribe or SubscribeMany stream keeps
+/// its channel loaded however long it is quiet; once nothing holds it the channel goes, and the
+/// next call reads it again from the store: the log goes on at the next seq, and subscribers
+/// resume from their cursors without a gap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_channels_unload_and_reload_through_the_service() {
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.idle_unload = Duration::from_millis(50);
+    })
+    .await;
+    let mut client = relay.client().await;
+    let member = create(&mut client, CHANNEL).await;
+    for i in 0..3u8 {
+        publish(&mut client, CHANNEL, application(CHANNEL, 0, &[i]))
+            .await
+            .unwrap();
+    }
+    loaded(&relay, 0).await;
+
+    let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    assert_eq!(sub.wait_for(3).await.len(), 3);
+    let mut many = Many::open(&mut client, None).await;
+    many.add(subscribe_request(CHANNEL, 3));
+    assert_eq!(many.live(CHANNEL).await, 3);
+    // Quiet far longer than the idle time, yet held by the streams.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(relay.server().log().loaded_channels(), 1);
+    let fourth = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"4"))
+        .await
+        .unwrap();
+    assert_eq!(fourth.seq, 4);
+    assert_eq!(sub.wait_for(4).await[3].seq, 4);
+    assert_eq!(many.wait_for(CHANNEL, 1).await, [4]);
+
+    drop(sub);
+    drop(many);
+    loaded(&relay, 0).await;
+    let fifth = publish(&mut client, CHANNEL, application(CHANNEL, 0, b"5"))
+        .await
+        .unwrap();
+    assert_eq!((fifth.seq, fifth.epoch, fifth.duplicate), (5, 0, false));
+    let retry = publish(&mut client, CHANNEL, application(CHANNEL, 0, &[0]))
+        .await
+        .unwrap();
+    assert_eq!((retry.seq, retry.duplicate), (1, true));
+    loaded(&relay, 0).await;
+    let mut resumed = Subscription::open(&mut client, subscribe_request(CHANNEL, 2)).await;
+    resumed.wait_for(3).await;
+    assert_eq!(resumed.seqs(), [3, 4, 5]);
+    let (committed, _) = member.commit(&mut client, CHANNEL).await;
+    assert_eq!((committed.seq, committed.epoch), (6, 1));
+    assert_eq!(resumed.wait_for(4).await[3].seq, 6);
+}
