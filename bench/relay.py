@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/relay.py [--messages N] [--idle N] [--only-new]
                                     [--stores sqlite,postgresql]
+    .venv/bin/python bench/relay.py --log-growth 400000 [--repeats 3] [--stores ...]
 
 Starts a real ``static serve`` on each store in turn (durable both: SQLite with
 synchronous=FULL; PostgreSQL a throwaway cluster of Debian's binaries with fsync on) and
@@ -17,6 +18,12 @@ the load generator (grpcio, with the tests' stubs of proto/relay.proto). Measure
 * 1 -> 10 fan-out deliveries per second;
 * publish -> deliver latency p50/p99 at 1,000 msg/s;
 * server RSS per idle subscriber with 5,000 of them.
+
+``--log-growth N`` measures only how a publish's cost follows the channel's log: one
+pipelined PublishBatches publisher fills a fresh channel (on a fresh database) to N entries and
+beyond, and the relay's CPU per message is taken over a window at the empty log and at N,
+with their ratio; repeated ``--repeats`` times (a fresh server and database each) for the
+spread. :func:`publish_cpu_by_log_size` is that figure for other benchmarks.
 
 The relay's CPU is the ``static serve`` process's; on PostgreSQL the database server's own
 processes come on top. Each store's figures print as soon as they are measured; at the end a
@@ -260,6 +267,161 @@ def batched(target: str, pid: int, channel: str, count: int, size: int = 64) -> 
     if accepted != count:
         print(f"  (batched: only {accepted} of {count} publishes were accepted)")
     return count / (last - started), cpu / count * 1e6
+
+
+def _pipelined(channel: str, start: int, count: int, size: int) -> Iterator[pb.PublishBatchRequest]:
+    """``count`` distinct 1 KiB messages from number ``start`` on, in batches of ``size``."""
+    for first in range(start, start + count, size):
+        yield pb.PublishBatchRequest(
+            requests=[
+                pb.PublishRequest(channel=channel, message=app_message(channel, b"m%d" % i))
+                for i in range(first, min(first + size, start + count))
+            ]
+        )
+
+
+def _database_cpu_seconds(database_url: str | None) -> float:
+    """The CPU time of the PostgreSQL cluster serving ``database_url`` (its postmaster and
+    children, living and reaped); 0 for SQLite, which runs inside the relay."""
+    if database_url is None:
+        return 0.0
+    port = database_url.rpartition(":")[2].partition("/")[0]
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stats[int(proc.name)] = (
+                (proc / "stat").read_text().rpartition(")")[2].split(),
+                (proc / "cmdline").read_bytes(),
+            )
+        except OSError:
+            continue
+    masters = {pid for pid, (_, cmdline) in stats.items() if f"port={port}".encode() in cmdline}
+    for pid, (fields, _) in stats.items():
+        if pid in masters or int(fields[1]) in masters:
+            total += sum(int(f) for f in fields[11:15]) / tick
+    return total
+
+
+@dataclass(frozen=True)
+class Window:
+    """Relay CPU over a window of pipelined publishes that starts at ``entries``."""
+
+    entries: int
+    relay_us: float
+    database_us: float
+    rate: float
+
+
+def log_growth(
+    target: str,
+    pid: int,
+    database_url: str | None,
+    channel: str,
+    marks: list[int],
+    window: int,
+    size: int = 64,
+) -> list[Window]:
+    """One pipelined PublishBatches publisher fills a fresh ``channel``; for each entry count
+    in ``marks`` the relay's CPU per message (and the database's, on PostgreSQL) over the
+    ``window`` messages published from there. In between the log is filled as fast as the
+    relay takes it. No subscriber: reading is not what grows."""
+    client = Client(target)
+    client.create_channel(channel)
+    windows = []
+    published = 0
+    for mark in marks:
+        if mark > published:
+            for _ in client.publish_batches(
+                _pipelined(channel, published, mark - published, size), timeout=3600
+            ):
+                pass
+            published = mark
+        cpu, db_cpu, started = (
+            cpu_seconds(pid),
+            _database_cpu_seconds(database_url),
+            time.monotonic(),
+        )
+        accepted = 0
+        for response in client.publish_batches(
+            _pipelined(channel, published, window, size), timeout=3600
+        ):
+            accepted += sum(1 for r in response.results if r.WhichOneof("outcome") == "accepted")
+        elapsed = time.monotonic() - started
+        relay_us = (cpu_seconds(pid) - cpu) / window * 1e6
+        database_us = (_database_cpu_seconds(database_url) - db_cpu) / window * 1e6
+        if accepted != window:
+            print(f"  (log growth: only {accepted} of {window} publishes were accepted)")
+        published += window
+        windows.append(Window(mark, relay_us, database_us, window / elapsed))
+    client.channel.close()
+    return windows
+
+
+def publish_cpu_by_log_size(
+    entries: int, repeats: int, store: str, tmp: str, window: int = 20_000
+) -> list[list[Window]]:
+    """For each of ``repeats`` fresh servers (and databases) on ``store`` ("sqlite" or
+    "postgresql"): the relay's CPU per pipelined publish at an empty log and at ``entries``
+    (see :func:`log_growth`). Empty when the store cannot run here."""
+    marks = sorted({0, entries // 4, entries // 2, entries})
+    runs = []
+    for run in range(repeats):
+        directory = f"{tmp}/growth-{store}-{run}"
+        if store == "sqlite":
+            runs.append(_growth_run(None, directory, marks, window))
+            continue
+        with durable_database() as url:
+            if url is None:
+                return []
+            runs.append(_growth_run(url, directory, marks, window))
+    return runs
+
+
+def _growth_run(
+    database_url: str | None, directory: str, marks: list[int], window: int
+) -> list[Window]:
+    server = _start_static(directory, database_url)
+    assert server.proc is not None
+    try:
+        target = server.relay_url.removeprefix("grpc://")
+        return log_growth(target, server.proc.pid, database_url, "bench/log/growth", marks, window)
+    finally:
+        server.stop(30)
+
+
+def report_growth(store: str, runs: list[list[Window]]) -> None:
+    """Each run's windows, then per mark the median and spread (min-max) of the runs and the
+    ratio to the empty log."""
+    if not runs:
+        return
+    print(f"publish cost by log size, store: {store} (1 KiB, PublishBatches of 64, pipelined)")
+    db = store == "postgresql"
+    for i, windows in enumerate(runs):
+        cells = ", ".join(
+            f"{w.entries:,}: {w.relay_us:.1f} us"
+            + (f" (+db {w.database_us:.1f})" if db else "")
+            + f" {w.rate:,.0f}/s"
+            for w in windows
+        )
+        print(f"  run {i + 1}: {cells}", flush=True)
+    print(f"  {'entries':>9} {'relay us/msg median (min-max)':>32} {'ratio':>7} {'msg/s':>8}")
+    base = statistics.median(w[0].relay_us for w in runs)
+    for column in range(len(runs[0])):
+        values = [w[column].relay_us for w in runs]
+        median = statistics.median(values)
+        rate = statistics.median(w[column].rate for w in runs)
+        cell = f"{median:.1f} ({min(values):.1f}-{max(values):.1f})"
+        if db:
+            dbs = [w[column].database_us for w in runs]
+            cell += f" db {statistics.median(dbs):.1f}"
+        print(
+            f"  {runs[0][column].entries:>9,} {cell:>32} {median / base:>6.2f}x {rate:>8,.0f}",
+            flush=True,
+        )
 
 
 async def _one_by_one(target: str, channel: str, count: int, gap: float) -> list[float]:
@@ -508,6 +670,17 @@ def main() -> None:
         "--only-new", action="store_true", help="only the batched, single-message and unary figures"
     )
     parser.add_argument(
+        "--log-growth",
+        type=int,
+        metavar="ENTRIES",
+        help="only the publish cost by log size: relay CPU per message at an empty log and at"
+        " ENTRIES (e.g. 400000)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of --log-growth")
+    parser.add_argument(
+        "--window", type=int, default=20_000, help="messages per measured window of --log-growth"
+    )
+    parser.add_argument(
         "--stores",
         default="sqlite,postgresql",
         help="comma-separated stores to run against, in one run (default both; PostgreSQL is a"
@@ -518,6 +691,15 @@ def main() -> None:
     for store in stores:
         if store not in ("sqlite", "postgresql"):
             parser.error(f"unknown store {store!r}: sqlite or postgresql")
+
+    if args.log_growth is not None:
+        with tempfile.TemporaryDirectory(prefix="static-bench-") as tmp:
+            for store in stores:
+                runs = publish_cpu_by_log_size(
+                    args.log_growth, args.repeats, store, tmp, args.window
+                )
+                report_growth(store, runs)
+        return
 
     results: dict[str, dict[Figure, float]] = {}
     with tempfile.TemporaryDirectory(prefix="static-bench-") as tmp:
