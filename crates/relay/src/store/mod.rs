@@ -12,6 +12,7 @@
 //! each group commit locks its channels' rows and decides from them, and every commit is
 //! NOTIFYed so that the other relays wake their subscribers.
 
+mod keys;
 pub(crate) mod postgres;
 pub(crate) mod sqlite;
 

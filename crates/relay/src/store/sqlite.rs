@@ -5,6 +5,10 @@
 //! are the batch's keys looked up and the batch decided again. A publish refused by the fence
 //! may still be the retry of a logged message: only those are looked up, after the commit.
 //!
+//! The unique index leads with the key's generation ([`super::keys`]): a publish touches only
+//! the current generation's part of it, and a key of an older generation is looked up when
+//! that generation's filter says it may be there, before the batch is decided.
+//!
 //! Reads run on read-only connections on the blocking pool. A PASSIVE WAL checkpoint runs on
 //! its own thread and connection every [`CHECKPOINT_COMMITS`] group commits or
 //! [`CHECKPOINT_BYTES`] of messages, so that SQLite's autocheckpoint (the fallback) rarely
@@ -22,6 +26,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
+use crate::store::keys::Generations;
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
     StoreFuture, StoredBinding, StoredGroup,
@@ -39,7 +44,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const STATEMENT_CACHE: usize = 32;
 
 const INSERT_ENTRY: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
-     channel_epoch, idempotency_key, message, account) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)";
+     channel_epoch, idempotency_key, message, account, key_gen) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
 const UPDATE_HEAD: &str = "UPDATE relay_channels SET head_seq = ?2, epoch = ?3 WHERE id = ?1";
 const INSERT_EPOCH: &str =
     "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES (?1, ?2, ?3)";
@@ -49,7 +55,12 @@ const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      key_package_ref, digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, key_package_ref) \
      DO UPDATE SET digest = excluded.digest";
 const FIND_KEY: &str = "SELECT seq, channel_epoch FROM relay_entries \
-     WHERE channel_id = ?1 AND idempotency_key = ?2";
+     WHERE key_gen = ?3 AND channel_id = ?1 AND idempotency_key = ?2";
+/// The generations of the log's keys and their sizes (at open; the index alone answers).
+const KEY_GENERATIONS: &str =
+    "SELECT key_gen, count(*) FROM relay_entries GROUP BY key_gen ORDER BY key_gen";
+const GENERATION_KEYS: &str =
+    "SELECT channel_id, idempotency_key FROM relay_entries WHERE key_gen = ?1";
 const CLAIM_ORG: &str =
     "INSERT INTO relay_orgs (org, account) VALUES (?1, ?2) ON CONFLICT (org) DO NOTHING";
 const ORG_OWNER: &str = "SELECT account FROM relay_orgs WHERE org = ?1";
@@ -269,6 +280,7 @@ fn append(
     conn: &mut Connection,
     entries: &[NewEntry<'_>],
     heads: impl Iterator<Item = (i64, u64, u64)>,
+    key_gen: u64,
 ) -> rusqlite::Result<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
@@ -282,7 +294,8 @@ fn append(
                 e.channel_epoch,
                 e.key,
                 e.message,
-                e.account
+                e.account,
+                key_gen
             ])?;
             if e.keep_proposal {
                 tx.prepare_cached(INSERT_PROPOSAL)?.execute(params![
@@ -334,17 +347,53 @@ fn append(
     tx.commit()
 }
 
-/// The entry holding `key` in the channel's log: its (seq, channel_epoch).
+/// The entry holding `key` in the channel's log: its (seq, channel_epoch). Looks in the
+/// current generation, then in the older ones whose filters may hold it (`older_only`: only
+/// those).
 fn find_key(
     conn: &Connection,
+    generations: &Generations,
     channel_id: i64,
     key: &[u8],
+    older_only: bool,
 ) -> rusqlite::Result<Option<(u64, u64)>> {
-    conn.prepare_cached(FIND_KEY)?
-        .query_row(params![channel_id, key], |row| {
-            Ok((row.get(0)?, row.get(1)?))
-        })
-        .optional()
+    let current = (!older_only).then(|| generations.current());
+    for generation in current
+        .into_iter()
+        .chain(generations.older_candidates(channel_id, key))
+    {
+        let found = conn
+            .prepare_cached(FIND_KEY)?
+            .query_row(params![channel_id, key, generation], |row| {
+                Ok((row.get(0)?, row.get(1)?))
+            })
+            .optional()?;
+        if found.is_some() {
+            return Ok(found);
+        }
+    }
+    Ok(None)
+}
+
+/// The generations of the log's keys, with a filter of each (one scan of the index).
+fn load_generations(conn: &Connection) -> rusqlite::Result<Generations> {
+    let mut generations = Generations::new();
+    let sizes = conn
+        .prepare(KEY_GENERATIONS)?
+        .query_map([], |row| Ok((row.get::<_, u64>(0)?, row.get::<_, u64>(1)?)))?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut keys = conn.prepare(GENERATION_KEYS)?;
+    for (generation, count) in sizes {
+        generations.load(generation, count);
+        let mut rows = keys.query(params![generation])?;
+        while let Some(row) = rows.next()? {
+            let channel_id: i64 = row.get(0)?;
+            let key = row.get_ref(1)?.as_blob()?;
+            generations.appended(channel_id, key);
+        }
+        generations.roll_if_full();
+    }
+    Ok(generations)
 }
 
 /// Up to `limit` entries after `after_seq`, in order.
@@ -409,6 +458,7 @@ fn fetch_welcome(
 /// Opens the writer, a first reader and the checkpointer on the database file `path`.
 pub(crate) fn open(path: &Path) -> Result<Opened> {
     let conn = open_writer(path).map_err(RelayError::store)?;
+    let generations = load_generations(&conn).map_err(RelayError::store)?;
     let reader = SqliteReader(Arc::new(ReadPool {
         idle: Mutex::new(vec![open_reader(path).map_err(RelayError::store)?]),
         path: path.to_owned(),
@@ -417,6 +467,7 @@ pub(crate) fn open(path: &Path) -> Result<Opened> {
     Ok(Opened {
         writer: Box::new(SqliteWriter {
             conn,
+            generations,
             checkpointer,
             commits_since_checkpoint: 0,
             bytes_since_checkpoint: 0,
@@ -427,10 +478,14 @@ pub(crate) fn open(path: &Path) -> Result<Opened> {
 
 struct SqliteWriter {
     conn: Connection,
+    generations: Generations,
     checkpointer: Checkpointer,
     commits_since_checkpoint: u32,
     bytes_since_checkpoint: usize,
 }
+
+/// Per publish of a batch, the (seq, channel_epoch) of the entry holding its key.
+type Found = Vec<Option<(u64, u64)>>;
 
 /// The heads the SQLite writer decides from: memory's.
 fn in_memory(channel: &crate::log::Channel) -> (u64, u64) {
@@ -460,7 +515,9 @@ impl LogWriter for SqliteWriter {
 
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
         let mut looked_up = false;
-        let mut plan = decide(batch, in_memory, None, window);
+        // Retries of older generations (the unique index only refuses the current one's).
+        let older = self.find_older_keys(batch).map_err(RelayError::store)?;
+        let mut plan = decide(batch, in_memory, older.as_deref(), window);
         let mut stored = self.store(batch, &plan);
         if matches!(&stored, Err(err) if is_constraint(err)) {
             // A retried publish hit the unique index: find the batch's keys in the log and
@@ -475,17 +532,19 @@ impl LogWriter for SqliteWriter {
         // exist, and a refusal may be a retry we could not look up: the whole batch fails.
         stored.map_err(RelayError::store)?;
         if plan.appends() {
-            let bytes = new_entries(batch, &plan)
-                .iter()
-                .map(|e| e.message.len())
-                .sum();
+            let entries = new_entries(batch, &plan);
+            for e in &entries {
+                self.generations.appended(e.channel_id, e.key);
+            }
+            self.generations.roll_if_full();
+            let bytes = entries.iter().map(|e| e.message.len()).sum();
             self.count_commit(bytes);
         }
         if !looked_up {
             // A refusal may be a retry of a message logged before (possibly now stale).
             for (p, decision) in batch.iter().zip(plan.decisions.iter_mut()) {
                 if matches!(decision, Decision::Refused(_)) {
-                    match find_key(&self.conn, p.channel.id(), &p.checked.key) {
+                    match self.find_key(p.channel.id(), &p.checked.key, false) {
                         Ok(Some((seq, channel_epoch))) => {
                             *decision = Decision::Duplicate { seq, channel_epoch };
                         }
@@ -500,12 +559,31 @@ impl LogWriter for SqliteWriter {
 }
 
 impl SqliteWriter {
+    fn find_key(
+        &self,
+        channel_id: i64,
+        key: &[u8],
+        older_only: bool,
+    ) -> rusqlite::Result<Option<(u64, u64)>> {
+        find_key(&self.conn, &self.generations, channel_id, key, older_only)
+    }
+
     /// The batch's keys already in the log: per publish, the (seq, channel_epoch) holding it.
-    fn find_keys(&self, batch: &[Publish]) -> rusqlite::Result<Vec<Option<(u64, u64)>>> {
+    fn find_keys(&self, batch: &[Publish]) -> rusqlite::Result<Found> {
         batch
             .iter()
-            .map(|p| find_key(&self.conn, p.channel.id(), &p.checked.key))
+            .map(|p| self.find_key(p.channel.id(), &p.checked.key, false))
             .collect()
+    }
+
+    /// The batch's keys found in older generations, None when there are none (the usual case:
+    /// a filter check per older generation and publish, and a look-up for ~1% of them).
+    fn find_older_keys(&self, batch: &[Publish]) -> rusqlite::Result<Option<Found>> {
+        let found = batch
+            .iter()
+            .map(|p| self.find_key(p.channel.id(), &p.checked.key, true))
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        Ok(found.iter().any(Option::is_some).then_some(found))
     }
 
     /// Stores the plan's entries and heads in one transaction (none when nothing is appended).
@@ -517,7 +595,7 @@ impl SqliteWriter {
         let heads = plan
             .changed(batch)
             .map(|(channel, t)| (channel.id(), t.head, t.epoch));
-        append(&mut self.conn, &entries, heads)
+        append(&mut self.conn, &entries, heads, self.generations.current())
     }
 
     fn count_commit(&mut self, bytes: usize) {
@@ -704,6 +782,7 @@ mod tests {
     const SCHEMA: &str = concat!(
         include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+        include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
     );
 
     fn pragma(conn: &Connection, name: &str) -> String {
@@ -751,18 +830,133 @@ mod tests {
         checkpoint(&checkpointer).unwrap();
     }
 
+    fn writer(path: &Path) -> SqliteWriter {
+        let conn = open_writer(path).unwrap();
+        SqliteWriter {
+            generations: load_generations(&conn).unwrap(),
+            conn,
+            checkpointer: Checkpointer::start(open_checkpointer(path).unwrap()).unwrap(),
+            commits_since_checkpoint: 0,
+            bytes_since_checkpoint: 0,
+        }
+    }
+
+    /// Message `i` of epoch `epoch`, its key given (as the relay stores client-given keys).
+    fn message(
+        i: u64,
+        epoch: u64,
+        content_type: crate::framing::ContentType,
+    ) -> crate::log::Checked {
+        let message = Bytes::from(format!("message {i}"));
+        crate::log::Checked {
+            header: crate::framing::MessageHeader {
+                wire_format: 2,
+                group_id: b"g".to_vec(),
+                epoch,
+                content_type,
+            },
+            key: format!("k:{i}").into_bytes(),
+            message,
+            welcome: Bytes::new(),
+            welcome_refs: Vec::new(),
+            account: Arc::from(""),
+            group: crate::log::GroupCheck::Unchecked,
+        }
+    }
+
+    #[test]
+    fn a_retry_gets_its_original_seq_from_any_key_generation() {
+        use crate::framing::ContentType::{Application, Commit};
+        use crate::log::{test_channel, test_committed, test_publish};
+        use crate::store::keys::GENERATION;
+
+        let (_dir, path) = database();
+        let mut writer = writer(&path);
+        let new = NewChannel {
+            name: "org/ns/service",
+            org: "org",
+            account: "",
+            state: b"state",
+            leaf: 0,
+        };
+        let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
+            panic!("not created");
+        };
+        let channel = test_channel(id);
+        // Generation 0 fills up, generation 1 gets 100 entries: message i has seq i + 1.
+        let logged = GENERATION + 100;
+        for first in (0..logged).step_by(512) {
+            let batch: Vec<_> = (first..logged.min(first + 512))
+                .map(|i| test_publish(&channel, message(i, 0, Application)))
+                .collect();
+            let plan = writer.append(&batch, 0).unwrap();
+            test_committed(&batch, &plan);
+        }
+        assert_eq!(writer.generations.current(), 1);
+        assert_eq!(channel.head_seq(), logged);
+
+        let seqs = |plan: &Plan| -> Vec<String> {
+            plan.decisions
+                .iter()
+                .map(|d| match d {
+                    Decision::Append { seq, .. } => format!("append {seq}"),
+                    Decision::Duplicate { seq, .. } => format!("duplicate {seq}"),
+                    Decision::Refused(err) => format!("refused {err}"),
+                })
+                .collect()
+        };
+        // Retries of both generations (twice one of them) beside a new message.
+        let batch = [3, GENERATION + 50, logged, 3]
+            .map(|i| test_publish(&channel, message(i, 0, Application)));
+        let plan = writer.append(&batch, 0).unwrap();
+        test_committed(&batch, &plan);
+        let expected = [
+            "duplicate 4".to_owned(),
+            format!("duplicate {}", GENERATION + 51),
+            format!("append {}", logged + 1),
+            "duplicate 4".to_owned(),
+        ];
+        assert_eq!(seqs(&plan), expected);
+
+        // A commit moves the epoch: retries of epoch 0 are stale now, and still get their seqs,
+        // also once the filters are rebuilt from the index by a new writer.
+        let batch = [test_publish(&channel, message(logged + 1, 0, Commit))];
+        let plan = writer.append(&batch, 0).unwrap();
+        test_committed(&batch, &plan);
+        drop(writer);
+        let mut writer = super::tests::writer(&path);
+        assert_eq!(writer.generations.current(), 1);
+        let batch =
+            [5, GENERATION + 7, logged].map(|i| test_publish(&channel, message(i, 0, Application)));
+        let plan = writer.append(&batch, 0).unwrap();
+        let expected = [
+            "duplicate 6".to_owned(),
+            format!("duplicate {}", GENERATION + 8),
+            format!("duplicate {}", logged + 1),
+        ];
+        assert_eq!(seqs(&plan), expected);
+        // A new message of the current epoch goes to the current generation.
+        let batch = [test_publish(&channel, message(logged + 2, 1, Application))];
+        let plan = writer.append(&batch, 0).unwrap();
+        assert_eq!(seqs(&plan), [format!("append {}", logged + 3)]);
+        let key_gen: u64 = writer
+            .conn
+            .query_row(
+                "SELECT key_gen FROM relay_entries WHERE channel_id = ?1 AND seq = ?2",
+                params![id, logged + 3],
+                |row| row.get(0),
+            )
+            .unwrap();
+        assert_eq!(key_gen, 1);
+    }
+
     #[test]
     fn checkpoints_run_beside_the_writer() {
         use crate::framing::{ContentType, MessageHeader};
         use crate::log::{test_channel, test_publish, Checked};
 
         let (_dir, path) = database();
-        let mut writer = SqliteWriter {
-            conn: open_writer(&path).unwrap(),
-            checkpointer: Checkpointer::start(open_checkpointer(&path).unwrap()).unwrap(),
-            commits_since_checkpoint: 0,
-            bytes_since_checkpoint: 0,
-        };
+        let mut writer = writer(&path);
         let new = NewChannel {
             name: "org/ns/service",
             org: "org",

@@ -44,9 +44,10 @@ pub const COMMIT: u8 = 3;
 pub const WAIT: Duration = Duration::from_secs(10);
 
 /// The relay's tables, as the Python store's migrations make them.
-pub const SCHEMA: [&str; 2] = [
+pub const SCHEMA: &[&str] = &[
     include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+    include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
 ];
 
 /// A relay serving a database of its own.
