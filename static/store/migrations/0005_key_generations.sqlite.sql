@@ -3,7 +3,7 @@
 -- takes every publish to a random leaf: once that index outgrew SQLite's page cache, each
 -- publish read a leaf and wrote it back to the WAL (measured: relay CPU per pipelined publish
 -- 13 us at an empty log, 31.5 us at 400k entries). Leading with the generation (a run of
--- 32,768 entries, in log order) keeps the leaves a publish touches in one small, cached part
+-- 16,384 entries, in log order) keeps the leaves a publish touches in one small, cached part
 -- of the index; the relay finds a key of an older generation through in-memory filters.
 -- Entries logged before this migration are generation 0.
 ALTER TABLE relay_entries ADD COLUMN key_gen INTEGER NOT NULL DEFAULT 0;
