@@ -6,7 +6,7 @@ use std::time::Duration;
 use tonic::{Code, Status};
 
 use crate::error::Error;
-use crate::transport::{pb, CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER};
+use crate::transport::{pb, CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 
 /// Why the relay did not take a request, as far as the client's next step goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,6 +16,9 @@ pub enum Refusal {
     StaleEpoch { current: u64, message: String },
     /// Rate-limited: the same request may go again after `wait`.
     RetryAfter { wait: Duration, message: String },
+    /// The relay's retention pruned the log past where this client reads from
+    /// (`OUT_OF_RANGE`): `horizon` is the last seq pruned. Final: only a new Welcome helps.
+    Pruned { horizon: u64, message: String },
     /// The token was refused (expired, revoked, or none given where one is needed).
     Unauthenticated { message: String },
     /// The relay or the connection is momentarily unavailable; the outcome is unknown, so a
@@ -45,8 +48,13 @@ impl Refusal {
         message: String,
         current_epoch: Option<u64>,
         retry_after: Option<Duration>,
+        horizon: Option<u64>,
     ) -> Self {
         match (code, current_epoch, retry_after) {
+            (Code::OutOfRange, _, _) if horizon.is_some() => Self::Pruned {
+                horizon: horizon.unwrap_or_default(),
+                message,
+            },
             (Code::FailedPrecondition, Some(current), _) => Self::StaleEpoch { current, message },
             (Code::ResourceExhausted, _, Some(wait)) => Self::RetryAfter { wait, message },
             (Code::Unauthenticated, _, _) => Self::Unauthenticated { message },
@@ -69,6 +77,7 @@ impl Refusal {
             status.message().to_owned(),
             trailer(CURRENT_EPOCH_TRAILER),
             trailer(RETRY_AFTER_TRAILER).map(Duration::from_millis),
+            trailer(HORIZON_TRAILER),
         )
     }
 
@@ -90,6 +99,7 @@ impl Refusal {
             refusal.message.clone(),
             (code == Code::FailedPrecondition).then_some(refusal.current_epoch),
             (refusal.retry_after_ms > 0).then(|| Duration::from_millis(refusal.retry_after_ms)),
+            (code == Code::OutOfRange).then_some(refusal.horizon_seq),
         )
     }
 
@@ -104,6 +114,7 @@ impl Refusal {
     pub fn code(&self) -> Code {
         match self {
             Self::StaleEpoch { .. } => Code::FailedPrecondition,
+            Self::Pruned { .. } => Code::OutOfRange,
             Self::RetryAfter { .. } => Code::ResourceExhausted,
             Self::Unauthenticated { .. } => Code::Unauthenticated,
             Self::Transient { code, .. } | Self::Final { code, .. } => *code,
@@ -113,6 +124,7 @@ impl Refusal {
     pub fn message(&self) -> &str {
         match self {
             Self::StaleEpoch { message, .. }
+            | Self::Pruned { message, .. }
             | Self::RetryAfter { message, .. }
             | Self::Unauthenticated { message }
             | Self::Transient { message, .. }
@@ -135,6 +147,16 @@ impl Refusal {
             Self::Transient { code, message } => {
                 Error::Unreachable(format!("{call}: {message} ({code:?})"))
             }
+            // Said in the client's words too: what happened, and the one way back.
+            Self::Pruned { horizon, message } => Error::refused(
+                Code::OutOfRange,
+                format!(
+                    "{call}: the relay pruned this channel's history up to seq {horizon} \
+                     (its retention policy) before this member had read it, so it cannot \
+                     catch up; to rejoin, have a member add it to the group again (a new \
+                     Welcome). The relay said: {message} (OutOfRange)"
+                ),
+            ),
             other => {
                 let code = other.code();
                 Error::refused(code, format!("{call}: {} ({code:?})", other.message()))
@@ -200,12 +222,40 @@ mod tests {
     }
 
     #[test]
+    fn a_pruned_history_is_final_and_says_how_to_rejoin() {
+        let pruned = status(Code::OutOfRange, &[(HORIZON_TRAILER, "42")]);
+        let refusal = Refusal::from_status(&pruned);
+        assert!(matches!(refusal, Refusal::Pruned { horizon: 42, .. }));
+        let e = refusal.into_error("Subscribe").to_string();
+        assert!(
+            e.starts_with("transport error: Subscribe: the relay pruned"),
+            "{e}"
+        );
+        assert!(
+            e.contains("up to seq 42") && e.contains("add it to the group again"),
+            "{e}"
+        );
+        let ended = pb::Refusal {
+            code: Code::OutOfRange as u32,
+            message: "why".into(),
+            current_epoch: 0,
+            retry_after_ms: 0,
+            horizon_seq: 7,
+        };
+        assert!(matches!(
+            Refusal::from_pb(&ended),
+            Refusal::Pruned { horizon: 7, .. }
+        ));
+    }
+
+    #[test]
     fn batch_refusals_are_classified_like_statuses() {
         let pb = |code: Code, current_epoch, retry_after_ms| pb::Refusal {
             code: code as u32,
             message: "why".into(),
             current_epoch,
             retry_after_ms,
+            horizon_seq: 0,
         };
         assert!(matches!(
             Refusal::from_pb(&pb(Code::FailedPrecondition, 3, 0)),

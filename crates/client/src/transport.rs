@@ -16,7 +16,7 @@ pub type RelayClient = pb::relay_client::RelayClient<Channel>;
 /// Largest gRPC message we send or accept: a 1 MiB MLS message plus its Welcome and framing.
 pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
 
-pub use static_proto::{CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER};
+pub use static_proto::{CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 
 /// Turns `http://h:p`, `https://h:p` (TLS), `grpc://h:p` or `h:p` into a tonic endpoint.
 pub fn endpoint(url: &str) -> Result<Endpoint, Error> {

@@ -20,3 +20,6 @@ pub const CURRENT_EPOCH_TRAILER: &str = "static-current-epoch";
 /// Trailer carrying the wait before a retry on RESOURCE_EXHAUSTED by the publish rate limit
 /// (milliseconds, decimal ASCII).
 pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
+/// Trailer carrying a channel's horizon (the last seq its retention pruned) on OUT_OF_RANGE
+/// (decimal ASCII).
+pub const HORIZON_TRAILER: &str = "static-horizon-seq";

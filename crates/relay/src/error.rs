@@ -5,7 +5,7 @@
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
 
-pub use static_proto::{CURRENT_EPOCH_TRAILER, RETRY_AFTER_TRAILER};
+pub use static_proto::{CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RelayError {
@@ -30,6 +30,18 @@ pub enum RelayError {
     StaleEpoch {
         message_epoch: u64,
         current_epoch: u64,
+    },
+    /// A read from before the channel's horizon: the retention policy pruned what it needs.
+    #[error(
+        "channel '{channel}': its log up to seq {horizon} was pruned by its retention policy, \
+         so it cannot be read {position}: a member this far behind must be added to the group \
+         again (a new Welcome)"
+    )]
+    Pruned {
+        channel: String,
+        horizon: u64,
+        /// Where the read started: "after seq N", "from epoch E".
+        position: String,
     },
     #[error("{0}")]
     Unauthenticated(String),
@@ -63,6 +75,7 @@ impl RelayError {
             RelayError::PermissionDenied(_) => Code::PermissionDenied,
             RelayError::ResourceExhausted { .. } => Code::ResourceExhausted,
             RelayError::StaleEpoch { .. } => Code::FailedPrecondition,
+            RelayError::Pruned { .. } => Code::OutOfRange,
             RelayError::Unauthenticated(_) => Code::Unauthenticated,
             RelayError::Unavailable(_) => Code::Unavailable,
             RelayError::Unimplemented(_) => Code::Unimplemented,
@@ -80,6 +93,7 @@ impl RelayError {
             RelayError::ResourceExhausted { retry_after_ms, .. } if *retry_after_ms > 0 => {
                 Some((RETRY_AFTER_TRAILER, retry_after_ms.to_string()))
             }
+            RelayError::Pruned { horizon, .. } => Some((HORIZON_TRAILER, horizon.to_string())),
             _ => None,
         };
         if let Some((name, value)) = trailer {

@@ -20,6 +20,7 @@ pub mod group;
 pub mod log;
 pub mod members;
 mod memory;
+pub mod retention;
 pub mod rules;
 mod server;
 mod service;
@@ -30,6 +31,7 @@ pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;
+pub use retention::{PassReport, Policy, RetentionSettings};
 pub use server::RelayServer;
 pub use settings::{RelayConfig, Setting, SettingError};
 pub use store::Database;

@@ -43,9 +43,11 @@ use crate::error::{RelayError, Result};
 use crate::framing::MessageHeader;
 use crate::group::GroupState;
 use crate::members::{GroupChange, Membership, Reach};
+use crate::retention::{now_ms, Policy, PruneStep};
 use crate::rules::{check_fence, epoch_after};
 use crate::store::{
-    self, Binding, ChannelRow, Creation, Database, LogReader, LogWriter, NewChannel, StoredGroup,
+    self, Binding, ChannelRow, Creation, Database, LogReader, LogWriter, NewChannel, RetentionRow,
+    StoredGroup,
 };
 
 /// Most publishes one group commit takes.
@@ -153,6 +155,9 @@ pub struct Channel {
     members: Mutex<Option<Membership>>,
     head: AtomicU64,
     epoch: AtomicU64,
+    /// The last seq retention pruned (moves forward only; on PostgreSQL, another relay's
+    /// pruning is seen when a read finds the log starting later).
+    horizon: AtomicU64,
     ring: Mutex<Ring>,
     head_tx: watch::Sender<u64>,
     /// When it was last named, appended to or seen in use (see [`Cache::now`]): how long it
@@ -171,6 +176,7 @@ impl Channel {
             members: Mutex::new(None),
             head: AtomicU64::new(row.head_seq),
             epoch: AtomicU64::new(row.epoch),
+            horizon: AtomicU64::new(row.horizon),
             ring: Mutex::new(Ring::new(Arc::clone(cache))),
             head_tx: watch::Sender::new(row.head_seq),
             used: AtomicU64::new(cache.now()),
@@ -224,6 +230,32 @@ impl Channel {
     /// The channel's current (committed) epoch.
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
+    }
+
+    /// The last seq retention pruned, as this relay knows it (0: none).
+    pub fn horizon(&self) -> u64 {
+        self.horizon.load(Ordering::Acquire)
+    }
+
+    fn move_horizon(&self, horizon: u64) {
+        self.horizon.fetch_max(horizon, Ordering::AcqRel);
+    }
+
+    /// Pruned unless the log after `cursor` is all there (as this relay knows the horizon).
+    pub fn check_cursor(&self, cursor: u64) -> Result<()> {
+        let horizon = self.horizon();
+        if cursor < horizon {
+            return Err(self.pruned(horizon, format!("after seq {cursor}")));
+        }
+        Ok(())
+    }
+
+    fn pruned(&self, horizon: u64, position: String) -> RelayError {
+        RelayError::Pruned {
+            channel: self.name.clone(),
+            horizon,
+            position,
+        }
     }
 
     /// The head seq, changed after every commit that appended to this channel.
@@ -547,6 +579,11 @@ impl Registry {
         self.lock().by_id.len()
     }
 
+    /// The loaded channel `id`.
+    fn by_id(&self, id: i64) -> Option<Arc<Channel>> {
+        self.lock().by_id.get(&id).cloned()
+    }
+
     /// The ids of the loaded channels.
     pub(crate) fn loaded_ids(&self) -> Vec<i64> {
         self.lock().by_id.keys().copied().collect()
@@ -740,6 +777,7 @@ impl ChannelLog {
             head_seq: 0,
             scope: String::new(),
             legacy_owner: None,
+            horizon: 0,
         };
         let channel = self.inner.registry.remember(name, row);
         let mut membership = Membership::new(0);
@@ -989,6 +1027,7 @@ impl ChannelLog {
         limit: usize,
     ) -> Result<Vec<Entry>> {
         let head = channel.head_seq();
+        channel.check_cursor(cursor)?;
         if cursor >= head || limit == 0 {
             return Ok(Vec::new());
         }
@@ -996,6 +1035,11 @@ impl ChannelLog {
             return Ok(page);
         }
         let page = self.inner.reader.read(channel.id, cursor, limit).await?;
+        if page.first().is_none_or(|e| e.seq != cursor + 1) {
+            // Pruned meanwhile (here, or by another relay on PostgreSQL)?
+            self.refresh_horizon(channel).await?;
+            channel.check_cursor(cursor)?;
+        }
         if page.is_empty() {
             // Never expected: the head advances only after a commit.
             return Err(RelayError::Unavailable(format!(
@@ -1018,6 +1062,10 @@ impl ChannelLog {
     /// C)") when the channel never had it.
     pub async fn start_of_epoch(&self, channel: &Channel, epoch: u64) -> Result<u64> {
         if epoch == 0 {
+            let horizon = channel.horizon();
+            if horizon > 0 {
+                return Err(channel.pruned(horizon, "from epoch 0".to_owned()));
+            }
             return Ok(0);
         }
         // Asked of the store even beyond the epoch in memory: on PostgreSQL another relay may
@@ -1027,13 +1075,135 @@ impl ChannelLog {
         } else {
             None
         };
-        start.ok_or_else(|| {
-            RelayError::NotFound(format!(
-                "channel '{}' has no epoch {epoch} (it is at {})",
-                channel.name,
-                channel.epoch()
-            ))
-        })
+        if let Some(start) = start {
+            if start < channel.horizon() {
+                return Err(channel.pruned(channel.horizon(), format!("from epoch {epoch}")));
+            }
+            return Ok(start);
+        }
+        // Pruning drops the starts of the epochs it went past.
+        if epoch <= channel.epoch() {
+            self.refresh_horizon(channel).await?;
+            if channel.horizon() > 0 {
+                return Err(channel.pruned(channel.horizon(), format!("from epoch {epoch}")));
+            }
+        }
+        Err(RelayError::NotFound(format!(
+            "channel '{}' has no epoch {epoch} (it is at {})",
+            channel.name,
+            channel.epoch()
+        )))
+    }
+
+    /// Reads the channel's horizon again (another relay may have pruned).
+    async fn refresh_horizon(&self, channel: &Channel) -> Result<()> {
+        if let Some(row) = self.inner.reader.retention_row(channel.id).await? {
+            channel.move_horizon(row.horizon);
+        }
+        Ok(())
+    }
+
+    /// The channel's retention as stored.
+    pub(crate) async fn retention_row(&self, channel: &Channel) -> Result<RetentionRow> {
+        let row = self
+            .inner
+            .reader
+            .retention_row(channel.id)
+            .await?
+            .ok_or_else(|| RelayError::NotFound(format!("no channel '{}'", channel.name)))?;
+        channel.move_horizon(row.horizon);
+        Ok(row)
+    }
+
+    /// The account owning `org`.
+    pub(crate) async fn org_owner(&self, org: &str) -> Result<Option<String>> {
+        self.inner.reader.org_owner(org).await
+    }
+
+    pub(crate) async fn retention_rows(
+        &self,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<RetentionRow>> {
+        self.inner.reader.retention_rows(after_id, limit).await
+    }
+
+    pub(crate) async fn first_since(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        up_to: u64,
+        since_ms: i64,
+    ) -> Result<Option<u64>> {
+        self.inner
+            .reader
+            .first_since(channel_id, after_seq, up_to, since_ms)
+            .await
+    }
+
+    pub(crate) async fn bytes_cut(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        max_bytes: u64,
+    ) -> Result<Option<u64>> {
+        self.inner
+            .reader
+            .bytes_cut(channel_id, after_seq, max_bytes)
+            .await
+    }
+
+    pub(crate) async fn welcome_floor(&self, channel_id: i64) -> Result<Option<u64>> {
+        self.inner.reader.welcome_floor(channel_id).await
+    }
+
+    /// Runs a writer job that is not a publish (on the writer thread: never on the caller's,
+    /// so that a prune step does not block a runtime worker) and waits for its answer.
+    async fn run_job<T>(&self, job: Job, rx: oneshot::Receiver<Result<T>>) -> Result<T> {
+        match self.inner.queue.push(vec![job]) {
+            Ok(()) => self.inner.queue.notify_writer(),
+            Err(refused) => refused.into_iter().for_each(Job::refuse),
+        }
+        rx.await.map_err(|_| shutting_down())?
+    }
+
+    /// One prune step (see [`LogWriter::prune`]); the channel's horizon moves in memory too.
+    pub(crate) async fn prune(&self, step: PruneStep) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.run_job(Job::Prune { step, tx }, rx).await?;
+        if let Some(channel) = self.inner.registry.by_id(step.channel_id) {
+            channel.move_horizon(step.to);
+        }
+        Ok(())
+    }
+
+    /// Expires up to `limit` Welcomes (created before `created_before`, or used before
+    /// `used_before`, unix ms): how many went.
+    pub(crate) async fn expire_welcomes(
+        &self,
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+    ) -> Result<usize> {
+        let (tx, rx) = oneshot::channel();
+        let job = Job::ExpireWelcomes {
+            created_before,
+            used_before,
+            limit,
+            tx,
+        };
+        self.run_job(job, rx).await
+    }
+
+    /// Sets the channel's retention policy.
+    pub(crate) async fn set_retention(&self, channel: &Channel, policy: Policy) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        let job = Job::SetRetention {
+            channel_id: channel.id,
+            policy,
+            tx,
+        };
+        self.run_job(job, rx).await
     }
 
     pub async fn fetch_welcome(
@@ -1116,6 +1286,21 @@ enum Job {
         account: String,
         tx: oneshot::Sender<Result<bool>>,
     },
+    Prune {
+        step: PruneStep,
+        tx: oneshot::Sender<Result<()>>,
+    },
+    ExpireWelcomes {
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+        tx: oneshot::Sender<Result<usize>>,
+    },
+    SetRetention {
+        channel_id: i64,
+        policy: Policy,
+        tx: oneshot::Sender<Result<()>>,
+    },
 }
 
 struct CreateJob {
@@ -1138,6 +1323,12 @@ impl Job {
                 let _ = create.tx.send(Err(shutting_down()));
             }
             Job::Bind { tx, .. } => {
+                let _ = tx.send(Err(shutting_down()));
+            }
+            Job::Prune { tx, .. } | Job::SetRetention { tx, .. } => {
+                let _ = tx.send(Err(shutting_down()));
+            }
+            Job::ExpireWelcomes { tx, .. } => {
                 let _ = tx.send(Err(shutting_down()));
             }
         }
@@ -1322,8 +1513,30 @@ impl Writer {
                         epoch,
                         leaf,
                         account: &account,
+                        now_ms: now_ms(),
                     };
                     let _ = tx.send(self.store.bind(&binding));
+                }
+                Job::Prune { step, tx } => {
+                    let _ = tx.send(self.store.prune(&step));
+                }
+                Job::ExpireWelcomes {
+                    created_before,
+                    used_before,
+                    limit,
+                    tx,
+                } => {
+                    let _ = tx.send(
+                        self.store
+                            .expire_welcomes(created_before, used_before, limit),
+                    );
+                }
+                Job::SetRetention {
+                    channel_id,
+                    policy,
+                    tx,
+                } => {
+                    let _ = tx.send(self.store.set_retention(channel_id, &policy));
                 }
                 Job::Publish(_) => {}
             }
@@ -1528,6 +1741,7 @@ pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
         head_seq: 0,
         scope: String::new(),
         legacy_owner: None,
+        horizon: 0,
     };
     Arc::new(Channel::new(
         "org/ns/service",
@@ -1577,6 +1791,7 @@ mod tests {
             head_seq: 0,
             scope: String::new(),
             legacy_owner: None,
+            horizon: 0,
         };
         Arc::new(Channel::new(&format!("org/ns/c{id}"), row, cache))
     }
@@ -1665,6 +1880,7 @@ mod tests {
             head_seq,
             scope: String::new(),
             legacy_owner: None,
+            horizon: 0,
         };
         let stale = row(3, 1);
         let loaded = registry.remember("org/ns/c", row(3, 1));

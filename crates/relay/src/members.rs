@@ -21,12 +21,14 @@ pub struct GroupChange {
     pub state: Vec<u8>,
     /// The leaves the commit removes: their bindings go with them.
     pub removed: Vec<u32>,
+    /// The leaves the commit adds (its Welcome's joiners).
+    pub added: Vec<u32>,
     /// The next state, parsed (taken by memory once the commit is durable).
     next: Mutex<Option<GroupState>>,
 }
 
 impl GroupChange {
-    pub fn new(next: GroupState, removed: Vec<u32>) -> Result<GroupChange> {
+    pub fn new(next: GroupState, removed: Vec<u32>, added: Vec<u32>) -> Result<GroupChange> {
         let state = next.to_bytes().map_err(|e| {
             eprintln!("relay: internal error: a group state could not be encoded: {e}");
             RelayError::Internal
@@ -35,6 +37,7 @@ impl GroupChange {
             epoch: next.epoch(),
             state,
             removed,
+            added,
             next: Mutex::new(Some(next)),
         })
     }

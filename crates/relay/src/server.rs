@@ -31,6 +31,7 @@ use crate::auth::{Authenticator, Verify};
 use crate::error::{RelayError, Result};
 use crate::log::{ChannelLog, LogSettings};
 use crate::pb::relay_server::RelayServer as GrpcServer;
+use crate::retention::{self, PassReport, RetentionSettings};
 use crate::rules::TokenBucket;
 use crate::service::{self, Drain, Peer, Relay, ServiceSettings};
 use crate::settings::RelayConfig;
@@ -68,6 +69,10 @@ pub struct RelayServer {
     /// The accept loop; it hands back the connections' tasks when it stops.
     acceptor: Option<JoinHandle<JoinSet<()>>>,
     graceful_timeout: Duration,
+    retention: RetentionSettings,
+    /// The pruner task, and what stops it.
+    pruner: Option<JoinHandle<()>>,
+    stop_pruner: watch::Sender<bool>,
 }
 
 impl RelayServer {
@@ -92,12 +97,14 @@ impl RelayServer {
         .await?;
         let auth = Authenticator::new(verifier, config.allow_anonymous);
         let drain = Drain::new();
+        let retention = RetentionSettings::from(&config);
         let settings = ServiceSettings {
             max_message_bytes: config.max_message_bytes,
             keepalive_interval: config.keepalive_interval,
             publish_rate_per_agent: config.publish_rate_per_agent,
             max_subscriptions_per_stream: config.max_subscriptions_per_stream,
             max_follows_per_account: config.max_follows_per_account,
+            default_policy: retention.default_policy,
         };
         let transport_limit = settings.transport_limit();
         let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());
@@ -128,6 +135,8 @@ impl RelayServer {
         });
         let (phase, watching) = watch::channel(Phase::Serving);
         let acceptor = tokio::spawn(accept(listeners, shared, watching));
+        let (stop_pruner, stopping) = watch::channel(false);
+        let pruner = tokio::spawn(retention::run(log.clone(), retention.clone(), stopping));
         Ok(RelayServer {
             local_addr,
             log,
@@ -137,6 +146,9 @@ impl RelayServer {
             phase,
             acceptor: Some(acceptor),
             graceful_timeout: config.graceful_timeout,
+            retention,
+            pruner: Some(pruner),
+            stop_pruner,
         })
     }
 
@@ -147,6 +159,12 @@ impl RelayServer {
     /// The channels' log (what is loaded and cached: for the tests and benchmarks).
     pub fn log(&self) -> &ChannelLog {
         &self.log
+    }
+
+    /// Runs one pass of the pruner now (as the background task does every
+    /// `retention.prune_interval`): for tests and tools.
+    pub async fn prune_now(&self) -> Result<PassReport> {
+        retention::pass(&self.log, &self.retention).await
     }
 
     /// The API keys behind live streams (for the revocation checks).
@@ -190,6 +208,11 @@ impl RelayServer {
                 while connections.join_next().await.is_some() {}
             }
         }
+        // The pruner stops between two steps (a step under way is the writer's to finish).
+        self.stop_pruner.send_replace(true);
+        if let Some(pruner) = self.pruner.take() {
+            let _ = pruner.await;
+        }
         self.log.close().await;
     }
 }
@@ -199,6 +222,9 @@ impl Drop for RelayServer {
         // Not shut down: the accept loop goes, and with it (its JoinSet) every connection.
         if let Some(acceptor) = self.acceptor.take() {
             acceptor.abort();
+        }
+        if let Some(pruner) = self.pruner.take() {
+            pruner.abort();
         }
     }
 }

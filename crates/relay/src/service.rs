@@ -28,6 +28,7 @@ use crate::group::{GroupError, GroupState, Handshake};
 use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, Outcome, WelcomeKey};
 use crate::members::{GroupChange, Reach};
 use crate::pb;
+use crate::retention::{Policy, MAX_AGE_SECONDS};
 use crate::rules::{self, TokenBucket};
 
 mod many;
@@ -63,6 +64,8 @@ pub(crate) struct ServiceSettings {
     pub max_subscriptions_per_stream: usize,
     /// Follows one account may hold on all its SubscribeMany streams together.
     pub max_follows_per_account: usize,
+    /// The retention of channels that set none (per limit).
+    pub default_policy: Policy,
 }
 
 impl ServiceSettings {
@@ -271,10 +274,40 @@ impl Inner {
         {
             Handshake::Proposal { .. } => Ok(GroupCheck::Valid(None)),
             Handshake::Commit(outcome) => {
-                let change = GroupChange::new(outcome.next, outcome.removed)?;
+                let change = GroupChange::new(outcome.next, outcome.removed, outcome.added)?;
                 Ok(GroupCheck::Valid(Some(Arc::new(change))))
             }
         }
+    }
+
+    /// PermissionDenied unless `account` owns the channel's org (for a legacy channel: is its
+    /// owner). One store read, before anything is written.
+    async fn require_org_owner(&self, channel: &Channel, account: &str) -> Result<()> {
+        let owns = if channel.is_legacy() {
+            self.log.reach(channel, account).await? == Reach::Member
+        } else {
+            let org = channel.name().split('/').next().unwrap_or_default();
+            self.log.org_owner(org).await?.as_deref() == Some(account)
+        };
+        if owns {
+            return Ok(());
+        }
+        Err(RelayError::PermissionDenied(format!(
+            "only the account owning the org of channel '{}' may set its retention",
+            channel.name()
+        )))
+    }
+
+    /// The channel's retention as GetRetention and SetRetention answer it.
+    async fn retention_response(&self, channel: &Channel) -> Result<pb::RetentionResponse> {
+        let row = self.log.retention_row(channel).await?;
+        let effective = row.policy.over(&self.settings.default_policy);
+        Ok(pb::RetentionResponse {
+            channel_policy: Some(wire_policy(&row.policy)),
+            effective: Some(wire_policy(&effective)),
+            horizon_seq: row.horizon,
+            head_seq: row.head_seq.max(channel.head_seq()),
+        })
     }
 
     /// Everything decided about a publish before its channel is looked up (`_check`).
@@ -707,7 +740,9 @@ addressed!(
     pb::SubscribeRequest,
     pb::BindLeafRequest,
     pb::ListMembersRequest,
-    pb::FetchWelcomeRequest
+    pb::FetchWelcomeRequest,
+    pb::SetRetentionRequest,
+    pb::GetRetentionRequest
 );
 
 /// One item of a PublishBatches request.
@@ -751,6 +786,35 @@ fn publish_response(accepted: Accepted) -> pb::PublishResponse {
     }
 }
 
+fn wire_policy(policy: &Policy) -> pb::RetentionPolicy {
+    pb::RetentionPolicy {
+        max_age_seconds: policy.max_age_seconds,
+        max_entries: policy.max_entries,
+        max_bytes: policy.max_bytes,
+    }
+}
+
+/// A policy as SetRetention asks for it: INVALID_ARGUMENT beyond the store's integers.
+fn requested_policy(policy: Option<pb::RetentionPolicy>) -> Result<Policy> {
+    let policy = policy.unwrap_or_default();
+    let fits = |v: Option<u64>, max: u64| v.is_none_or(|v| v <= max);
+    let max = u64::try_from(i64::MAX).unwrap_or(u64::MAX);
+    if !fits(policy.max_age_seconds, MAX_AGE_SECONDS)
+        || !fits(policy.max_entries, max)
+        || !fits(policy.max_bytes, max)
+    {
+        return Err(RelayError::InvalidArgument(format!(
+            "retention limits must be at most {MAX_AGE_SECONDS} seconds and {max} entries or \
+             bytes"
+        )));
+    }
+    Ok(Policy {
+        max_age_seconds: policy.max_age_seconds,
+        max_entries: policy.max_entries,
+        max_bytes: policy.max_bytes,
+    })
+}
+
 /// What Publish would have answered, as one result of a batch.
 fn publish_result(result: Result<Accepted>) -> pb::PublishResult {
     use pb::publish_result::Outcome as Decision;
@@ -767,6 +831,7 @@ fn publish_result(result: Result<Accepted>) -> pb::PublishResult {
                 message: e.to_string(),
                 current_epoch,
                 retry_after_ms,
+                horizon_seq: 0,
             })
         }
     };
@@ -1016,6 +1081,7 @@ impl pb::relay_server::Relay for Relay {
             Some(Start::AfterSeq(seq)) => seq,
             None => 0,
         };
+        channel.check_cursor(after_seq)?;
         let max_batch = request.max_batch.min(SUBSCRIBE_BATCH_ENTRIES as u32) as usize;
         // Registered before the drain is looked at (in `follow`): a shutdown either sees
         // this guard or is seen by the stream.
@@ -1066,6 +1132,31 @@ impl pb::relay_server::Relay for Relay {
             commit_seq: found.commit_seq,
             epoch: found.epoch,
         }))
+    }
+
+    async fn set_retention(
+        &self,
+        request: Request<pb::SetRetentionRequest>,
+    ) -> Result<Response<pb::RetentionResponse>, Status> {
+        let inner = &self.0;
+        let (caller, _, channel, request) = inner.addressed(request).await?;
+        let policy = requested_policy(request.policy)?;
+        inner.require_org_owner(&channel, &caller.account).await?;
+        inner.rate_limit(&caller)?;
+        inner.log.set_retention(&channel, policy).await?;
+        Ok(Response::new(inner.retention_response(&channel).await?))
+    }
+
+    async fn get_retention(
+        &self,
+        request: Request<pb::GetRetentionRequest>,
+    ) -> Result<Response<pb::RetentionResponse>, Status> {
+        let inner = &self.0;
+        let (caller, _, channel, _) = inner.addressed(request).await?;
+        if inner.read_limit(&channel, &caller.account).await.is_err() {
+            inner.require_org_owner(&channel, &caller.account).await?;
+        }
+        Ok(Response::new(inner.retention_response(&channel).await?))
     }
 }
 

@@ -255,6 +255,44 @@ settings! {
         publish_rate_per_agent: f64 = 10_000.0,
             "--relay-publish-rate", 0.0, f64::INFINITY,
             "relay publishes per second per agent, 0 for no limit";
+        /// The default retention of channels that set none (docs/design.md §5.3): entries
+        /// older than this go; 0 = no limit. Keeping everything is the default: what to drop
+        /// is the operator's decision.
+        retention_max_age: Duration = Duration::ZERO,
+            "--relay-retention-max-age", 0.0, 1e12,
+            "default retention of relay channels: entries older than this many seconds are \
+             pruned, 0 for no limit";
+        /// The default retention: only the newest this many entries stay; 0 = no limit.
+        retention_max_entries: u64 = 0,
+            "--relay-retention-max-entries", 0.0, 1e15,
+            "default retention of relay channels: the newest N entries are kept, 0 for no limit";
+        /// The default retention: only the newest entries holding this many message bytes
+        /// stay; 0 = no limit.
+        retention_max_bytes: u64 = 0,
+            "--relay-retention-max-bytes", 0.0, 1e15,
+            "default retention of relay channels: the newest entries holding at most this many \
+             message bytes are kept, 0 for no limit";
+        /// Welcomes go this long after they were stored; 0 = only once used.
+        welcome_ttl: Duration = Duration::from_secs(7 * 24 * 3600),
+            "--relay-welcome-ttl", 0.0, 1e10,
+            "seconds a relay keeps a Welcome, 0 to keep it until used";
+        /// A Welcome whose every joiner bound its leaf (used) goes this long after: the joiner
+        /// reads the log from its commit meanwhile.
+        used_welcome_grace: Duration = Duration::from_secs(3600),
+            "--relay-used-welcome-grace", 0.0, 1e10,
+            "seconds a relay keeps a Welcome after its last joiner bound its leaf";
+        /// Entries younger than this are never pruned: a retry within it gets its original seq.
+        idempotency_window: Duration = Duration::from_secs(15 * 60),
+            "--relay-idempotency-window", 0.0, 1e10,
+            "seconds during which relay entries are never pruned (a retry gets its original seq)";
+        /// Time between two passes of the pruner; 0 = no background pruning.
+        prune_interval: Duration = Duration::from_secs(60),
+            "--relay-prune-interval", 0.0, 86_400.0,
+            "seconds between two passes of the relay's pruner, 0 for none";
+        /// Most entries (or Welcomes) one prune transaction deletes (bench/retention.py).
+        prune_batch: usize = 256,
+            "--relay-prune-batch", 1.0, 1_000_000.0,
+            "entries one relay prune transaction deletes at most";
     }
 }
 

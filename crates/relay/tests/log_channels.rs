@@ -148,7 +148,7 @@ async fn check(log: &ChannelLog, channel: &Channel, message: &Bytes) -> Checked 
     let group = match state.check_handshake(message, &[]).unwrap() {
         Handshake::Proposal { .. } => GroupCheck::Valid(None),
         Handshake::Commit(outcome) => GroupCheck::Valid(Some(Arc::new(
-            GroupChange::new(outcome.next, outcome.removed).unwrap(),
+            GroupChange::new(outcome.next, outcome.removed, outcome.added).unwrap(),
         ))),
     };
     checked_message(message.clone(), group)

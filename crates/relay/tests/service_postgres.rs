@@ -17,9 +17,10 @@ use tonic::Code;
 
 use service_support::*;
 
-const SCHEMA: [&str; 2] = [
+const SCHEMA: [&str; 3] = [
     include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
     include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
 ];
 
 /// A PostgreSQL cluster of the test's own, stopped when dropped.
@@ -440,4 +441,120 @@ async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
     let (next, _) = alice.commit(&mut on_a, CHANNEL).await;
     assert_eq!((next.seq, next.epoch), (8, 3));
     assert_eq!(on_b_stream.wait_for(1).await[0].seq, 8);
+}
+
+/// Retention across relays: a channel's policy set through one relay is pruned by another;
+/// a relay that did not prune learns the horizon when a read finds the log starting later
+/// (OUT_OF_RANGE, not a gap); both relays pruning at once agree on one horizon; a Welcome
+/// used through one relay (its joiner bound there) stops holding the log for the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_on_one_database_share_the_retention() {
+    let Some(cluster) = Cluster::start() else {
+        return;
+    };
+    let url = cluster.database("retention").await;
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let relay = Relay::on_database(
+            Database::parse(&url),
+            tempfile::tempdir().unwrap(),
+            |c| {
+                c.prune_interval = Duration::ZERO;
+                c.idempotency_window = Duration::ZERO;
+                c.welcome_ttl = Duration::ZERO;
+                c.used_welcome_grace = Duration::ZERO;
+            },
+            Some(Arc::new(FakeVerify)),
+        )
+        .await;
+        relays.push(relay);
+    }
+    let (a, b) = (&relays[0], &relays[1]);
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    alice.create(&mut on_a, CHANNEL).await;
+    for i in 0..10 {
+        let message = alice.encrypt(CHANNEL, format!("m{i}").as_bytes());
+        alice.publish(&mut on_a, CHANNEL, message).await.unwrap();
+    }
+    // B has the channel loaded (horizon 0) before A prunes.
+    let mut early = alice.subscribe(&mut on_b, CHANNEL, 0).await.unwrap();
+    early.wait_for(10).await;
+    let policy = pb::RetentionPolicy {
+        max_age_seconds: None,
+        max_entries: Some(3),
+        max_bytes: None,
+    };
+    let set = pb::SetRetentionRequest {
+        channel: CHANNEL.to_owned(),
+        policy: Some(policy),
+    };
+    on_b.set_retention(alice.request(set)).await.unwrap();
+    assert_eq!(a.server().prune_now().await.unwrap().entries, 7);
+    // B's memory still says 0: the read finds the log starting at 8 and asks the store.
+    let mut late = alice.subscribe(&mut on_b, CHANNEL, 2).await.unwrap();
+    let status = late.wait_end().await;
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert_eq!(trailer(&status, "static-horizon-seq").as_deref(), Some("7"));
+    assert!(late.seqs().is_empty());
+    // B knows it now: refused up front.
+    let refused = alice.subscribe(&mut on_b, CHANNEL, 2).await.err().unwrap();
+    assert_eq!(refused.code(), Code::OutOfRange);
+    more_retention(&relays, &alice, &bob, &mut on_a, &mut on_b).await;
+}
+
+/// Both relays pruning at once, and a Welcome used through the other relay.
+async fn more_retention(
+    relays: &[Relay],
+    alice: &Member,
+    bob: &Member,
+    on_a: &mut pb::relay_client::RelayClient<tonic::transport::Channel>,
+    on_b: &mut pb::relay_client::RelayClient<tonic::transport::Channel>,
+) {
+    let (a, b) = (&relays[0], &relays[1]);
+    // Both prune at once: one horizon.
+    for i in 0..20 {
+        let message = alice.encrypt(CHANNEL, format!("n{i}").as_bytes());
+        alice.publish(on_a, CHANNEL, message).await.unwrap();
+    }
+    let (on_a_pass, on_b_pass) = tokio::join!(a.server().prune_now(), b.server().prune_now());
+    assert!(on_a_pass.unwrap().entries + on_b_pass.unwrap().entries >= 20);
+    let get = pb::GetRetentionRequest {
+        channel: CHANNEL.to_owned(),
+    };
+    let got = on_a
+        .get_retention(alice.request(get.clone()))
+        .await
+        .unwrap();
+    assert_eq!(got.into_inner().horizon_seq, 27);
+
+    // A Welcome added through A holds the log until bob binds through B.
+    let added = alice
+        .engine
+        .add_member(CHANNEL, &bob.key_package())
+        .unwrap();
+    let with_welcome = pb::PublishRequest {
+        welcome: added.welcome.clone().into(),
+        ..request(CHANNEL, added.commit.into())
+    };
+    let commit = on_a.publish(alice.request(with_welcome)).await.unwrap();
+    assert_eq!(commit.into_inner().seq, 31);
+    alice.engine.merge_pending_commit(CHANNEL).unwrap();
+    for i in 0..5 {
+        let message = alice.encrypt(CHANNEL, format!("w{i}").as_bytes());
+        alice.publish(on_a, CHANNEL, message).await.unwrap();
+    }
+    a.server().prune_now().await.unwrap();
+    let got = on_b
+        .get_retention(alice.request(get.clone()))
+        .await
+        .unwrap();
+    assert_eq!(got.into_inner().horizon_seq, 31);
+    bob.join(on_b, CHANNEL, &added.welcome).await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let report = a.server().prune_now().await.unwrap();
+    assert_eq!((report.welcomes, report.entries), (1, 2));
+    let got = on_b.get_retention(bob.request(get)).await.unwrap();
+    assert_eq!(got.into_inner().horizon_seq, 33);
 }

@@ -62,6 +62,7 @@ impl Relay {
         for schema in [
             include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+            include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
         ] {
             connection.execute_batch(schema).unwrap();

@@ -370,12 +370,19 @@ impl Many {
             }
         };
         if cursor < last {
-            let mut page = self
+            let read = self
                 .inner
                 .log
                 .read_after(&channel, cursor, READ_PAGE.max(max_batch))
-                .await
-                .and_then(|page| consecutive(page, cursor, last))?;
+                .await;
+            let mut page = match read {
+                // Pruning overtook this follow: it ends, not the stream.
+                Err(e @ RelayError::Pruned { .. }) => {
+                    self.unfollow(&name);
+                    return self.send(name, Item::Ended(refusal(&e))).await;
+                }
+                read => read.and_then(|page| consecutive(page, cursor, last))?,
+            };
             page.retain(|e| e.seq <= limit);
             let sent = page.last().map_or(cursor, |e| e.seq);
             // A slow reader makes these sends wait: its stream falls behind here (and reads
@@ -428,6 +435,7 @@ async fn start(
         Some(Start::AfterSeq(seq)) => seq,
         None => 0,
     };
+    channel.check_cursor(cursor)?;
     let max_batch = request.max_batch.min(SUBSCRIBE_BATCH_ENTRIES as u32) as usize;
     Ok((channel, cursor, max_batch))
 }
@@ -449,5 +457,9 @@ fn refusal(e: &RelayError) -> pb::Refusal {
         message: e.to_string(),
         current_epoch: 0,
         retry_after_ms: 0,
+        horizon_seq: match e {
+            RelayError::Pruned { horizon, .. } => *horizon,
+            _ => 0,
+        },
     }
 }

@@ -27,6 +27,7 @@ use crate::error::Result;
 use crate::framing::ContentType;
 use crate::log::{Entry, GroupCheck, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
 use crate::members::GroupChange;
+use crate::retention::{Policy, PruneStep};
 
 /// Where the relay keeps its logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,6 +75,18 @@ pub(crate) struct ChannelRow {
     pub scope: String,
     /// A legacy channel (created before membership): the one account that reaches it.
     pub legacy_owner: Option<String>,
+    /// The last seq its retention pruned (0: none).
+    pub horizon: u64,
+}
+
+/// What the pruner needs of a channel's row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RetentionRow {
+    pub id: i64,
+    pub head_seq: u64,
+    pub horizon: u64,
+    /// As the channel sets it (None per limit: the server's default).
+    pub policy: Policy,
 }
 
 /// A channel to create: at epoch 0, its org claimed for (or owned by) `account`, its group
@@ -121,6 +134,8 @@ pub(crate) struct Binding<'a> {
     pub epoch: u64,
     pub leaf: u32,
     pub account: &'a str,
+    /// Unix ms (a Welcome used by this binding is marked used then).
+    pub now_ms: i64,
 }
 
 /// The writer's side of a store: one owner at a time (the writer), blocking calls.
@@ -134,13 +149,31 @@ pub(crate) trait LogWriter: Send {
     fn create_channel(&mut self, channel: &NewChannel<'_>) -> Result<Creation>;
 
     /// Bind a leaf to an account, if the channel is still at `binding.epoch` (false: it moved
-    /// on, check the proof against the new tree). Replaces the leaf's earlier binding.
+    /// on, check the proof against the new tree). Replaces the leaf's earlier binding. A
+    /// Welcome whose every added leaf is now bound is marked used (at `binding.now_ms`).
     fn bind(&mut self, binding: &Binding<'_>) -> Result<bool>;
 
     /// Decide `batch` (fence, numbers, duplicates) and store what it appends, in one
     /// transaction. The plan is final: a refusal in it is not the retry of a logged message.
     /// On error nothing was stored.
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan>;
+
+    /// One bounded prune of one channel, in one transaction: its entries after
+    /// `step.horizon` up to `step.to` go, its horizon moves to `step.to` (never back), the
+    /// epoch starts before it and the proposals of its past epochs go too.
+    fn prune(&mut self, step: &PruneStep) -> Result<()>;
+
+    /// Deletes up to `limit` Welcomes created before `created_before` or used before
+    /// `used_before` (unix ms), with their refs and leaves; how many went.
+    fn expire_welcomes(
+        &mut self,
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+    ) -> Result<usize>;
+
+    /// Sets a channel's retention policy.
+    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()>;
 }
 
 /// The readers' side of a store: shared, async.
@@ -162,6 +195,31 @@ pub(crate) trait LogReader: Send + Sync {
     fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>>;
     fn fetch_welcome(&self, channel_id: i64, key: WelcomeKey)
         -> StoreFuture<Option<WelcomeRecord>>;
+    /// Up to `limit` channels with an id above `after_id`, in id order, as the pruner sees
+    /// them.
+    fn retention_rows(&self, after_id: i64, limit: usize) -> StoreFuture<Vec<RetentionRow>>;
+    /// One channel as the pruner sees it.
+    fn retention_row(&self, channel_id: i64) -> StoreFuture<Option<RetentionRow>>;
+    /// The first seq in `(after_seq, up_to]` appended at or after `since_ms` (unix ms).
+    fn first_since(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        up_to: u64,
+        since_ms: i64,
+    ) -> StoreFuture<Option<u64>>;
+    /// The newest seq after `after_seq` whose entry and those after it hold more than
+    /// `max_bytes` of messages (what a byte limit prunes up to), None when all fit.
+    fn bytes_cut(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        max_bytes: u64,
+    ) -> StoreFuture<Option<u64>>;
+    /// The oldest commit seq of the channel's Welcomes still kept.
+    fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>>;
+    /// The account owning `org`.
+    fn org_owner(&self, org: &str) -> StoreFuture<Option<String>>;
     /// Stop background work and drop idle connections (shutdown).
     fn close(&self);
 }
@@ -196,6 +254,8 @@ pub(crate) struct NewEntry<'a> {
     /// Empty, or the Welcome kept with this commit.
     pub welcome: &'a [u8],
     pub welcome_refs: &'a [Vec<u8>],
+    /// The leaves the Welcome's commit added (the Welcome is used once all are bound).
+    pub welcome_leaves: &'a [u32],
     /// Who published it.
     pub account: &'a str,
     /// A proposal to keep for the commits of its epoch.
@@ -226,6 +286,10 @@ pub(crate) fn new_entries<'a>(batch: &'a [Publish], plan: &Plan) -> Vec<NewEntry
                 message: &p.checked.message,
                 welcome: &p.checked.welcome,
                 welcome_refs: &p.checked.welcome_refs,
+                welcome_leaves: match &p.checked.group {
+                    GroupCheck::Valid(Some(change)) => &change.added,
+                    _ => &[],
+                },
                 account: &p.checked.account,
                 keep_proposal: p.checked.header.content_type == ContentType::Proposal
                     && !p.channel.is_legacy(),

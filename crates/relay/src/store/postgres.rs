@@ -44,9 +44,10 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
+use crate::retention::{now_ms, Policy, PruneStep};
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, Opened,
-    StoreFuture, StoredBinding, StoredGroup,
+    RetentionRow, StoreFuture, StoredBinding, StoredGroup,
 };
 
 /// The NOTIFY channel of commits.
@@ -73,16 +74,58 @@ const FIND_KEYS: &str = "SELECT e.channel_id, e.idempotency_key, e.seq, e.channe
      FROM UNNEST($1::bigint[], $2::bytea[]) AS k (channel_id, idempotency_key) \
      JOIN relay_entries e USING (channel_id, idempotency_key)";
 const INSERT_ENTRIES: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
-     channel_epoch, idempotency_key, message, account) SELECT * FROM UNNEST($1::bigint[], \
-     $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], $6::bytea[], $7::bytea[], \
-     $8::text[])";
+     channel_epoch, idempotency_key, message, account, appended_at) SELECT u.*, $9::bigint \
+     FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], \
+     $6::bytea[], $7::bytea[], $8::text[]) AS u";
 const UPDATE_HEADS: &str = "UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
      FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[]) AS u (id, head_seq, epoch) \
      WHERE c.id = u.id";
 const INSERT_EPOCHS: &str = "INSERT INTO relay_epochs (channel_id, epoch, start_seq) \
      SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[])";
 const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
-     epoch, welcome) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (channel_id, digest) DO NOTHING";
+     epoch, welcome, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
+     ON CONFLICT (channel_id, digest) DO NOTHING";
+const INSERT_WELCOME_LEAVES: &str = "INSERT INTO relay_welcome_leaves (channel_id, leaf_index, \
+     digest) SELECT $1, l, $3 FROM UNNEST($2::integer[]) AS l \
+     ON CONFLICT (channel_id, leaf_index) DO UPDATE SET digest = excluded.digest";
+/// A bound leaf no longer awaited by its Welcome; the Welcome is used once none is awaited.
+const BOUND_WELCOME_LEAF: &str = "DELETE FROM relay_welcome_leaves \
+     WHERE channel_id = $1 AND leaf_index = $2 RETURNING digest";
+const MARK_USED: &str = "UPDATE relay_welcomes SET used_at = $3 \
+     WHERE channel_id = $1 AND digest = $2 AND used_at IS NULL AND NOT EXISTS \
+     (SELECT 1 FROM relay_welcome_leaves l WHERE l.channel_id = $1 AND l.digest = $2)";
+const EXPIRED_WELCOMES: &str = "SELECT channel_id, digest FROM relay_welcomes \
+     WHERE created_at < $1 UNION SELECT channel_id, digest FROM relay_welcomes \
+     WHERE used_at < $2 LIMIT $3";
+const DELETE_WELCOME: &str = "DELETE FROM relay_welcomes WHERE channel_id = $1 AND digest = $2";
+const DELETE_WELCOME_REFS: &str =
+    "DELETE FROM relay_welcome_refs WHERE channel_id = $1 AND digest = $2";
+const DELETE_WELCOME_LEAVES: &str =
+    "DELETE FROM relay_welcome_leaves WHERE channel_id = $1 AND digest = $2";
+const PRUNE_ENTRIES: &str =
+    "DELETE FROM relay_entries WHERE channel_id = $1 AND seq > $2 AND seq <= $3";
+const PRUNE_HORIZON: &str =
+    "UPDATE relay_channels SET horizon_seq = $2 WHERE id = $1 AND horizon_seq < $2";
+/// The starts of the epochs before the horizon: nobody can read from them any more.
+const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = $1 AND start_seq < $2";
+/// Proposals of past epochs: only a commit of their own epoch may reference them.
+const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = $1 \
+     AND epoch < (SELECT epoch FROM relay_channels WHERE id = $1)";
+const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = $2, \
+     retention_max_entries = $3, retention_max_bytes = $4 WHERE id = $1";
+const RETENTION_ROWS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
+     retention_max_entries, retention_max_bytes FROM relay_channels WHERE id > $1 \
+     ORDER BY id LIMIT $2";
+const RETENTION_ROW: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
+     retention_max_entries, retention_max_bytes FROM relay_channels WHERE id = $1";
+const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = $1 AND seq > $2 \
+     AND seq <= $3 AND appended_at >= $4 ORDER BY seq LIMIT 1";
+/// The newest entry whose bytes, with those of the entries after it, pass the limit.
+const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(octet_length(message)) OVER \
+     (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = $1 AND seq > $2) k \
+     WHERE kept > $3 ORDER BY seq DESC LIMIT 1";
+const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = $1";
+const ORG_OWNER_NOW: &str = "SELECT account FROM relay_orgs WHERE org = $1";
 const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      key_package_ref, digest) VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref) \
      DO UPDATE SET digest = excluded.digest";
@@ -90,13 +133,14 @@ const NOTIFY: &str = "SELECT pg_notify('static_relay', p) FROM UNNEST($1::text[]
 /// A plain batch in one statement (its own transaction): entries, heads, NOTIFY. A failed
 /// INSERT fails it whole.
 const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_id, seq, \
-     epoch, content_type, channel_epoch, idempotency_key, message, account) SELECT * FROM \
+     epoch, content_type, channel_epoch, idempotency_key, message, account, appended_at) \
+     SELECT e.*, $9::bigint FROM \
      UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::smallint[], $5::bigint[], \
-     $6::bytea[], $7::bytea[], $8::text[])), \
+     $6::bytea[], $7::bytea[], $8::text[]) AS e), \
      heads AS (UPDATE relay_channels c SET head_seq = u.head_seq, epoch = u.epoch \
-     FROM UNNEST($9::bigint[], $10::bigint[], $11::bigint[]) AS u (id, head_seq, epoch) \
+     FROM UNNEST($10::bigint[], $11::bigint[], $12::bigint[]) AS u (id, head_seq, epoch) \
      WHERE c.id = u.id) \
-     SELECT pg_notify('static_relay', p) FROM UNNEST($12::text[]) AS p";
+     SELECT pg_notify('static_relay', p) FROM UNNEST($13::text[]) AS p";
 const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
 const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
@@ -117,7 +161,8 @@ const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) 
      DO UPDATE SET account = excluded.account, removed_seq = NULL";
 const LOCK_CHANNEL: &str = "SELECT epoch FROM relay_channels WHERE id = $1 FOR UPDATE";
 /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
-const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
+const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, horizon_seq \
+     FROM relay_channels \
      WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL::bytea FROM relay_groups WHERE channel_id = $1";
@@ -326,6 +371,45 @@ impl LogWriter for PgWriter {
             .map_err(store_error)
     }
 
+    fn prune(&mut self, step: &PruneStep) -> Result<()> {
+        let (runtime, conn) = self.connected()?;
+        runtime
+            .block_on(in_transaction(&conn.client, conn.prune(step)))
+            .map_err(store_error)
+    }
+
+    fn expire_welcomes(
+        &mut self,
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+    ) -> Result<usize> {
+        let (runtime, conn) = self.connected()?;
+        runtime
+            .block_on(in_transaction(
+                &conn.client,
+                conn.expire_welcomes(created_before, used_before, limit),
+            ))
+            .map_err(store_error)
+    }
+
+    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()> {
+        let (runtime, conn) = self.connected()?;
+        let db = |v: Option<u64>| v.map(to_db);
+        let (age, entries, bytes) = (
+            db(policy.max_age_seconds),
+            db(policy.max_entries),
+            db(policy.max_bytes),
+        );
+        runtime
+            .block_on(
+                conn.client
+                    .execute(SET_RETENTION, &[&channel_id, &age, &entries, &bytes]),
+            )
+            .map(|_| ())
+            .map_err(store_error)
+    }
+
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
         let (runtime, conn) = self.connected()?;
         match runtime.block_on(conn.append_optimistically(batch, window)) {
@@ -406,7 +490,48 @@ impl WriteConnection {
         client
             .execute(BIND, &[&binding.channel_id, &leaf, &binding.account])
             .await?;
+        let awaited = client
+            .query_opt(BOUND_WELCOME_LEAF, &[&binding.channel_id, &leaf])
+            .await?;
+        if let Some(row) = awaited {
+            let digest: Vec<u8> = row.get(0);
+            client
+                .execute(MARK_USED, &[&binding.channel_id, &digest, &binding.now_ms])
+                .await?;
+        }
         Ok((true, true))
+    }
+
+    /// One prune step (see `LogWriter::prune`).
+    async fn prune(&self, step: &PruneStep) -> PgResult<((), bool)> {
+        let client = &self.client;
+        let (id, horizon, to) = (step.channel_id, to_db(step.horizon), to_db(step.to));
+        client.execute(PRUNE_ENTRIES, &[&id, &horizon, &to]).await?;
+        client.execute(PRUNE_HORIZON, &[&id, &to]).await?;
+        client.execute(PRUNE_EPOCHS, &[&id, &to]).await?;
+        client.execute(PRUNE_PROPOSALS, &[&id]).await?;
+        Ok(((), true))
+    }
+
+    /// Up to `limit` expired or used Welcomes deleted.
+    async fn expire_welcomes(
+        &self,
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+    ) -> PgResult<(usize, bool)> {
+        let client = &self.client;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = client
+            .query(EXPIRED_WELCOMES, &[&created_before, &used_before, &limit])
+            .await?;
+        for row in &rows {
+            let (channel_id, digest): (i64, Vec<u8>) = (row.get(0), row.get(1));
+            for sql in [DELETE_WELCOME_REFS, DELETE_WELCOME_LEAVES, DELETE_WELCOME] {
+                client.execute(sql, &[&channel_id, &digest]).await?;
+            }
+        }
+        Ok((rows.len(), !rows.is_empty()))
     }
 
     async fn prepare(client: Client) -> PgResult<WriteConnection> {
@@ -551,7 +676,10 @@ impl WriteConnection {
         transaction: Transaction,
     ) -> PgResult<()> {
         let entries = new_entries(batch, plan);
-        let mut columns = EntryColumns::default();
+        let mut columns = EntryColumns {
+            appended_at: now_ms(),
+            ..EntryColumns::default()
+        };
         let mut epochs = EpochColumns::default();
         let mut welcomes = Vec::new();
         let mut proposals = Vec::new();
@@ -591,12 +719,18 @@ impl WriteConnection {
             }
             if !e.welcome.is_empty() {
                 let digest = Sha256::digest(e.welcome).to_vec();
+                let leaves: Vec<i32> = e
+                    .welcome_leaves
+                    .iter()
+                    .map(|leaf| i32::try_from(*leaf).unwrap_or(i32::MAX))
+                    .collect();
                 welcomes.push((
                     e.channel_id,
                     digest,
                     to_db(e.seq),
                     to_db(e.channel_epoch),
                     e,
+                    leaves,
                 ));
             }
         }
@@ -654,11 +788,19 @@ impl WriteConnection {
                 client.execute(&self.insert_epochs, &params).await
             }));
         }
-        for (channel_id, digest, seq, epoch, e) in &welcomes {
+        let created_at = &columns.appended_at;
+        for (channel_id, digest, seq, epoch, e, leaves) in &welcomes {
             steps.push(Box::pin(async move {
-                let params: [&(dyn ToSql + Sync); 5] = [channel_id, digest, seq, epoch, &e.welcome];
+                let params: [&(dyn ToSql + Sync); 6] =
+                    [channel_id, digest, seq, epoch, &e.welcome, created_at];
                 client.execute(&self.insert_welcome, &params).await
             }));
+            if !leaves.is_empty() {
+                steps.push(Box::pin(async move {
+                    let params: [&(dyn ToSql + Sync); 3] = [channel_id, leaves, digest];
+                    client.execute(INSERT_WELCOME_LEAVES, &params).await
+                }));
+            }
             for r in e.welcome_refs {
                 steps.push(Box::pin(async move {
                     let params: [&(dyn ToSql + Sync); 3] = [channel_id, r, digest];
@@ -711,11 +853,13 @@ struct EntryColumns<'a> {
     key: Vec<&'a [u8]>,
     message: Vec<&'a [u8]>,
     account: Vec<&'a str>,
+    /// When they are appended (unix ms): `$9`.
+    appended_at: i64,
 }
 
 impl EntryColumns<'_> {
-    /// The parameters of the entries' UNNEST, in column order.
-    fn params(&self) -> [&(dyn ToSql + Sync); 8] {
+    /// The parameters of the entries' UNNEST, in column order, then their time.
+    fn params(&self) -> [&(dyn ToSql + Sync); 9] {
         [
             &self.channel_id,
             &self.seq,
@@ -725,6 +869,7 @@ impl EntryColumns<'_> {
             &self.key,
             &self.message,
             &self.account,
+            &self.appended_at,
         ]
     }
 }
@@ -831,6 +976,20 @@ fn stored_binding(row: &tokio_postgres::Row) -> StoredBinding {
     }
 }
 
+fn retention_row(row: &tokio_postgres::Row) -> RetentionRow {
+    let limit = |i: usize| row.get::<_, Option<i64>>(i).map(from_db);
+    RetentionRow {
+        id: row.get(0),
+        head_seq: from_db(row.get(1)),
+        horizon: from_db(row.get(2)),
+        policy: Policy {
+            max_age_seconds: limit(3),
+            max_entries: limit(4),
+            max_bytes: limit(5),
+        },
+    }
+}
+
 fn welcome_record(row: &tokio_postgres::Row) -> WelcomeRecord {
     WelcomeRecord {
         welcome: Bytes::from(row.get::<_, Vec<u8>>(0)),
@@ -858,6 +1017,7 @@ impl LogReader for PgReader {
                         scope: row.get(3),
                         legacy_owner: (legacy != 0)
                             .then(|| row.get::<_, Option<String>>(4).unwrap_or_default()),
+                        horizon: from_db(row.get(6)),
                     }
                 }))
             }
@@ -963,6 +1123,75 @@ impl LogReader for PgReader {
                     }
                 };
                 Ok(row.as_ref().map(welcome_record))
+            }
+        })
+    }
+
+    fn retention_rows(&self, after_id: i64, limit: usize) -> StoreFuture<Vec<RetentionRow>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| async move {
+            let rows = conn
+                .client
+                .query(RETENTION_ROWS, &[&after_id, &limit])
+                .await?;
+            Ok(rows.iter().map(retention_row).collect())
+        })
+    }
+
+    fn retention_row(&self, channel_id: i64) -> StoreFuture<Option<RetentionRow>> {
+        self.run(move |conn| async move {
+            let row = conn.client.query_opt(RETENTION_ROW, &[&channel_id]).await?;
+            Ok(row.as_ref().map(retention_row))
+        })
+    }
+
+    fn first_since(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        up_to: u64,
+        since_ms: i64,
+    ) -> StoreFuture<Option<u64>> {
+        let (after, up_to) = (to_db(after_seq), to_db(up_to));
+        self.run(move |conn| async move {
+            let row = conn
+                .client
+                .query_opt(FIRST_SINCE, &[&channel_id, &after, &up_to, &since_ms])
+                .await?;
+            Ok(row.map(|row| from_db(row.get(0))))
+        })
+    }
+
+    fn bytes_cut(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        max_bytes: u64,
+    ) -> StoreFuture<Option<u64>> {
+        let (after, max) = (to_db(after_seq), to_db(max_bytes));
+        self.run(move |conn| async move {
+            let row = conn
+                .client
+                .query_opt(BYTES_CUT, &[&channel_id, &after, &max])
+                .await?;
+            Ok(row.map(|row| from_db(row.get(0))))
+        })
+    }
+
+    fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>> {
+        self.run(move |conn| async move {
+            let row = conn.client.query_one(WELCOME_FLOOR, &[&channel_id]).await?;
+            Ok(row.get::<_, Option<i64>>(0).map(from_db))
+        })
+    }
+
+    fn org_owner(&self, org: &str) -> StoreFuture<Option<String>> {
+        let org = org.to_owned();
+        self.run(move |conn| {
+            let org = org.clone();
+            async move {
+                let row = conn.client.query_opt(ORG_OWNER_NOW, &[&org]).await?;
+                Ok(row.map(|row| row.get(0)))
             }
         })
     }

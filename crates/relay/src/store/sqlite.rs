@@ -26,10 +26,11 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
+use crate::retention::{now_ms, Policy, PruneStep};
 use crate::store::keys::Generations;
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
-    StoreFuture, StoredBinding, StoredGroup,
+    RetentionRow, StoreFuture, StoredBinding, StoredGroup,
 };
 
 /// A background WAL checkpoint after this many group commits or message bytes, whichever
@@ -44,13 +45,51 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const STATEMENT_CACHE: usize = 32;
 
 const INSERT_ENTRY: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
-     channel_epoch, idempotency_key, message, account, key_gen) \
-     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)";
+     channel_epoch, idempotency_key, message, account, key_gen, appended_at) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)";
 const UPDATE_HEAD: &str = "UPDATE relay_channels SET head_seq = ?2, epoch = ?3 WHERE id = ?1";
 const INSERT_EPOCH: &str =
     "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES (?1, ?2, ?3)";
 const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
-     epoch, welcome) VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT (channel_id, digest) DO NOTHING";
+     epoch, welcome, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
+     ON CONFLICT (channel_id, digest) DO NOTHING";
+const INSERT_WELCOME_LEAF: &str = "INSERT INTO relay_welcome_leaves (channel_id, leaf_index, \
+     digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) \
+     DO UPDATE SET digest = excluded.digest";
+/// A bound leaf no longer awaited by its Welcome; the Welcome is used once none is awaited.
+const BOUND_WELCOME_LEAF: &str = "DELETE FROM relay_welcome_leaves \
+     WHERE channel_id = ?1 AND leaf_index = ?2 RETURNING digest";
+const MARK_USED: &str = "UPDATE relay_welcomes SET used_at = ?3 \
+     WHERE channel_id = ?1 AND digest = ?2 AND used_at IS NULL AND NOT EXISTS \
+     (SELECT 1 FROM relay_welcome_leaves l WHERE l.channel_id = ?1 AND l.digest = ?2)";
+const EXPIRED_WELCOMES: &str = "SELECT channel_id, digest FROM relay_welcomes \
+     WHERE created_at < ?1 UNION SELECT channel_id, digest FROM relay_welcomes \
+     WHERE used_at < ?2 LIMIT ?3";
+const DELETE_WELCOME: &str = "DELETE FROM relay_welcomes WHERE channel_id = ?1 AND digest = ?2";
+const DELETE_WELCOME_REFS: &str =
+    "DELETE FROM relay_welcome_refs WHERE channel_id = ?1 AND digest = ?2";
+const DELETE_WELCOME_LEAVES: &str =
+    "DELETE FROM relay_welcome_leaves WHERE channel_id = ?1 AND digest = ?2";
+const PRUNE_ENTRIES: &str =
+    "DELETE FROM relay_entries WHERE channel_id = ?1 AND seq > ?2 AND seq <= ?3";
+const PRUNE_HORIZON: &str =
+    "UPDATE relay_channels SET horizon_seq = ?2 WHERE id = ?1 AND horizon_seq < ?2";
+/// The starts of the epochs before the horizon: nobody can read from them any more.
+const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = ?1 AND start_seq < ?2";
+/// Proposals of past epochs: only a commit of their own epoch may reference them.
+const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = ?1 \
+     AND epoch < (SELECT epoch FROM relay_channels WHERE id = ?1)";
+const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = ?2, \
+     retention_max_entries = ?3, retention_max_bytes = ?4 WHERE id = ?1";
+const RETENTION_COLUMNS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
+     retention_max_entries, retention_max_bytes FROM relay_channels";
+const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = ?1 AND seq > ?2 \
+     AND seq <= ?3 AND appended_at >= ?4 ORDER BY seq LIMIT 1";
+/// The newest entry whose bytes, with those of the entries after it, pass the limit.
+const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(length(message)) OVER \
+     (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = ?1 AND seq > ?2) \
+     WHERE kept > ?3 ORDER BY seq DESC LIMIT 1";
+const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = ?1";
 const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      key_package_ref, digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, key_package_ref) \
      DO UPDATE SET digest = excluded.digest";
@@ -78,7 +117,8 @@ const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES (?1, ?2, ?3, ?4)";
 const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
 /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
-const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy FROM relay_channels \
+const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, horizon_seq \
+     FROM relay_channels \
      WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = ?1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL FROM relay_groups WHERE channel_id = ?1";
@@ -196,6 +236,17 @@ fn bind(conn: &mut Connection, binding: &Binding<'_>) -> rusqlite::Result<bool> 
     }
     tx.prepare_cached(BIND)?
         .execute(params![binding.channel_id, binding.leaf, binding.account])?;
+    let awaited: Option<Vec<u8>> = tx
+        .prepare_cached(BOUND_WELCOME_LEAF)?
+        .query_row(params![binding.channel_id, binding.leaf], |row| row.get(0))
+        .optional()?;
+    if let Some(digest) = awaited {
+        tx.prepare_cached(MARK_USED)?.execute(params![
+            binding.channel_id,
+            digest,
+            binding.now_ms
+        ])?;
+    }
     tx.commit()?;
     Ok(true)
 }
@@ -218,6 +269,7 @@ fn load_channel(
                 } else {
                     None
                 },
+                horizon: row.get(6)?,
             })
         })
         .optional()
@@ -282,6 +334,7 @@ fn append(
     heads: impl Iterator<Item = (i64, u64, u64)>,
     key_gen: u64,
 ) -> rusqlite::Result<()> {
+    let now = now_ms();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     {
         let mut insert = tx.prepare_cached(INSERT_ENTRY)?;
@@ -295,7 +348,8 @@ fn append(
                 e.key,
                 e.message,
                 e.account,
-                key_gen
+                key_gen,
+                now
             ])?;
             if e.keep_proposal {
                 tx.prepare_cached(INSERT_PROPOSAL)?.execute(params![
@@ -331,11 +385,16 @@ fn append(
                     digest,
                     e.seq,
                     e.channel_epoch,
-                    e.welcome
+                    e.welcome,
+                    now
                 ])?;
                 let mut insert_ref = tx.prepare_cached(INSERT_WELCOME_REF)?;
                 for r in e.welcome_refs {
                     insert_ref.execute(params![e.channel_id, r, digest])?;
+                }
+                let mut insert_leaf = tx.prepare_cached(INSERT_WELCOME_LEAF)?;
+                for leaf in e.welcome_leaves {
+                    insert_leaf.execute(params![e.channel_id, leaf, digest])?;
                 }
             }
         }
@@ -345,6 +404,130 @@ fn append(
         }
     }
     tx.commit()
+}
+
+/// One prune step, in one transaction.
+fn prune(conn: &mut Connection, step: &PruneStep) -> rusqlite::Result<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.prepare_cached(PRUNE_ENTRIES)?
+        .execute(params![step.channel_id, step.horizon, step.to])?;
+    tx.prepare_cached(PRUNE_HORIZON)?
+        .execute(params![step.channel_id, step.to])?;
+    tx.prepare_cached(PRUNE_EPOCHS)?
+        .execute(params![step.channel_id, step.to])?;
+    tx.prepare_cached(PRUNE_PROPOSALS)?
+        .execute(params![step.channel_id])?;
+    tx.commit()
+}
+
+/// Up to `limit` expired or used Welcomes deleted, in one transaction.
+fn expire_welcomes(
+    conn: &mut Connection,
+    created_before: i64,
+    used_before: i64,
+    limit: usize,
+) -> rusqlite::Result<usize> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let expired: Vec<(i64, Vec<u8>)> = {
+        let mut stmt = tx.prepare_cached(EXPIRED_WELCOMES)?;
+        let rows = stmt.query_map(params![created_before, used_before, limit], |row| {
+            Ok((row.get(0)?, row.get(1)?))
+        })?;
+        rows.collect::<rusqlite::Result<_>>()?
+    };
+    for (channel_id, digest) in &expired {
+        for sql in [DELETE_WELCOME_REFS, DELETE_WELCOME_LEAVES, DELETE_WELCOME] {
+            tx.prepare_cached(sql)?
+                .execute(params![channel_id, digest])?;
+        }
+    }
+    tx.commit()?;
+    Ok(expired.len())
+}
+
+/// A policy's limits as stored (NULL: the default; SQLite integers are i64).
+fn policy_params(policy: &Policy) -> [Option<i64>; 3] {
+    let db = |v: Option<u64>| v.map(|v| i64::try_from(v).unwrap_or(i64::MAX));
+    [
+        db(policy.max_age_seconds),
+        db(policy.max_entries),
+        db(policy.max_bytes),
+    ]
+}
+
+fn retention_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<RetentionRow> {
+    let limit = |i: usize| -> rusqlite::Result<Option<u64>> {
+        Ok(row
+            .get::<_, Option<i64>>(i)?
+            .map(|v| u64::try_from(v).unwrap_or(0)))
+    };
+    Ok(RetentionRow {
+        id: row.get(0)?,
+        head_seq: row.get(1)?,
+        horizon: row.get(2)?,
+        policy: Policy {
+            max_age_seconds: limit(3)?,
+            max_entries: limit(4)?,
+            max_bytes: limit(5)?,
+        },
+    })
+}
+
+fn retention_rows(
+    conn: &Connection,
+    after_id: i64,
+    limit: usize,
+) -> rusqlite::Result<Vec<RetentionRow>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let sql = format!("{RETENTION_COLUMNS} WHERE id > ?1 ORDER BY id LIMIT ?2");
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let rows = stmt.query_map(params![after_id, limit], retention_row)?;
+    rows.collect()
+}
+
+fn retention_row_of(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<RetentionRow>> {
+    let sql = format!("{RETENTION_COLUMNS} WHERE id = ?1");
+    conn.prepare_cached(&sql)?
+        .query_row(params![channel_id], retention_row)
+        .optional()
+}
+
+fn first_since(
+    conn: &Connection,
+    channel_id: i64,
+    after_seq: u64,
+    up_to: u64,
+    since_ms: i64,
+) -> rusqlite::Result<Option<u64>> {
+    conn.prepare_cached(FIRST_SINCE)?
+        .query_row(params![channel_id, after_seq, up_to, since_ms], |row| {
+            row.get(0)
+        })
+        .optional()
+}
+
+fn bytes_cut(
+    conn: &Connection,
+    channel_id: i64,
+    after_seq: u64,
+    max_bytes: u64,
+) -> rusqlite::Result<Option<u64>> {
+    let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+    conn.prepare_cached(BYTES_CUT)?
+        .query_row(params![channel_id, after_seq, max_bytes], |row| row.get(0))
+        .optional()
+}
+
+fn welcome_floor(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<u64>> {
+    conn.prepare_cached(WELCOME_FLOOR)?
+        .query_row(params![channel_id], |row| row.get(0))
+}
+
+fn org_owner(conn: &Connection, org: &str) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached(ORG_OWNER)?
+        .query_row(params![org], |row| row.get(0))
+        .optional()
 }
 
 /// The entry holding `key` in the channel's log: its (seq, channel_epoch). Looks in the
@@ -511,6 +694,36 @@ impl LogWriter for SqliteWriter {
             self.count_commit(0);
         }
         Ok(bound)
+    }
+
+    fn prune(&mut self, step: &PruneStep) -> Result<()> {
+        prune(&mut self.conn, step).map_err(RelayError::store)?;
+        self.count_commit(0);
+        Ok(())
+    }
+
+    fn expire_welcomes(
+        &mut self,
+        created_before: i64,
+        used_before: i64,
+        limit: usize,
+    ) -> Result<usize> {
+        let expired = expire_welcomes(&mut self.conn, created_before, used_before, limit)
+            .map_err(RelayError::store)?;
+        if expired > 0 {
+            self.count_commit(0);
+        }
+        Ok(expired)
+    }
+
+    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()> {
+        let [age, entries, bytes] = policy_params(policy);
+        self.conn
+            .prepare_cached(SET_RETENTION)
+            .and_then(|mut stmt| stmt.execute(params![channel_id, age, entries, bytes]))
+            .map_err(RelayError::store)?;
+        self.count_commit(0);
+        Ok(())
     }
 
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
@@ -695,6 +908,46 @@ impl LogReader for SqliteReader {
         on_pool(self, move |conn| fetch_welcome(conn, channel_id, &key))
     }
 
+    fn retention_rows(&self, after_id: i64, limit: usize) -> StoreFuture<Vec<RetentionRow>> {
+        on_pool(self, move |conn| retention_rows(conn, after_id, limit))
+    }
+
+    fn retention_row(&self, channel_id: i64) -> StoreFuture<Option<RetentionRow>> {
+        on_pool(self, move |conn| retention_row_of(conn, channel_id))
+    }
+
+    fn first_since(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        up_to: u64,
+        since_ms: i64,
+    ) -> StoreFuture<Option<u64>> {
+        on_pool(self, move |conn| {
+            first_since(conn, channel_id, after_seq, up_to, since_ms)
+        })
+    }
+
+    fn bytes_cut(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        max_bytes: u64,
+    ) -> StoreFuture<Option<u64>> {
+        on_pool(self, move |conn| {
+            bytes_cut(conn, channel_id, after_seq, max_bytes)
+        })
+    }
+
+    fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>> {
+        on_pool(self, move |conn| welcome_floor(conn, channel_id))
+    }
+
+    fn org_owner(&self, org: &str) -> StoreFuture<Option<String>> {
+        let org = org.to_owned();
+        on_pool(self, move |conn| org_owner(conn, &org))
+    }
+
     fn close(&self) {
         self.0
             .idle
@@ -782,6 +1035,7 @@ mod tests {
     const SCHEMA: &str = concat!(
         include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+        include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
     );
 

@@ -47,6 +47,7 @@ pub const WAIT: Duration = Duration::from_secs(10);
 pub const SCHEMA: &[&str] = &[
     include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
+    include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
 ];
 
