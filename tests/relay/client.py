@@ -213,6 +213,31 @@ class Relay:
         )
         return self.stub.FetchWelcome(request, timeout=TIMEOUT, metadata=self.metadata)
 
+    def set_retention(
+        self,
+        channel: str,
+        *,
+        max_age_seconds: int | None = None,
+        max_entries: int | None = None,
+        max_bytes: int | None = None,
+    ) -> Any:
+        """SetRetention (the org's owner only): None leaves a limit to the server's default, 0
+        lifts it; the RetentionResponse."""
+        policy = pb.RetentionPolicy(
+            max_age_seconds=max_age_seconds, max_entries=max_entries, max_bytes=max_bytes
+        )
+        return self.stub.SetRetention(
+            pb.SetRetentionRequest(channel=channel, policy=policy),
+            timeout=TIMEOUT,
+            metadata=self.metadata,
+        )
+
+    def get_retention(self, channel: str) -> Any:
+        """GetRetention: the channel's policy, the policy in effect, its horizon and head."""
+        return self.stub.GetRetention(
+            pb.GetRetentionRequest(channel=channel), timeout=TIMEOUT, metadata=self.metadata
+        )
+
     def publish(self, channel: str, message: bytes, welcome: bytes = b"", key: bytes = b"") -> Any:
         return self.stub.Publish(
             pb.PublishRequest(
