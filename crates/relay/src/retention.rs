@@ -252,6 +252,7 @@ async fn prune_channel(
         if to <= horizon {
             break;
         }
+        let started = tokio::time::Instant::now();
         log.prune(PruneStep {
             channel_id: id,
             horizon,
@@ -260,8 +261,10 @@ async fn prune_channel(
         .await?;
         pruned += to - horizon;
         horizon = to;
-        // Let the relay's other tasks run between two steps.
-        tokio::task::yield_now().await;
+        // As long again before the next step: pruning takes at most half of the writer's time,
+        // and a publish waits for at most one step (bench/retention.py: back to back, steps of
+        // 1,024 entries held publishes at p50 19 ms, p99 80 ms against 0.4 and 5 quiet).
+        tokio::time::sleep(started.elapsed()).await;
     }
     Ok(pruned)
 }

@@ -181,6 +181,51 @@ async fn reads_from_before_the_horizon_are_out_of_range() {
     );
 }
 
+/// A follow that pruning overtakes (a reader that stopped reading, far behind) gets what was
+/// already on its way, in order, then `ended` OUT_OF_RANGE: never a gap, never a hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_overtaken_by_pruning_ends_out_of_range() {
+    let relay = relay(|_| {}).await;
+    let mut client = relay.client().await;
+    let alice = Member::with_token("alice", "acme.k1");
+    alice.create(&mut client, CHANNEL).await;
+    // 4 MiB of entries: more than the flow-control windows and the relay's queue hold.
+    let messages: Vec<pb::PublishRequest> = (0..4000)
+        .map(|i| {
+            let mut payload = format!("m{i} ").into_bytes();
+            payload.resize(1000, b'.');
+            // Hand-framed: the relay never reads the ciphertext.
+            request(CHANNEL, application(CHANNEL, 0, &payload))
+        })
+        .collect();
+    let batches: Vec<pb::PublishBatchRequest> = messages
+        .chunks(1000)
+        .map(|chunk| pb::PublishBatchRequest {
+            requests: chunk.to_vec(),
+        })
+        .collect();
+    let mut answers = client
+        .publish_batches(alice.request(tokio_stream::iter(batches)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(all_answers(&mut answers).await.len(), 4);
+    let mut many = Many::open(&mut client, Some("acme.k1")).await;
+    many.add(subscribe_request(CHANNEL, 0));
+    assert_eq!(many.live(CHANNEL).await, 4000);
+    // Not read meanwhile: the relay's sends wait.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    set_retention(&mut client, &alice, policy(None, Some(10), None))
+        .await
+        .unwrap();
+    assert_eq!(prune(&relay).await.entries, 3990);
+    let ended = many.answer(CHANNEL, 2).await.unwrap_err();
+    assert_eq!(ended.horizon_seq, 3990);
+    let seqs = many.seqs(CHANNEL);
+    assert!(seqs.len() < 3990, "{} entries came", seqs.len());
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+}
+
 /// Max bytes keeps the newest entries that fit; max age drops what is older (one second
 /// here); the server's default applies where the channel sets nothing, and 0 lifts a limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
