@@ -1153,6 +1153,14 @@ impl ChannelLog {
             .await
     }
 
+    /// Whether some Welcome was created before `created_before` or used before `used_before`.
+    pub(crate) async fn welcomes_due(&self, created_before: i64, used_before: i64) -> Result<bool> {
+        self.inner
+            .reader
+            .welcomes_due(created_before, used_before)
+            .await
+    }
+
     pub(crate) async fn welcome_floor(&self, channel_id: i64) -> Result<Option<u64>> {
         self.inner.reader.welcome_floor(channel_id).await
     }

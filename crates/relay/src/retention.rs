@@ -145,9 +145,10 @@ pub(crate) async fn run(
     if settings.prune_interval.is_zero() {
         return;
     }
-    let mut ticker = tokio::time::interval(settings.prune_interval);
+    // The first pass one interval after the start, not while the relay is starting.
+    let first = tokio::time::Instant::now() + settings.prune_interval;
+    let mut ticker = tokio::time::interval_at(first, settings.prune_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The first tick is immediate: a pass right at start.
     loop {
         tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return,
@@ -174,14 +175,14 @@ pub(crate) async fn pass(log: &ChannelLog, settings: &RetentionSettings) -> Resu
         .welcome_ttl
         .map_or(i64::MIN, |ttl| now.saturating_sub(millis(ttl)));
     let used_before = now.saturating_sub(millis(settings.used_welcome_grace));
-    loop {
+    // Asked of a reader first: a pass with nothing to do writes nothing.
+    let mut due = log.welcomes_due(created_before, used_before).await?;
+    while due {
         let expired = log
             .expire_welcomes(created_before, used_before, batch)
             .await?;
         report.welcomes += expired as u64;
-        if expired < batch {
-            break;
-        }
+        due = expired >= batch;
     }
     let mut after_id = 0;
     loop {

@@ -216,6 +216,9 @@ pub(crate) trait LogReader: Send + Sync {
         after_seq: u64,
         max_bytes: u64,
     ) -> StoreFuture<Option<u64>>;
+    /// Whether some Welcome was created before `created_before` or used before `used_before`
+    /// (unix ms).
+    fn welcomes_due(&self, created_before: i64, used_before: i64) -> StoreFuture<bool>;
     /// The oldest commit seq of the channel's Welcomes still kept.
     fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>>;
     /// The account owning `org`.

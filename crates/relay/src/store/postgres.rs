@@ -124,6 +124,8 @@ const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = $1 A
 const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(octet_length(message)) OVER \
      (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = $1 AND seq > $2) k \
      WHERE kept > $3 ORDER BY seq DESC LIMIT 1";
+const WELCOMES_DUE: &str = "SELECT EXISTS (SELECT 1 FROM relay_welcomes WHERE created_at < $1) \
+     OR EXISTS (SELECT 1 FROM relay_welcomes WHERE used_at < $2)";
 const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = $1";
 const ORG_OWNER_NOW: &str = "SELECT account FROM relay_orgs WHERE org = $1";
 const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
@@ -1182,6 +1184,16 @@ impl LogReader for PgReader {
         self.run(move |conn| async move {
             let row = conn.client.query_one(WELCOME_FLOOR, &[&channel_id]).await?;
             Ok(row.get::<_, Option<i64>>(0).map(from_db))
+        })
+    }
+
+    fn welcomes_due(&self, created_before: i64, used_before: i64) -> StoreFuture<bool> {
+        self.run(move |conn| async move {
+            let row = conn
+                .client
+                .query_one(WELCOMES_DUE, &[&created_before, &used_before])
+                .await?;
+            Ok(row.get(0))
         })
     }
 

@@ -89,6 +89,8 @@ const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = ?1 A
 const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(length(message)) OVER \
      (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = ?1 AND seq > ?2) \
      WHERE kept > ?3 ORDER BY seq DESC LIMIT 1";
+const WELCOMES_DUE: &str = "SELECT EXISTS (SELECT 1 FROM relay_welcomes WHERE created_at < ?1) \
+     OR EXISTS (SELECT 1 FROM relay_welcomes WHERE used_at < ?2)";
 const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = ?1";
 const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
      key_package_ref, digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, key_package_ref) \
@@ -941,6 +943,13 @@ impl LogReader for SqliteReader {
 
     fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>> {
         on_pool(self, move |conn| welcome_floor(conn, channel_id))
+    }
+
+    fn welcomes_due(&self, created_before: i64, used_before: i64) -> StoreFuture<bool> {
+        on_pool(self, move |conn| {
+            conn.prepare_cached(WELCOMES_DUE)?
+                .query_row(params![created_before, used_before], |row| row.get(0))
+        })
     }
 
     fn org_owner(&self, org: &str) -> StoreFuture<Option<String>> {
