@@ -317,6 +317,7 @@ impl Db {
         storage
             .run_migrations()
             .map_err(|e| StoreError::Migration(e.to_string()))?;
+        crate::storage::create_tables(&conn)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS static_identity (
                  id INTEGER PRIMARY KEY CHECK (id = 0),
