@@ -30,7 +30,9 @@
 //! * **Checkpoints beside the calls.** Between those, a background thread copies the WAL into
 //!   the database file after a few dozen commits, in a pause of the conversation where there is
 //!   one (`Checkpointer`), so that no call pays for a checkpoint (SQLite's own, inside a
-//!   commit, remains as a backstop).
+//!   commit, remains as a backstop). The WAL then restarts from its beginning, and is cut back
+//!   to `journal_size_limit` (1 MiB) if a run of large commits had grown it; a WAL that a long
+//!   run of commits kept from restarting is truncated by that thread in the next pause.
 //! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
 //!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
 //!   or another, gets a clear `runtime error:` instead of a corrupt state.
@@ -159,6 +161,26 @@ const CHECKPOINT_LATEST: u32 = 64;
 /// checkpoints fall behind (their connection failed, or a long burst).
 const BACKSTOP_AUTOCHECKPOINT: u32 = 4096;
 
+/// Bytes of WAL file kept once a checkpoint let it restart (SQLite then truncates it to this):
+/// the background checkpoints are PASSIVE and never shrink the file, so without a limit it kept
+/// the size of the largest run of commits between two of them until the next epoch change
+/// (7.8 MB for the creator of a 512-member group, when every message rewrote 218 KB of message
+/// secrets). A run of messages now writes a few pages each, well under this.
+const JOURNAL_SIZE_LIMIT: i64 = 1024 * 1024;
+const JOURNAL_SIZE_LIMIT_BYTES: u64 = JOURNAL_SIZE_LIMIT as u64;
+
+/// How long the background checkpoint's connection waits for a lock.
+const CHECKPOINT_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn wal_path(db_path: &Path) -> PathBuf {
+    PathBuf::from(format!("{}-wal", db_path.display()))
+}
+
+/// The WAL file's length (0 when there is none).
+fn wal_len(wal: &Path) -> u64 {
+    std::fs::metadata(wal).map_or(0, |m| m.len())
+}
+
 /// Copies the WAL into the database file on its own thread and connection (a PASSIVE
 /// checkpoint: it neither waits for nor blocks the engine's writes), once
 /// [`CHECKPOINT_EVERY`] commits have gone by and the commits pause ([`CHECKPOINT_PAUSE`]), or
@@ -175,15 +197,16 @@ struct CheckpointState {
     /// Commits since the last checkpoint, and when the latest was.
     commits: u32,
     last_commit: Option<std::time::Instant>,
-    /// Checkpoints run so far.
+    /// Checkpoints run so far, and how many of them also truncated the WAL.
     runs: u32,
+    truncations: u32,
     stop: bool,
 }
 
 impl Checkpointer {
     fn start(path: &Path) -> Result<Self, StoreError> {
         let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.busy_timeout(CHECKPOINT_BUSY_TIMEOUT)?;
         // The checkpoint syncs the database file before the WAL may be reused.
         conn.execute_batch("PRAGMA synchronous=FULL;")?;
         let shared = std::sync::Arc::new((
@@ -191,9 +214,10 @@ impl Checkpointer {
             std::sync::Condvar::new(),
         ));
         let theirs = shared.clone();
+        let wal = wal_path(path);
         let thread = std::thread::Builder::new()
             .name("static-mls-checkpoint".into())
-            .spawn(move || Self::run(&conn, &theirs))
+            .spawn(move || Self::run(&conn, &wal, &theirs))
             .map_err(|e| StoreError::Io {
                 path: path.to_owned(),
                 source: e,
@@ -204,7 +228,11 @@ impl Checkpointer {
         })
     }
 
-    fn run(conn: &Connection, shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar)) {
+    fn run(
+        conn: &Connection,
+        wal: &Path,
+        shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar),
+    ) {
         let (state, wake) = shared;
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -231,6 +259,19 @@ impl Checkpointer {
             let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
             state.runs += 1;
+            if state.commits == 0 && wal_len(wal) > JOURNAL_SIZE_LIMIT_BYTES {
+                // Still quiet, and a run of commits that never paused long enough for a
+                // checkpoint to let the WAL restart has grown it past the limit (200 sends at
+                // N=2 left 6.4 MB): cut it back now rather than at the next epoch change. Not
+                // waiting for a writer (the engine's next commit would wait for us): if one
+                // came, the next pause does it.
+                drop(state);
+                let _ = conn.busy_timeout(std::time::Duration::ZERO);
+                let _ = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+                let _ = conn.busy_timeout(CHECKPOINT_BUSY_TIMEOUT);
+                state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
+                state.truncations += 1;
+            }
         }
     }
 
@@ -249,6 +290,15 @@ impl Checkpointer {
     fn runs(&self) -> u32 {
         self.shared.0.lock().unwrap_or_else(|e| e.into_inner()).runs
     }
+
+    #[cfg(test)]
+    fn truncations(&self) -> u32 {
+        self.shared
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .truncations
+    }
 }
 
 impl Drop for Checkpointer {
@@ -266,7 +316,7 @@ impl Drop for Checkpointer {
 /// checkpoint is (a checkpoint syncs the database file before it lets the log go). Needs no
 /// connection: a sender syncs while others go on using the store.
 pub fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
-    let wal = PathBuf::from(format!("{}-wal", db_path.display()));
+    let wal = wal_path(db_path);
     match File::open(&wal) {
         Ok(file) => file.sync_data().map_err(io(&wal)),
         // No log: everything is in the (synced) database file.
@@ -312,6 +362,7 @@ impl Db {
              PRAGMA foreign_keys=ON;",
         )?;
         conn.pragma_update(None, "wal_autocheckpoint", BACKSTOP_AUTOCHECKPOINT)?;
+        conn.pragma_update(None, "journal_size_limit", JOURNAL_SIZE_LIMIT)?;
         let mut storage: SqliteStorageProvider<JsonCodec, &mut Connection> =
             SqliteStorageProvider::new(&mut conn);
         storage
@@ -850,6 +901,72 @@ mod tests {
             );
             std::thread::sleep(CHECKPOINT_PAUSE);
         }
+    }
+
+    #[test]
+    fn the_wal_is_cut_back_once_a_checkpoint_lets_it_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        // A few MiB of commits between two checkpoints...
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        for _ in 0..4 {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(1048576))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        let grown = std::fs::metadata(&wal).unwrap().len();
+        assert!(grown > 4 * 1024 * 1024, "{grown}");
+        // ...then a checkpoint like the background one (PASSIVE), and the next commit, which
+        // restarts the WAL: the file is cut back to the limit.
+        db.conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            .unwrap();
+        db.light_transaction(|conn| insert_group(conn, "a/b/c"))
+            .unwrap();
+        let kept = std::fs::metadata(&wal).unwrap().len();
+        assert!(kept <= JOURNAL_SIZE_LIMIT as u64, "{kept}");
+    }
+
+    #[test]
+    fn a_wal_grown_past_the_limit_is_truncated_in_the_next_pause() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        // Enough commits for a background checkpoint, growing the WAL past the limit, then a
+        // pause.
+        for _ in 0..CHECKPOINT_EVERY {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(65536))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        assert!(wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while db.checkpointer.truncations() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no truncation in the pause"
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+        assert_eq!(wal_len(&wal), 0);
+        // And the store goes on.
+        db.light_transaction(|conn| insert_group(conn, "a/b/c"))
+            .unwrap();
+        assert_eq!(count(&db), 1);
     }
 
     #[test]
