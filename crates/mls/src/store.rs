@@ -184,7 +184,9 @@ fn wal_len(wal: &Path) -> u64 {
 /// Copies the WAL into the database file on its own thread and connection (a PASSIVE
 /// checkpoint: it neither waits for nor blocks the engine's writes), once
 /// [`CHECKPOINT_EVERY`] commits have gone by and the commits pause ([`CHECKPOINT_PAUSE`]), or
-/// after [`CHECKPOINT_LATEST`] commits without a pause. Left to SQLite, the checkpoint runs
+/// after [`CHECKPOINT_LATEST`] commits without a pause; then at the next pause whatever the
+/// count (a checkpoint racing a run of commits cannot let the WAL restart), truncating the WAL
+/// there if it grew past [`JOURNAL_SIZE_LIMIT`]. Left to SQLite, the checkpoint runs
 /// inside whichever commit crosses the threshold, and that call then waits for two extra
 /// fsyncs and the page copies (milliseconds on a slow disk) in the middle of a conversation.
 struct Checkpointer {
@@ -200,6 +202,8 @@ struct CheckpointState {
     /// Checkpoints run so far, and how many of them also truncated the WAL.
     runs: u32,
     truncations: u32,
+    /// Whether the last checkpoint was forced in a run of commits (no pause came).
+    after_busy: bool,
     stop: bool,
 }
 
@@ -239,7 +243,10 @@ impl Checkpointer {
             if state.stop {
                 return;
             }
-            if state.commits < CHECKPOINT_EVERY {
+            // After a checkpoint forced in a run of commits, the next pause gets one too,
+            // however few commits came since (see below).
+            let follow_up = state.after_busy && state.commits > 0;
+            if state.commits < CHECKPOINT_EVERY && !follow_up {
                 state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
                 continue;
             }
@@ -253,18 +260,20 @@ impl Checkpointer {
                     .0;
                 continue;
             }
+            let busy = quiet < CHECKPOINT_PAUSE;
             state.commits = 0;
             drop(state);
             // Best effort: a failure leaves the WAL to the next run or SQLite's backstop.
             let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
             state.runs += 1;
-            if state.commits == 0 && wal_len(wal) > JOURNAL_SIZE_LIMIT_BYTES {
+            state.after_busy = busy;
+            if !busy && state.commits == 0 && wal_len(wal) > JOURNAL_SIZE_LIMIT_BYTES {
                 // Still quiet, and a run of commits that never paused long enough for a
                 // checkpoint to let the WAL restart has grown it past the limit (200 sends at
-                // N=2 left 6.4 MB): cut it back now rather than at the next epoch change. Not
+                // N=2 left 6.4 MB, kept until the next epoch change): cut it back now. Not
                 // waiting for a writer (the engine's next commit would wait for us): if one
-                // came, the next pause does it.
+                // came, a later pause does it.
                 drop(state);
                 let _ = conn.busy_timeout(std::time::Duration::ZERO);
                 let _ = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
@@ -281,7 +290,10 @@ impl Checkpointer {
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         state.commits = state.commits.saturating_add(1);
         state.last_commit = Some(std::time::Instant::now());
-        if state.commits == CHECKPOINT_EVERY || state.commits == CHECKPOINT_LATEST {
+        if state.commits == CHECKPOINT_EVERY
+            || state.commits == CHECKPOINT_LATEST
+            || (state.after_busy && state.commits == 1)
+        {
             wake.notify_one();
         }
     }
@@ -967,6 +979,36 @@ mod tests {
         db.light_transaction(|conn| insert_group(conn, "a/b/c"))
             .unwrap();
         assert_eq!(count(&db), 1);
+    }
+
+    #[test]
+    fn after_a_run_of_commits_without_a_pause_the_wal_is_truncated_in_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        // More than CHECKPOINT_LATEST commits back to back, and a tail of a few (fewer than
+        // CHECKPOINT_EVERY since the forced checkpoint).
+        for _ in 0..CHECKPOINT_LATEST + 5 {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(32768))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the WAL is still {} bytes",
+                wal_len(&wal)
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
     }
 
     #[test]
