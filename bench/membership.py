@@ -281,6 +281,10 @@ class Size:
     engine_rotate: list[float] = field(default_factory=list)
     engine_commit_bytes: int = 0
     mlsrs_add: list[float] = field(default_factory=list)
+    # CPU time of this process (all its threads) per add, ms: without the disk's waits, which
+    # dominate the engine's wall time on a busy disk (mls-rs writes nothing).
+    engine_add_cpu: list[float] = field(default_factory=list)
+    mlsrs_add_cpu: list[float] = field(default_factory=list)
     # The creator's SQLite WAL file after the measured calls and SENDS messages.
     wal_kib: float = float("nan")
     wal_peak_kib: float = 0.0  # its largest size seen after an add while growing to this size
@@ -376,11 +380,12 @@ def engine_reference(root: Path, size: Size, repeat: int, warmup: int) -> None:
             creator.merge_pending_commit(channel)
         for i in range(warmup + repeat):
             key_package = joiner.generate_key_package()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             commit, _ = creator.add_member(channel, key_package)
             creator.merge_pending_commit(channel)
             if i >= warmup:
                 size.engine_add.append((time.perf_counter() - started) * 1000)
+                size.engine_add_cpu.append((time.process_time() - cpu) * 1000)
                 size.engine_commit_bytes = len(commit)
             creator.remove_member(channel, JOINER)
             creator.merge_pending_commit(channel)
@@ -422,10 +427,11 @@ def mlsrs_reference(size: Size, repeat: int, warmup: int) -> None:
     joiner: Any = client(JOINER)
     for i in range(warmup + repeat):
         key_package = joiner.generate_key_package_message()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         group.process_incoming_message(group.add_members([key_package]).commit_message)
         if i >= warmup:
             size.mlsrs_add.append((time.perf_counter() - started) * 1000)
+            size.mlsrs_add_cpu.append((time.process_time() - cpu) * 1000)
         removal = group.remove_members([joiner.signing_identity()])
         group.process_incoming_message(removal.commit_message)
 
@@ -583,7 +589,7 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
     cpu_head = " ".join(f"{name:>7}" for name in names)
     header = (
         f"{'N':>5} | {'engine add':>10} {'rotate':>7} {'commit KiB':>10}"
-        f" {'mls-rs add':>10} {'engine/mls-rs':>13} |"
+        f" {'mls-rs add':>10} {'engine/mls-rs':>13} {'CPU engine':>10} {'mls-rs':>6} {'ratio':>6} |"
         f" {'add: SDK-engine':>15} {'rotate: SDK-engine':>18} |"
         + (f" {'member lag add':>14} {'rotate':>6} |" if member else "")
         + f" add CPU {cpu_head} | rotate CPU {cpu_head} | {'grow s':>6} {'others':>6}"
@@ -596,12 +602,17 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
             engine = f"{ea:>10.2f} {er:>7.2f} {s.engine_commit_bytes / 1024:>10.1f}"
             if s.mlsrs_add:
                 rs = statistics.median(s.mlsrs_add)
-                engine += f" {rs:>10.2f} {ea / rs:>12.2f}x |"
+                ec, rc = statistics.median(s.engine_add_cpu), statistics.median(s.mlsrs_add_cpu)
+                engine += (
+                    f" {rs:>10.2f} {ea / rs:>12.2f}x {ec:>10.2f} {rc:>6.2f} {ec / rc:>5.2f}x |"
+                )
             else:
-                engine += f" {'-':>10} {'-':>13} |"
+                engine += f" {'-':>10} {'-':>13} {'-':>10} {'-':>6} {'-':>6} |"
             over = f" {s.add.median() - ea:>15.2f} {s.rotate.median() - er:>18.2f} |"
         else:
-            engine = f"{'-':>10} {'-':>7} {'-':>10} {'-':>10} {'-':>13} |"
+            engine = (
+                f"{'-':>10} {'-':>7} {'-':>10} {'-':>10} {'-':>13} {'-':>10} {'-':>6} {'-':>6} |"
+            )
             over = f" {'-':>15} {'-':>18} |"
         lag = ""
         if member:
@@ -618,7 +629,8 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
     print(
         "engine = static._native.Engine alone (create the commit + merge it, durable SQLite"
         " writes; no relay, no SDK) on a group of the same size; mls-rs add = the same add by"
-        " mls-rs (agentvault-mls-rs-uniffi, in memory: no disk) and its commit applied;"
+        " mls-rs (agentvault-mls-rs-uniffi, in memory: no disk) and its commit applied; CPU ="
+        " this process's CPU time per add (all threads; without the disk's waits);"
         " SDK-engine = what the relay"
         " round trip, the SDK's commit protocol and its applier add."
         + (

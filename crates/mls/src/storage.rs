@@ -13,7 +13,7 @@
 //!
 //! The message secrets are also the one record written per message, so they are stored in a
 //! compact binary encoding (postcard, behind [`BINARY_TAG`]) rather than the JSON of every
-//! other record: about a quarter of the bytes (OpenMLS's byte strings are JSON arrays of
+//! other record (the ratchet tree too, the largest record, which every commit rewrites): about a quarter of the bytes (OpenMLS's byte strings are JSON arrays of
 //! numbers) and far cheaper to encode and decode. Records written as JSON by earlier versions
 //! are still read; the next write replaces them. Keys stay JSON, as the rest of the store has
 //! them.
@@ -153,6 +153,12 @@ const UPDATE_CURRENT_PART: &str = "UPDATE openmls_group_data SET group_data = ?2
      AND substr(group_data, 1, ?4) = ?5";
 const WRITE_PAST_PART: &str =
     "INSERT OR REPLACE INTO static_message_secrets_past (group_id, data) VALUES (?1, ?2)";
+const WRITE_TREE: &str = "INSERT INTO openmls_group_data \
+     (group_id, data_type, group_data, provider_version) VALUES (?1, 'tree', ?2, ?3)";
+const UPDATE_TREE: &str = "UPDATE openmls_group_data SET group_data = ?2, provider_version = ?3 \
+     WHERE group_id = ?1 AND data_type = 'tree'";
+const READ_TREE: &str = "SELECT group_data FROM openmls_group_data \
+     WHERE group_id = ?1 AND data_type = 'tree' AND provider_version = ?2";
 const READ_PAST_PART: &str = "SELECT data FROM static_message_secrets_past WHERE group_id = ?1";
 const DELETE_PAST_PART: &str = "DELETE FROM static_message_secrets_past WHERE group_id = ?1";
 
@@ -569,7 +575,20 @@ impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
         group_id: &GroupId,
         tree: &TreeSync,
     ) -> Result<(), Self::Error> {
-        self.inner.write_tree::<GroupId, TreeSync>(group_id, tree)
+        // Binary, as the message secrets: the tree is the largest record (483 KB of JSON at
+        // N=512, 4 bytes per key byte) and is rewritten by every commit.
+        let record = encode_binary(tree)?;
+        let key = key_of(group_id)?;
+        let updated = self
+            .conn
+            .prepare_cached(UPDATE_TREE)?
+            .execute(rusqlite::params![key, record, CURRENT_VERSION])?;
+        if updated == 0 {
+            self.conn
+                .prepare_cached(WRITE_TREE)?
+                .execute(rusqlite::params![key, record, CURRENT_VERSION])?;
+        }
+        Ok(())
     }
 
     fn write_interim_transcript_hash<
@@ -780,7 +799,16 @@ impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
         &self,
         group_id: &GroupId,
     ) -> Result<Option<TreeSync>, Self::Error> {
-        self.inner.tree::<GroupId, TreeSync>(group_id)
+        let blob: Option<Vec<u8>> = self
+            .conn
+            .prepare_cached(READ_TREE)?
+            .query_row(
+                rusqlite::params![key_of(group_id)?, CURRENT_VERSION],
+                |row| row.get(0),
+            )
+            .optional()?;
+        // JSON when written by an earlier version (the next commit rewrites it).
+        blob.map(|b| decode_record(&b)).transpose()
     }
 
     fn group_context<
@@ -1319,6 +1347,35 @@ mod tests {
             conn.execute("DELETE FROM static_message_secrets_past", [])
                 .unwrap();
             assert!(storage.message_secrets::<_, Store>(group).is_err());
+        });
+    }
+
+    impl traits::TreeSync<CURRENT_VERSION> for Secrets {}
+
+    #[test]
+    fn the_tree_is_stored_binary_and_one_stored_as_json_is_still_read() {
+        with_storage(|conn, storage, group| {
+            let tree_blob = || -> Vec<u8> {
+                conn.query_row(
+                    "SELECT group_data FROM openmls_group_data WHERE data_type = 'tree'",
+                    [],
+                    |row| row.get(0),
+                )
+                .unwrap()
+            };
+            let value = secrets();
+            // As earlier versions wrote it.
+            storage.inner.write_tree(group, &value).unwrap();
+            assert!(tree_blob().starts_with(b"{"));
+            assert_eq!(
+                storage.tree::<_, Secrets>(group).unwrap(),
+                Some(value.clone())
+            );
+            storage.write_tree(group, &value).unwrap();
+            assert!(tree_blob().starts_with(BINARY_TAG));
+            assert_eq!(storage.tree::<_, Secrets>(group).unwrap(), Some(value));
+            storage.delete_tree(group).unwrap();
+            assert_eq!(storage.tree::<_, Secrets>(group).unwrap(), None);
         });
     }
 
