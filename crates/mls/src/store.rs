@@ -202,7 +202,8 @@ struct CheckpointState {
     /// Checkpoints run so far, and how many of them also truncated the WAL.
     runs: u32,
     truncations: u32,
-    /// Whether the last checkpoint was forced in a run of commits (no pause came).
+    /// Whether the last checkpoint was forced in a run of commits (no pause came), or raced
+    /// commits.
     after_busy: bool,
     stop: bool,
 }
@@ -244,8 +245,8 @@ impl Checkpointer {
                 return;
             }
             // After a checkpoint forced in a run of commits, the next pause gets one too,
-            // however few commits came since (see below).
-            let follow_up = state.after_busy && state.commits > 0;
+            // however few commits came since, if any (see below).
+            let follow_up = state.after_busy;
             if state.commits < CHECKPOINT_EVERY && !follow_up {
                 state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
                 continue;
@@ -267,7 +268,9 @@ impl Checkpointer {
             let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
             state.runs += 1;
-            state.after_busy = busy;
+            // Commits during the checkpoint kept it from letting the WAL restart, as a run of
+            // them does: the next pause gets a checkpoint too.
+            state.after_busy = busy || state.commits > 0;
             if !busy && state.commits == 0 && wal_len(wal) > JOURNAL_SIZE_LIMIT_BYTES {
                 // Still quiet, and a run of commits that never paused long enough for a
                 // checkpoint to let the WAL restart has grown it past the limit (200 sends at
@@ -1004,8 +1007,10 @@ mod tests {
         while wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES {
             assert!(
                 std::time::Instant::now() < deadline,
-                "the WAL is still {} bytes",
-                wal_len(&wal)
+                "the WAL is still {} bytes after {} checkpoints, {} truncations",
+                wal_len(&wal),
+                db.checkpointer.runs(),
+                db.checkpointer.truncations()
             );
             std::thread::sleep(CHECKPOINT_PAUSE);
         }
