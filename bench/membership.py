@@ -25,6 +25,10 @@ merged by the creator's applier):
   so every sample is taken at exactly N members (the remove is timed too and shown);
 * ``rotate_keys`` by the creator.
 
+Then the creator sends ``SENDS`` 1 KiB messages and the size of its SQLite WAL file is shown
+(with the largest seen after an add while growing): what the client keeps on disk beside its
+database.
+
 Each is repeated ``--repeat`` times after ``--warmup`` uncounted ones. After each call the
 script waits until the live member has reached the new epoch (polling ``Channel.epoch()``,
 started once the call returned), so calls never overlap with the member's processing of the
@@ -76,12 +80,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing.connection import Connection
 from types import FrameType
+from typing import Any, cast
 
 from tests.support.server import ServerProcess
 
 CHANNEL = "bench/membership/group"
 MEMBER = b"member"
 JOINER = b"joiner"
+#: 1 KiB messages the creator sends at each size once the commits are measured; then its WAL
+#: file's size is read.
+SENDS = 200
 
 
 # -- the live member, in its own process --------------------------------------------------------
@@ -229,6 +237,12 @@ def _mapped_native(pid: int) -> str:
 # -- measuring ----------------------------------------------------------------------------------
 
 
+def _wal_kib(data_dir: str) -> float:
+    """The size of the SQLite write-ahead log of the client or engine under ``data_dir``."""
+    wal = Path(data_dir) / "mls.sqlite3-wal"
+    return wal.stat().st_size / 1024 if wal.exists() else 0.0
+
+
 def _p90(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))]
@@ -266,6 +280,14 @@ class Size:
     engine_add: list[float] = field(default_factory=list)
     engine_rotate: list[float] = field(default_factory=list)
     engine_commit_bytes: int = 0
+    mlsrs_add: list[float] = field(default_factory=list)
+    # CPU time of this process (all its threads) per add, ms: without the disk's waits, which
+    # dominate the engine's wall time on a busy disk (mls-rs writes nothing).
+    engine_add_cpu: list[float] = field(default_factory=list)
+    mlsrs_add_cpu: list[float] = field(default_factory=list)
+    # The creator's SQLite WAL file after the measured calls and SENDS messages.
+    wal_kib: float = float("nan")
+    wal_peak_kib: float = 0.0  # its largest size seen after an add while growing to this size
 
 
 class Failed(Exception):
@@ -358,11 +380,12 @@ def engine_reference(root: Path, size: Size, repeat: int, warmup: int) -> None:
             creator.merge_pending_commit(channel)
         for i in range(warmup + repeat):
             key_package = joiner.generate_key_package()
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             commit, _ = creator.add_member(channel, key_package)
             creator.merge_pending_commit(channel)
             if i >= warmup:
                 size.engine_add.append((time.perf_counter() - started) * 1000)
+                size.engine_add_cpu.append((time.process_time() - cpu) * 1000)
                 size.engine_commit_bytes = len(commit)
             creator.remove_member(channel, JOINER)
             creator.merge_pending_commit(channel)
@@ -375,6 +398,42 @@ def engine_reference(root: Path, size: Size, repeat: int, warmup: int) -> None:
     finally:
         creator.close()
         joiner.close()
+
+
+def mlsrs_reference(size: Size, repeat: int, warmup: int) -> None:
+    """The same add by mls-rs (``agentvault-mls-rs-uniffi``, the dev extra): its creator adds a
+    member to a group of the same size built in one commit and applies its commit (in memory, no
+    disk, no relay); the commit is then undone by removing the member again."""
+    try:
+        import mls_rs_uniffi as mls  # type: ignore[import-untyped]
+    except ImportError:
+        return
+    suite = mls.CipherSuite.CURVE25519_AES128
+
+    def client(name: bytes) -> object:
+        keys = mls.generate_signature_keypair(suite)
+        return mls.Client(name, keys, mls.client_config_default())
+
+    creator: Any = client(b"creator")
+    group: Any = creator.create_group(None)
+    if size.n > 1:
+        packages = [
+            mls.Message.from_bytes(
+                cast(Any, client(f"member-{i}".encode())).generate_key_package_message().to_bytes()
+            )
+            for i in range(size.n - 1)
+        ]
+        group.process_incoming_message(group.add_members(packages).commit_message)
+    joiner: Any = client(JOINER)
+    for i in range(warmup + repeat):
+        key_package = joiner.generate_key_package_message()
+        started, cpu = time.perf_counter(), time.process_time()
+        group.process_incoming_message(group.add_members([key_package]).commit_message)
+        if i >= warmup:
+            size.mlsrs_add.append((time.perf_counter() - started) * 1000)
+            size.mlsrs_add_cpu.append((time.process_time() - cpu) * 1000)
+        removal = group.remove_members([joiner.signing_identity()])
+        group.process_incoming_message(removal.commit_message)
 
 
 def run(args: argparse.Namespace, sizes: list[int], tmp: str) -> tuple[list[Size], list[float]]:
@@ -460,17 +519,24 @@ def run(args: argparse.Namespace, sizes: list[int], tmp: str) -> tuple[list[Size
                     channel.add_member(filler[next_filler])
                     next_filler += 1
                     members += 1
+                    size.wal_peak_kib = max(size.wal_peak_kib, _wal_kib(f"{tmp}/creator"))
                 driver.member_caught_up()
                 size.grow_s = time.perf_counter() - started
                 measure_size(driver, joiner, size, args.repeat, args.warmup)
+                # A run of application messages, as a chat would send between two commits.
+                for _ in range(SENDS):
+                    channel.send(bytes(1024))
+                size.wal_kib = _wal_kib(f"{tmp}/creator")
                 if not args.no_engine:
                     engine_reference(Path(tmp), size, args.repeat, args.warmup)
+                    mlsrs_reference(size, args.repeat, args.warmup)
                 results.append(size)
                 print(
                     f"  N={n:<4} grown in {size.grow_s:5.1f} s; add {size.add.median():7.2f} ms,"
                     f" rotate {size.rotate.median():7.2f} ms (medians of {args.repeat}),"
-                    f" epoch {channel.epoch()}; other processes used"
-                    f" {size.others_cores:.2f} cores meanwhile",
+                    f" epoch {channel.epoch()}; creator's WAL {size.wal_kib:.0f} KiB (at most"
+                    f" {size.wal_peak_kib:.0f} KiB while growing);"
+                    f" other processes used {size.others_cores:.2f} cores meanwhile",
                     flush=True,
                 )
             if receiver is not None:
@@ -502,6 +568,7 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
     header = (
         f"{'N':>5} | {'add median':>10} {'p90':>7} {'ratio':>6} | {'rotate median':>13}"
         f" {'p90':>7} {'ratio':>6} | {'remove median':>13} | {'welcome KiB':>11}"
+        f" | {'creator WAL KiB':>15}"
     )
     print(header)
     print("-" * len(header))
@@ -511,6 +578,7 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
             f" {s.add.median() / base.add.median():>5.2f}x | {s.rotate.median():>13.2f}"
             f" {s.rotate.p90():>7.2f} {s.rotate.median() / base.rotate.median():>5.2f}x |"
             f" {s.remove.median():>13.2f} | {s.welcome_bytes / 1024:>11.1f}"
+            f" | {s.wal_kib:>15.0f}"
         )
     print()
     print(
@@ -520,7 +588,8 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
     names = ["creator", "relay"] + (["member"] if member else [])
     cpu_head = " ".join(f"{name:>7}" for name in names)
     header = (
-        f"{'N':>5} | {'engine add':>10} {'rotate':>7} {'commit KiB':>10} |"
+        f"{'N':>5} | {'engine add':>10} {'rotate':>7} {'commit KiB':>10}"
+        f" {'mls-rs add':>10} {'engine/mls-rs':>13} {'CPU engine':>10} {'mls-rs':>6} {'ratio':>6} |"
         f" {'add: SDK-engine':>15} {'rotate: SDK-engine':>18} |"
         + (f" {'member lag add':>14} {'rotate':>6} |" if member else "")
         + f" add CPU {cpu_head} | rotate CPU {cpu_head} | {'grow s':>6} {'others':>6}"
@@ -530,10 +599,20 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
     for s in results:
         if s.engine_add:
             ea, er = statistics.median(s.engine_add), statistics.median(s.engine_rotate)
-            engine = f"{ea:>10.2f} {er:>7.2f} {s.engine_commit_bytes / 1024:>10.1f} |"
+            engine = f"{ea:>10.2f} {er:>7.2f} {s.engine_commit_bytes / 1024:>10.1f}"
+            if s.mlsrs_add:
+                rs = statistics.median(s.mlsrs_add)
+                ec, rc = statistics.median(s.engine_add_cpu), statistics.median(s.mlsrs_add_cpu)
+                engine += (
+                    f" {rs:>10.2f} {ea / rs:>12.2f}x {ec:>10.2f} {rc:>6.2f} {ec / rc:>5.2f}x |"
+                )
+            else:
+                engine += f" {'-':>10} {'-':>13} {'-':>10} {'-':>6} {'-':>6} |"
             over = f" {s.add.median() - ea:>15.2f} {s.rotate.median() - er:>18.2f} |"
         else:
-            engine = f"{'-':>10} {'-':>7} {'-':>10} |"
+            engine = (
+                f"{'-':>10} {'-':>7} {'-':>10} {'-':>10} {'-':>13} {'-':>10} {'-':>6} {'-':>6} |"
+            )
             over = f" {'-':>15} {'-':>18} |"
         lag = ""
         if member:
@@ -549,7 +628,10 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
         )
     print(
         "engine = static._native.Engine alone (create the commit + merge it, durable SQLite"
-        " writes; no relay, no SDK) on a group of the same size; SDK-engine = what the relay"
+        " writes; no relay, no SDK) on a group of the same size; mls-rs add = the same add by"
+        " mls-rs (agentvault-mls-rs-uniffi, in memory: no disk) and its commit applied; CPU ="
+        " this process's CPU time per add (all threads; without the disk's waits);"
+        " SDK-engine = what the relay"
         " round trip, the SDK's commit protocol and its applier add."
         + (
             " member lag = from the creator's call returning until the member's Channel.epoch()"

@@ -270,3 +270,43 @@ def test_one_identity_one_leaf(tmp_path: Path) -> None:
     with pytest.raises(MLSEngineError, match="twice in one commit"):
         a.add_members(CH, [dave1.generate_key_package(), dave2.generate_key_package()])
     a.add_member(CH, dave1.generate_key_package())
+
+
+def _wal_bytes(engine_dir: Path) -> int:
+    wal = engine_dir / "mls.sqlite3-wal"
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def _written_per_message(tmp_path: Path, n: int) -> tuple[int, int]:
+    """WAL bytes written by 10 messages (sender, receiver) in a group of ``n`` that has seen
+    enough commits to keep its full count of past epochs."""
+    a, b = make(tmp_path, f"a{n}"), make(tmp_path, f"b{n}")
+    a.create_group(CH)
+    _, welcome = a.add_members(
+        CH, [b.generate_key_package(), *_native._synthetic_key_packages(n - 2)]
+    )
+    a.merge_pending_commit(CH)
+    b.join_group(CH, welcome)
+    for _ in range(_native.PAST_EPOCHS + 1):
+        commit = a.self_update(CH)
+        a.merge_pending_commit(CH)  # an epoch change truncates the WAL...
+        b.process_incoming(CH, commit)  # ...on both sides
+    assert _wal_bytes(tmp_path / f"a{n}") == _wal_bytes(tmp_path / f"b{n}") == 0
+    # Fewer commits than the background checkpoint waits for: the WAL holds all they wrote.
+    for _ in range(10):
+        assert b.process_incoming(CH, a.encrypt(CH, bytes(1024))).kind == "application"
+    written = (_wal_bytes(tmp_path / f"a{n}"), _wal_bytes(tmp_path / f"b{n}"))
+    a.close()
+    b.close()
+    return written
+
+
+def test_a_message_writes_no_more_in_a_large_group(tmp_path: Path) -> None:
+    # The past epochs' part of the message secrets (their member lists: ~55 KB at N=128) is
+    # rewritten by commits, not by messages of the current epoch.
+    small = _written_per_message(tmp_path, 2)
+    large = _written_per_message(tmp_path, 128)
+    for side, (at_2, at_128) in zip(
+        ("sender", "receiver"), zip(small, large, strict=True), strict=True
+    ):
+        assert 0 < at_128 <= at_2 + 10 * 4096 + 4096, (side, at_2, at_128)

@@ -172,6 +172,27 @@ def test_an_sdk_commit_is_processed_by_mls_rs(pair: Pair) -> None:
     assert (got.payload, got.sender, got.epoch) == (b"mls-rs after the rotation", MLS_RS, 2)
 
 
+def test_mls_rs_applies_an_sdk_add_commit_without_a_path(
+    pair: Pair, opened: list[StaticClient], tmp_path: Path
+) -> None:
+    # The SDK's add commits carry no update path (docs/design.md, "Add commits without a
+    # path"): the relay's public group and mls-rs accept them, and the epoch advances for all.
+    carol_sdk = StaticClient(pair.server.relay_url, tmp_path / "carol", b"carol")
+    opened.append(carol_sdk)
+    welcome = pair.alice.add_member(carol_sdk.generate_key_package())
+    added = pair.member.receive()
+    assert (added.kind, added.applied) == ("commit", 1)
+    carol = carol_sdk.join_channel(pair.name, welcome)
+    assert pair.alice.epoch() == carol.epoch() == 2
+    pair.member.send(b"mls-rs after a path-less add")
+    for channel in (pair.alice, carol):
+        got = channel.receive_message(WAIT)
+        assert (got.payload, got.sender, got.epoch) == (b"mls-rs after a path-less add", MLS_RS, 2)
+    carol.send(b"carol, added without a path")
+    received = pair.member.receive()
+    assert (received.kind, received.data) == ("application", b"carol, added without a path")
+
+
 def test_mls_rs_adds_an_sdk_member_and_proposes_its_removal(
     pair: Pair, opened: list[StaticClient], tmp_path: Path
 ) -> None:

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -301,3 +302,23 @@ def test_send_waits_while_a_leave_proposal_is_pending(
     assert errors["leave"] is None
     assert isinstance(errors["send"], MLSEngineError), errors["send"]
     assert str(errors["send"]).startswith("MLS engine error: no longer a member")
+
+
+def test_the_clients_wal_is_cut_back_after_a_run_of_sends(
+    start_server: Callable[..., ServerProcess], clients: Clients, tmp_path: Path
+) -> None:
+    # Without pauses, background checkpoints never let the WAL restart: it grew by every send
+    # (6.4 MB after 200) and was only truncated at the next epoch change.
+    relay = start_server("--allow-anonymous", "--relay-publish-rate", "0")
+    alices, bobs = clients.pair(relay)
+    sends = 200
+    for i in range(sends):
+        alices.send(b"%d" % i + bytes(1024))
+    assert len(receive_n(bobs, sends)) == sends
+    wal = tmp_path / "agent-alice" / "mls.sqlite3-wal"
+    deadline = time.monotonic() + WAIT
+    while wal.exists() and wal.stat().st_size > 1024 * 1024:
+        assert time.monotonic() < deadline, f"the WAL is still {wal.stat().st_size} bytes"
+        time.sleep(0.05)
+    alices.send(b"and on")
+    assert bobs.receive(WAIT) == b"and on"

@@ -30,7 +30,9 @@
 //! * **Checkpoints beside the calls.** Between those, a background thread copies the WAL into
 //!   the database file after a few dozen commits, in a pause of the conversation where there is
 //!   one (`Checkpointer`), so that no call pays for a checkpoint (SQLite's own, inside a
-//!   commit, remains as a backstop).
+//!   commit, remains as a backstop). The WAL then restarts from its beginning, and is cut back
+//!   to `journal_size_limit` (1 MiB) if a run of large commits had grown it; a WAL that a long
+//!   run of commits kept from restarting is truncated by that thread in the next pause.
 //! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
 //!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
 //!   or another, gets a clear `runtime error:` instead of a corrupt state.
@@ -159,10 +161,32 @@ const CHECKPOINT_LATEST: u32 = 64;
 /// checkpoints fall behind (their connection failed, or a long burst).
 const BACKSTOP_AUTOCHECKPOINT: u32 = 4096;
 
+/// Bytes of WAL file kept once a checkpoint let it restart (SQLite then truncates it to this):
+/// the background checkpoints are PASSIVE and never shrink the file, so without a limit it kept
+/// the size of the largest run of commits between two of them until the next epoch change
+/// (7.8 MB for the creator of a 512-member group, when every message rewrote 218 KB of message
+/// secrets). A run of messages now writes a few pages each, well under this.
+const JOURNAL_SIZE_LIMIT: i64 = 1024 * 1024;
+const JOURNAL_SIZE_LIMIT_BYTES: u64 = JOURNAL_SIZE_LIMIT as u64;
+
+/// How long the background checkpoint's connection waits for a lock.
+const CHECKPOINT_BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn wal_path(db_path: &Path) -> PathBuf {
+    PathBuf::from(format!("{}-wal", db_path.display()))
+}
+
+/// The WAL file's length (0 when there is none).
+fn wal_len(wal: &Path) -> u64 {
+    std::fs::metadata(wal).map_or(0, |m| m.len())
+}
+
 /// Copies the WAL into the database file on its own thread and connection (a PASSIVE
 /// checkpoint: it neither waits for nor blocks the engine's writes), once
 /// [`CHECKPOINT_EVERY`] commits have gone by and the commits pause ([`CHECKPOINT_PAUSE`]), or
-/// after [`CHECKPOINT_LATEST`] commits without a pause. Left to SQLite, the checkpoint runs
+/// after [`CHECKPOINT_LATEST`] commits without a pause; then at the next pause whatever the
+/// count (a checkpoint racing a run of commits cannot let the WAL restart), truncating the WAL
+/// there if it grew past [`JOURNAL_SIZE_LIMIT`]. Left to SQLite, the checkpoint runs
 /// inside whichever commit crosses the threshold, and that call then waits for two extra
 /// fsyncs and the page copies (milliseconds on a slow disk) in the middle of a conversation.
 struct Checkpointer {
@@ -175,15 +199,19 @@ struct CheckpointState {
     /// Commits since the last checkpoint, and when the latest was.
     commits: u32,
     last_commit: Option<std::time::Instant>,
-    /// Checkpoints run so far.
+    /// Checkpoints run so far, and how many of them also truncated the WAL.
     runs: u32,
+    truncations: u32,
+    /// Whether the last checkpoint was forced in a run of commits (no pause came), or raced
+    /// commits.
+    after_busy: bool,
     stop: bool,
 }
 
 impl Checkpointer {
     fn start(path: &Path) -> Result<Self, StoreError> {
         let conn = Connection::open(path)?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.busy_timeout(CHECKPOINT_BUSY_TIMEOUT)?;
         // The checkpoint syncs the database file before the WAL may be reused.
         conn.execute_batch("PRAGMA synchronous=FULL;")?;
         let shared = std::sync::Arc::new((
@@ -191,9 +219,10 @@ impl Checkpointer {
             std::sync::Condvar::new(),
         ));
         let theirs = shared.clone();
+        let wal = wal_path(path);
         let thread = std::thread::Builder::new()
             .name("static-mls-checkpoint".into())
-            .spawn(move || Self::run(&conn, &theirs))
+            .spawn(move || Self::run(&conn, &wal, &theirs))
             .map_err(|e| StoreError::Io {
                 path: path.to_owned(),
                 source: e,
@@ -204,14 +233,21 @@ impl Checkpointer {
         })
     }
 
-    fn run(conn: &Connection, shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar)) {
+    fn run(
+        conn: &Connection,
+        wal: &Path,
+        shared: &(std::sync::Mutex<CheckpointState>, std::sync::Condvar),
+    ) {
         let (state, wake) = shared;
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if state.stop {
                 return;
             }
-            if state.commits < CHECKPOINT_EVERY {
+            // After a checkpoint forced in a run of commits, the next pause gets one too,
+            // however few commits came since, if any (see below).
+            let follow_up = state.after_busy;
+            if state.commits < CHECKPOINT_EVERY && !follow_up {
                 state = wake.wait(state).unwrap_or_else(|e| e.into_inner());
                 continue;
             }
@@ -225,12 +261,29 @@ impl Checkpointer {
                     .0;
                 continue;
             }
+            let busy = quiet < CHECKPOINT_PAUSE;
             state.commits = 0;
             drop(state);
             // Best effort: a failure leaves the WAL to the next run or SQLite's backstop.
             let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
             state.runs += 1;
+            // Commits during the checkpoint kept it from letting the WAL restart, as a run of
+            // them does: the next pause gets a checkpoint too.
+            state.after_busy = busy || state.commits > 0;
+            if !busy && state.commits == 0 && wal_len(wal) > JOURNAL_SIZE_LIMIT_BYTES {
+                // Still quiet, and a run of commits that never paused long enough for a
+                // checkpoint to let the WAL restart has grown it past the limit (200 sends at
+                // N=2 left 6.4 MB, kept until the next epoch change): cut it back now. Not
+                // waiting for a writer (the engine's next commit would wait for us): if one
+                // came, a later pause does it.
+                drop(state);
+                let _ = conn.busy_timeout(std::time::Duration::ZERO);
+                let _ = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+                let _ = conn.busy_timeout(CHECKPOINT_BUSY_TIMEOUT);
+                state = shared.0.lock().unwrap_or_else(|e| e.into_inner());
+                state.truncations += 1;
+            }
         }
     }
 
@@ -240,7 +293,10 @@ impl Checkpointer {
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         state.commits = state.commits.saturating_add(1);
         state.last_commit = Some(std::time::Instant::now());
-        if state.commits == CHECKPOINT_EVERY || state.commits == CHECKPOINT_LATEST {
+        if state.commits == CHECKPOINT_EVERY
+            || state.commits == CHECKPOINT_LATEST
+            || (state.after_busy && state.commits == 1)
+        {
             wake.notify_one();
         }
     }
@@ -248,6 +304,15 @@ impl Checkpointer {
     #[cfg(test)]
     fn runs(&self) -> u32 {
         self.shared.0.lock().unwrap_or_else(|e| e.into_inner()).runs
+    }
+
+    #[cfg(test)]
+    fn truncations(&self) -> u32 {
+        self.shared
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .truncations
     }
 }
 
@@ -266,7 +331,7 @@ impl Drop for Checkpointer {
 /// checkpoint is (a checkpoint syncs the database file before it lets the log go). Needs no
 /// connection: a sender syncs while others go on using the store.
 pub fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
-    let wal = PathBuf::from(format!("{}-wal", db_path.display()));
+    let wal = wal_path(db_path);
     match File::open(&wal) {
         Ok(file) => file.sync_data().map_err(io(&wal)),
         // No log: everything is in the (synced) database file.
@@ -312,11 +377,13 @@ impl Db {
              PRAGMA foreign_keys=ON;",
         )?;
         conn.pragma_update(None, "wal_autocheckpoint", BACKSTOP_AUTOCHECKPOINT)?;
+        conn.pragma_update(None, "journal_size_limit", JOURNAL_SIZE_LIMIT)?;
         let mut storage: SqliteStorageProvider<JsonCodec, &mut Connection> =
             SqliteStorageProvider::new(&mut conn);
         storage
             .run_migrations()
             .map_err(|e| StoreError::Migration(e.to_string()))?;
+        crate::storage::create_tables(&conn)?;
         conn.execute_batch(
             "CREATE TABLE IF NOT EXISTS static_identity (
                  id INTEGER PRIMARY KEY CHECK (id = 0),
@@ -846,6 +913,104 @@ mod tests {
             assert!(
                 std::time::Instant::now() < deadline,
                 "no checkpoint after a pause"
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+    }
+
+    #[test]
+    fn the_wal_is_cut_back_once_a_checkpoint_lets_it_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        // A few MiB of commits between two checkpoints...
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        for _ in 0..4 {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(1048576))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        let grown = std::fs::metadata(&wal).unwrap().len();
+        assert!(grown > 4 * 1024 * 1024, "{grown}");
+        // ...then a checkpoint like the background one (PASSIVE), and the next commit, which
+        // restarts the WAL: the file is cut back to the limit.
+        db.conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            .unwrap();
+        db.light_transaction(|conn| insert_group(conn, "a/b/c"))
+            .unwrap();
+        let kept = std::fs::metadata(&wal).unwrap().len();
+        assert!(kept <= JOURNAL_SIZE_LIMIT as u64, "{kept}");
+    }
+
+    #[test]
+    fn a_wal_grown_past_the_limit_is_truncated_in_the_next_pause() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        // Enough commits for a background checkpoint, growing the WAL past the limit, then a
+        // pause.
+        for _ in 0..CHECKPOINT_EVERY {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(65536))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        assert!(wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while db.checkpointer.truncations() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no truncation in the pause"
+            );
+            std::thread::sleep(CHECKPOINT_PAUSE);
+        }
+        assert_eq!(wal_len(&wal), 0);
+        // And the store goes on.
+        db.light_transaction(|conn| insert_group(conn, "a/b/c"))
+            .unwrap();
+        assert_eq!(count(&db), 1);
+    }
+
+    #[test]
+    fn after_a_run_of_commits_without_a_pause_the_wal_is_truncated_in_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path()).unwrap();
+        let wal = dir.path().join(format!("{DB_FILE}-wal"));
+        db.light_transaction(|conn| {
+            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
+            Ok::<_, StoreError>(())
+        })
+        .unwrap();
+        // More than CHECKPOINT_LATEST commits back to back, and a tail of a few (fewer than
+        // CHECKPOINT_EVERY since the forced checkpoint).
+        for _ in 0..CHECKPOINT_LATEST + 5 {
+            db.light_transaction(|conn| {
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(32768))", [])?;
+                Ok::<_, StoreError>(())
+            })
+            .unwrap();
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the WAL is still {} bytes after {} checkpoints, {} truncations",
+                wal_len(&wal),
+                db.checkpointer.runs(),
+                db.checkpointer.truncations()
             );
             std::thread::sleep(CHECKPOINT_PAUSE);
         }

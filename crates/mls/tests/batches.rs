@@ -364,6 +364,77 @@ fn unsynced_batches_commit_like_synced_ones() {
     assert_eq!(drain(&bob), expected);
 }
 
+/// The past part of the message secrets as stored (see `static_mls::storage`).
+fn past_part(agent: &Agent) -> Vec<u8> {
+    let db = rusqlite::Connection::open(agent.dir.path().join(static_mls::store::DB_FILE)).unwrap();
+    db.query_row("SELECT data FROM static_message_secrets_past", [], |row| {
+        row.get(0)
+    })
+    .unwrap()
+}
+
+#[test]
+fn messages_of_the_current_epoch_leave_the_past_epochs_secrets_as_stored() {
+    let (alice, bob, carol) = (agent("alice"), agent("bob"), agent("carol"));
+    group_of(&alice, &[&bob, &carol]);
+    // A few epochs, so that past epochs (their secrets and member lists) are kept.
+    for _ in 0..3 {
+        let commit = carol.engine.self_update(CH).unwrap();
+        for x in [&alice, &bob, &carol] {
+            x.engine.process_incoming(CH, &commit).unwrap();
+        }
+    }
+    let e = alice.engine.epoch(CH).unwrap();
+    // Sent at epoch e, read only after the next commit: a late message.
+    let late = alice.engine.encrypt(CH, b"late").unwrap();
+    let commit = carol.engine.self_update(CH).unwrap();
+    for x in [&alice, &bob, &carol] {
+        x.engine.process_incoming(CH, &commit).unwrap();
+    }
+    let (alice_past, bob_past) = (past_part(&alice), past_part(&bob));
+
+    // Messages of the current epoch, one by one and batched, both ways: the past part is
+    // neither rewritten for the sender nor for the receiver.
+    let mut log = vec![alice.engine.encrypt(CH, b"one").unwrap()];
+    log.extend(alice.engine.encrypt_many(CH, &[b"two", b"three"]).unwrap());
+    bob.engine.process_incoming(CH, &log[0]).unwrap();
+    bob.engine
+        .process_entries(CH, &entries(2, &log[1..]))
+        .unwrap();
+    let reply = bob.engine.encrypt(CH, b"four").unwrap();
+    alice.engine.process_incoming(CH, &reply).unwrap();
+    assert_eq!(past_part(&alice), alice_past);
+    assert_eq!(past_part(&bob), bob_past);
+
+    // What is on disk is whole: a reopened bob reads the late message with the past epoch's
+    // secrets (which rewrites the past part: that key is used up)...
+    let bob = reopen(bob, "bob");
+    assert_eq!(
+        bob.engine.process_incoming(CH, &late).unwrap(),
+        app(b"alice", b"late", e)
+    );
+    assert_ne!(past_part(&bob), bob_past);
+    // ...and after another reopening neither it nor the current epoch's messages decrypt
+    // again (their keys were deleted on disk), while new ones do.
+    let bob = reopen(bob, "bob");
+    for replay in [&late, &log[0], &log[2]] {
+        assert!(bob.engine.process_incoming(CH, replay).is_err());
+    }
+    let next = alice.engine.encrypt(CH, b"five").unwrap();
+    assert_eq!(
+        bob.engine.process_incoming(CH, &next).unwrap(),
+        app(b"alice", b"five", e + 1)
+    );
+    // A reopened sender goes on from its stored ratchet (no generation reused: bob, who has
+    // seen every message so far, accepts the next one).
+    let alice = reopen(alice, "alice");
+    let after = alice.engine.encrypt(CH, b"six").unwrap();
+    assert_eq!(
+        bob.engine.process_incoming(CH, &after).unwrap(),
+        app(b"alice", b"six", e + 1)
+    );
+}
+
 #[test]
 fn message_secrets_are_stored_in_the_binary_encoding() {
     let alice = agent("alice");
@@ -384,7 +455,8 @@ fn message_secrets_are_stored_in_the_binary_encoding() {
                 |row| row.get(0),
             )
             .unwrap();
-        assert!(blob.starts_with(static_mls::storage::BINARY_TAG));
+        // In two parts (see `static_mls::storage`), both binary.
+        assert!(blob.starts_with(static_mls::storage::SPLIT_TAG));
     }
     // And read back: a reopened receiver decrypts the next messages.
     let bob = reopen(bob, "bob");

@@ -80,6 +80,25 @@ impl Relay {
         }
     }
 
+    /// Whether `commit` (valid for the current epoch) carries an update path; not applied.
+    fn has_path(&self, commit: &[u8]) -> bool {
+        let protocol = MlsMessageIn::tls_deserialize_exact(commit)
+            .unwrap()
+            .try_into_protocol_message()
+            .unwrap();
+        match self
+            .group
+            .process_message(&self.crypto, protocol)
+            .unwrap()
+            .into_content()
+        {
+            ProcessedMessageContent::StagedCommitMessage(staged) => {
+                staged.update_path_leaf_node().is_some()
+            }
+            other => panic!("not a commit: {other:?}"),
+        }
+    }
+
     fn epoch(&self) -> u64 {
         self.group.group_context().epoch().as_u64()
     }
@@ -502,4 +521,73 @@ fn members_still_read_encrypted_handshakes() {
     let commit = a.engine.commit_pending_proposals(CH).unwrap().unwrap();
     a.engine.process_incoming(CH, &commit).unwrap();
     assert_eq!(member_names(&a), vec![b"alice".to_vec()]);
+}
+
+#[test]
+fn add_commits_carry_no_path_unless_a_proposal_needs_one() {
+    let (a, b, c, d) = (agent("alice"), agent("bob"), agent("carol"), agent("dave"));
+    group_of(&a, &[&b]);
+    let mut relay = Relay::new(&a.engine.public_state(CH).unwrap());
+    let leaf_before = relay.leaf_keys(0);
+    let secret_before = a.engine.epoch_authenticator(CH).unwrap();
+
+    // A plain add: no path, accepted by the relay's public group and by the members, and the
+    // epoch (and its secrets) advance all the same.
+    let add = a
+        .engine
+        .add_member(CH, &c.engine.generate_key_package().unwrap())
+        .unwrap();
+    assert!(!relay.has_path(&add.commit));
+    assert_eq!(relay.accept(&add.commit), Ok(Accepted::Commit));
+    for x in [&a, &b] {
+        x.engine.process_incoming(CH, &add.commit).unwrap();
+    }
+    c.engine.join_group(CH, &add.welcome).unwrap();
+    relay.assert_follows(&c);
+    let secret = a.engine.epoch_authenticator(CH).unwrap();
+    assert_ne!(secret, secret_before);
+    for x in [&b, &c] {
+        assert_eq!(x.engine.epoch_authenticator(CH).unwrap(), secret);
+    }
+    // The committer's leaf was not refreshed by the add...
+    assert_eq!(relay.leaf_keys(0), leaf_before);
+    let m = c.engine.encrypt(CH, b"after a path-less add").unwrap();
+    for x in [&a, &b] {
+        assert_eq!(
+            x.engine.process_incoming(CH, &m).unwrap(),
+            app(b"carol", b"after a path-less add", 2)
+        );
+    }
+    // ...a key rotation (self_update) is what refreshes it.
+    let update = a.engine.self_update(CH).unwrap();
+    assert!(relay.has_path(&update));
+    assert_eq!(relay.accept(&update), Ok(Accepted::Commit));
+    for x in [&a, &b, &c] {
+        x.engine.process_incoming(CH, &update).unwrap();
+    }
+    assert_ne!(relay.leaf_keys(0).1, leaf_before.1);
+
+    // An add that also commits a pending Remove (bob leaving) needs a path (RFC 9420 §12.4),
+    // and gets one.
+    let leave = b.engine.leave(CH).unwrap();
+    assert_eq!(relay.accept(&leave), Ok(Accepted::Proposal));
+    for x in [&a, &b, &c] {
+        x.engine.process_incoming(CH, &leave).unwrap();
+    }
+    let add = a
+        .engine
+        .add_member(CH, &d.engine.generate_key_package().unwrap())
+        .unwrap();
+    assert!(relay.has_path(&add.commit));
+    assert_eq!(relay.accept(&add.commit), Ok(Accepted::Commit));
+    for x in [&a, &c] {
+        x.engine.process_incoming(CH, &add.commit).unwrap();
+    }
+    assert!(matches!(
+        b.engine.process_incoming(CH, &add.commit).unwrap(),
+        Incoming::Removed { .. }
+    ));
+    d.engine.join_group(CH, &add.welcome).unwrap();
+    relay.assert_follows(&d);
+    assert_eq!(member_names(&d), member_names(&a));
 }
