@@ -77,6 +77,11 @@ class ApiSettings:
     key_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(600, 60))
     #: Seconds between writes of the coalesced ``last_used_at`` updates.
     last_used_flush_seconds: float = 0.5
+    #: Connections served at once, overall and per client address (an IPv6 client's /64);
+    #: more are closed as soon as they are accepted (checked against the open-file limit at
+    #: startup, ``static.cli``).
+    max_connections: int = 1_000
+    max_connections_per_address: int = 256
 
 
 @dataclass(frozen=True, slots=True)

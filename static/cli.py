@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -21,6 +23,26 @@ from static.store import database_location
 __all__ = ["main"]
 
 _TRUE = {"1", "true", "yes", "on"}
+
+#: Open files kept beyond both ports' connection caps: the store's connections (SQLite's
+#: database, WAL and shared-memory files per connection, or PostgreSQL sockets), the
+#: listeners, the signing key, the runtimes' own descriptors. So that one port filling up
+#: cannot starve the other or the store (measured at e879e1d: 20,000 idle relay connections
+#: took every descriptor; /healthz and new relay calls timed out).
+FILE_RESERVE: Final = 256
+#: The relay's connection cap (a tunable of its table): unset, it is fitted to the open-file
+#: limit with the HTTP port's (:func:`_fit_connections`).
+_RELAY_CAP: Final = "max_connections"
+_RELAY_CAP_PER_ADDRESS: Final = "max_connections_per_address"
+#: The HTTP API's connection caps: flag -> ``ApiSettings`` field (fitted as the relay's).
+_HTTP_CAPS: Final = (
+    ("--http-max-connections", "max_connections", "HTTP connections served at once"),
+    (
+        "--http-max-connections-per-address",
+        "max_connections_per_address",
+        "HTTP connections served at once per client address (an IPv6 client's /64)",
+    ),
+)
 
 
 def _env(name: str, default: str) -> str:
@@ -119,12 +141,32 @@ def _parser() -> argparse.ArgumentParser:
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
     for option in _relay_options():
+        given = os.environ.get(option.env)
+        if given is not None:
+            value: float | None = option.parse(given)
+        elif option.name in (_RELAY_CAP, _RELAY_CAP_PER_ADDRESS):
+            # Left unset, it stays None until the open-file limit is known.
+            value = None
+        else:
+            value = option.parse(f"{option.default:.10g}")
         serve.add_argument(
             option.flag,
             type=option.parse,
-            default=option.parse(_env(option.env, f"{option.default:.10g}")),
+            default=value,
             metavar=_METAVARS[option.kind],
-            help=f"{option.help} [{option.env}] (default %(default)s)",
+            help=f"{option.help} [{option.env}] (default {option.default:.10g})",
+        )
+    for flag, field_name, text in _HTTP_CAPS:
+        env = "STATIC_" + _dest(flag).upper()
+        given = os.environ.get(env)
+        serve.add_argument(
+            flag,
+            type=int,
+            default=int(given) if given is not None else None,
+            metavar="N",
+            help=f"{text}; more are closed as they come [{env}] "
+            f"(default {getattr(defaults.api, field_name)}, lowered to fit the open-file limit "
+            "when unset)",
         )
     serve.add_argument(
         "--token-ttl",
@@ -153,12 +195,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> ServerSettings:
+def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
     if not 1 <= args.token_ttl <= 86400:
         raise ValueError("--token-ttl must be between 1 and 86400 seconds")
     options = _relay_options()
+    _fit_connections(args, options, open_files)
     for option in options:
         option.check(getattr(args, option.dest))
+    for flag, _, _ in _HTTP_CAPS:
+        if not 1 <= getattr(args, _dest(flag)) <= 10_000_000:
+            raise ValueError(f"{flag} must be between 1 and 10,000,000")
     settings = ServerSettings(
         http=args.http,
         relay=args.relay,
@@ -168,6 +214,7 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
             token_ttl_seconds=args.token_ttl,
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
+            **{field_name: getattr(args, _dest(flag)) for flag, field_name, _ in _HTTP_CAPS},
         ),
         relay_settings=RelaySettings(
             allow_anonymous=args.allow_anonymous,
@@ -178,6 +225,65 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
     # here, as a configuration error, not once the HTTP API is already up.
     database_location(settings.resolved_database_url)
     return settings
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _raise_open_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (a process-wide
+    setting: only the command sets it); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        # E.g. macOS refuses more than OPEN_MAX: the soft limit stays then.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return sys.maxsize if soft == resource.RLIM_INFINITY else soft
+
+
+def _fit_connections(
+    args: argparse.Namespace, options: list[_RelayOption], open_files: int
+) -> None:
+    """Fill in the connection caps left unset, so that the relay's and the HTTP API's caps
+    and :data:`FILE_RESERVE` fit in ``open_files``: their defaults, or less in the same
+    proportion when those do not fit. Caps that were set must fit as they are."""
+    relay = {option.name: option for option in options}
+    api = ApiSettings()
+    caps = {
+        relay[_RELAY_CAP].dest: int(relay[_RELAY_CAP].default),
+        _dest("--http-max-connections"): api.max_connections,
+    }
+    given = {dest: getattr(args, dest) for dest in caps}
+    room = open_files - FILE_RESERVE
+    unset = [dest for dest, value in given.items() if value is None]
+    left = room - sum(value for value in given.values() if value is not None)
+    wanted = sum(caps[dest] for dest in unset)
+    for dest in unset:
+        share = caps[dest] if wanted <= left else left * caps[dest] // max(wanted, 1)
+        setattr(args, dest, max(1, share))
+    total = sum(getattr(args, dest) for dest in caps)
+    if total > room:
+        raise ValueError(
+            f"{relay[_RELAY_CAP].flag} ({args.relay_max_connections}) and "
+            f"--http-max-connections ({args.http_max_connections}) with {FILE_RESERVE} files "
+            f"kept for the store need {total + FILE_RESERVE} open files; this process may "
+            f"open {open_files} (ulimit -n): raise that limit or lower the caps"
+        )
+    per_address = {
+        relay[_RELAY_CAP_PER_ADDRESS].dest: (
+            int(relay[_RELAY_CAP_PER_ADDRESS].default),
+            args.relay_max_connections,
+        ),
+        _dest("--http-max-connections-per-address"): (
+            api.max_connections_per_address,
+            args.http_max_connections,
+        ),
+    }
+    for dest, (default, cap) in per_address.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, min(default, cap))
 
 
 async def _run(settings: ServerSettings) -> None:
@@ -198,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``static`` command; returns the exit code."""
     try:
         args = _parser().parse_args(argv)
-        settings = _settings(args)
+        settings = _settings(args, _raise_open_file_limit())
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2

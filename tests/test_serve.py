@@ -55,6 +55,12 @@ def test_bad_arguments_exit_2() -> None:
         ("--relay-max-streams", "0", "--relay-max-streams must be between 1 and 10,000"),
         ("--relay-max-subscriptions", "0", "must be between 1 and 1,000,000"),
         ("--relay-max-follows", "100000001", "must be between 1 and 100,000,000"),
+        ("--relay-idle-timeout", "0", "--relay-idle-timeout must be between 0.05 and 86,400"),
+        ("--relay-max-connections", "0", "must be between 1 and 10,000,000"),
+        ("--relay-max-connections-per-address", "0", "must be between 1 and 10,000,000"),
+        ("--relay-stream-buffer", "1000", "must be between 1,024 and 1,073,741,824"),
+        ("--http-max-connections", "0", "--http-max-connections must be between 1 and"),
+        ("--http-max-connections-per-address", "0", "must be between 1 and 10,000,000"),
     ],
 )
 def test_relay_options_out_of_bounds_exit_2(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import trio
@@ -12,12 +13,16 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from static._settings import ServerSettings
 from static.api._app import create_app
+from static.api._connections import ConnectionCaps
 from static.auth import Authority
 from static.store import Database
 
 __all__ = ["hypercorn_config", "serve_app", "serve_http"]
 
 _log = logging.getLogger("static.api")
+
+#: The connection caps of each served configuration (read by the wrapped ``TCPServer.run``).
+_CAPS: weakref.WeakKeyDictionary[Config, ConnectionCaps] = weakref.WeakKeyDictionary()
 
 
 def hypercorn_config(settings: ServerSettings) -> Config:
@@ -46,6 +51,7 @@ async def serve_http(
         create_app(db, settings, authority),
         hypercorn_config(settings),
         shutdown,
+        caps=ConnectionCaps(settings.api.max_connections, settings.api.max_connections_per_address),
         task_status=task_status,
     )
 
@@ -80,7 +86,8 @@ class _ShieldFinalSend:
 
 
 def _contain_connection_errors() -> None:
-    """Make a failing connection handler end its connection, not the whole server.
+    """Make a failing connection handler end its connection, not the whole server; and hold
+    every connection to its configuration's caps (:class:`ConnectionCaps`).
 
     hypercorn (0.17.3, still 0.18.0) runs every connection in the server's nursery, so an
     exception in one kills the process. One is reachable by any client: an HTTP/2 (h2c) request
@@ -92,13 +99,36 @@ def _contain_connection_errors() -> None:
     original = TCPServer.run
 
     async def run(self: TCPServer) -> None:
+        caps = _CAPS.get(self.config)
+        key = None
+        if caps is not None:
+            key = _admit(caps, self.stream)
+            if key is None:
+                # Closed before anything is read: a refusal costs an accept and a close.
+                with trio.CancelScope(shield=True):
+                    await self.stream.aclose()
+                return
         try:
             await original(self)
         except* Exception:  # noqa: BLE001  (any failure of one connection, logged below)
             _log.warning("connection closed after a server error", exc_info=True)
+        finally:
+            if caps is not None and key is not None:
+                caps.release(key)
 
     run._static_contained = True  # type: ignore[attr-defined]
     TCPServer.run = run  # type: ignore[method-assign]
+
+
+def _admit(caps: ConnectionCaps, stream: Any) -> str | None:
+    """A place in ``caps`` for the connection on ``stream``; None to refuse it (a cap is
+    reached, or the peer is gone already)."""
+    sock = getattr(stream, "socket", None) or stream.transport_stream.socket
+    try:
+        address = sock.getpeername()[0]
+    except OSError:
+        return None
+    return caps.admit(str(address))
 
 
 async def serve_app(
@@ -106,11 +136,14 @@ async def serve_app(
     config: Config,
     shutdown: trio.Event,
     *,
+    caps: ConnectionCaps | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the Quart-Trio ``app`` with ``config`` until ``shutdown`` is set (in-flight
-    requests finish)."""
+    requests finish); with ``caps``, connections beyond them are closed as they come."""
     _contain_connection_errors()
+    if caps is not None:
+        _CAPS[config] = caps
     app.asgi_app = _ShieldFinalSend(app.asgi_app)
     async with trio.open_nursery() as nursery:
         # hypercorn is stopped through its shutdown trigger, never by cancellation

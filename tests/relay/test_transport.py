@@ -649,3 +649,42 @@ def test_what_a_client_should_not_send_ends_at_most_its_connection(
     # The server is up, and other connections never noticed.
     with Relay(server.relay_url) as relay:
         assert relay.publish(CHANNEL, mls.application(CHANNEL, 0, case.encode())).seq >= 1
+
+
+def test_subscribers_that_never_read_large_messages_hold_little(start_server: Start) -> None:
+    # Measured at e879e1d: one such subscriber pinned ~256 MiB (a 256-entry page on top of 16
+    # queued responses); 8 took the server from 8 MB to 2.19 GB. A stream's page and queue are
+    # bounded in bytes now (--relay-stream-buffer), so 8 hold a few MiB each.
+    server = start_server("--allow-anonymous")
+    count, payload = 24, b"z" * (1024 * 1024 - 4096)
+    with Relay(server.relay_url) as relay:
+        relay.create(CHANNEL)
+        for i in range(count):
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0, payload + b"%d" % i))
+        # A subscriber that reads warms what every reader uses (the ring, the read path).
+        fair = relay.subscribe(CHANNEL)
+        assert len(fair.wait_for(count, timeout=30)) == count
+        before = _rss_kib(server)
+        add = pb.SubscribeManyRequest(add=pb.SubscribeRequest(channel=CHANNEL))
+        for method, request in (
+            ("Subscribe", pb.SubscribeRequest(channel=CHANNEL)),
+            ("SubscribeMany", add),
+        ):
+            # 8 streams from seq 0 on connections that never read (the first 64 KiB of window
+            # is all the relay may send them).
+            greedy = [RawH2(server.relay_url) for _ in range(8)]
+            for raw in greedy:
+                raw.start(method, request, end=method == "Subscribe")
+            time.sleep(3)  # time to fill whatever the relay would hold for them
+            grown = _rss_kib(server) - before
+            assert grown < 64 * 1024, f"{method}: RSS grew by {grown} KiB for 8 streams"
+            # Everyone else is served meanwhile.
+            relay.publish(CHANNEL, mls.application(CHANNEL, 0, b"small %s" % method.encode()))
+            count += 1
+            assert len(fair.wait_for(count, timeout=10)) == count
+            for raw in greedy:
+                raw.close()
+            time.sleep(0.5)
+        # What the first 8 held was given back: the second 8 grew nothing beyond it (checked
+        # against the same baseline above).
+        fair.cancel()

@@ -322,3 +322,24 @@ def test_the_clients_wal_is_cut_back_after_a_run_of_sends(
         time.sleep(0.05)
     alices.send(b"and on")
     assert bobs.receive(WAIT) == b"and on"
+
+
+def test_connections_the_relay_closed_for_idleness_are_reopened(
+    start_server: Callable[..., ServerProcess], clients: Clients
+) -> None:
+    # The relay closes a connection without a call (--relay-idle-timeout): the SDK's next
+    # call reconnects, whatever it was doing between.
+    server = start_server("--allow-anonymous", "--relay-idle-timeout", "0.3")
+    alice, bob = clients(server, b"alice"), clients(server, b"bob")
+    name = channel_name()
+    alices = alice.create_channel(name)
+    key_package = bob.generate_key_package()
+    time.sleep(1)
+    bobs = bob.join_channel(name, alices.add_member(key_package))
+    time.sleep(1)
+    alices.send(b"after a pause")
+    assert bobs.receive(WAIT) == b"after a pause"
+    time.sleep(1)
+    bobs.send(b"and another")
+    assert alices.receive(WAIT) == b"and another"
+    assert "server error" not in server.stderr()

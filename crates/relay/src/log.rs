@@ -301,15 +301,22 @@ impl Channel {
         &self.cache
     }
 
-    /// Up to `limit` ring entries after `cursor`; None when the ring does not reach back.
-    fn ring_after(&self, cursor: u64, limit: usize) -> Option<Vec<Entry>> {
+    /// Up to `limit` ring entries after `cursor`, and no more once `max_bytes` of messages
+    /// are reached (see [`ChannelLog::read_page`]); None when the ring does not reach back.
+    fn ring_after(&self, cursor: u64, limit: usize, max_bytes: usize) -> Option<Vec<Entry>> {
         let ring = self.ring();
         let first = ring.entries.front()?.seq;
         let start = usize::try_from(cursor.checked_add(1)?.checked_sub(first)?).ok()?;
+        let mut bytes = 0usize;
         let page: Vec<Entry> = ring
             .entries
             .range(start.min(ring.entries.len())..)
             .take(limit)
+            .take_while(|entry| {
+                let more = bytes < max_bytes;
+                bytes = bytes.saturating_add(entry.message.len());
+                more
+            })
             .cloned()
             .collect();
         (!page.is_empty()).then_some(page)
@@ -1026,15 +1033,32 @@ impl ChannelLog {
         cursor: u64,
         limit: usize,
     ) -> Result<Vec<Entry>> {
+        self.read_page(channel, cursor, limit, usize::MAX).await
+    }
+
+    /// [`ChannelLog::read_after`], and no entry more once the page's messages reach
+    /// `max_bytes` (the first entry always comes: a page holds at most `max_bytes` and one
+    /// message). What a subscriber holds is bounded by it, whatever the messages' size.
+    pub async fn read_page(
+        &self,
+        channel: &Channel,
+        cursor: u64,
+        limit: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<Entry>> {
         let head = channel.head_seq();
         channel.check_cursor(cursor)?;
         if cursor >= head || limit == 0 {
             return Ok(Vec::new());
         }
-        if let Some(page) = channel.ring_after(cursor, limit) {
+        if let Some(page) = channel.ring_after(cursor, limit, max_bytes) {
             return Ok(page);
         }
-        let page = self.inner.reader.read(channel.id, cursor, limit).await?;
+        let page = self
+            .inner
+            .reader
+            .read(channel.id, cursor, limit, max_bytes)
+            .await?;
         if page.first().is_none_or(|e| e.seq != cursor + 1) {
             // Pruned meanwhile (here, or by another relay on PostgreSQL)?
             self.refresh_horizon(channel).await?;
@@ -1832,16 +1856,16 @@ mod tests {
         assert_eq!(seqs(&b), [1, 2, 3, 4, 5, 6]);
         assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
         // The ring reaches back to cursor 2 only: older cursors read the store.
-        assert!(a.ring_after(1, 10).is_none());
-        let page = a.ring_after(2, 3).unwrap();
+        assert!(a.ring_after(1, 10, usize::MAX).is_none());
+        let page = a.ring_after(2, 3, usize::MAX).unwrap();
         assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4, 5]);
-        assert!(a.ring_after(6, 10).is_none());
+        assert!(a.ring_after(6, 10, usize::MAX).is_none());
 
         // One entry larger than the whole budget leaves nothing cached anywhere.
         cache(&a, 7, 11 * per);
         assert!(seqs(&a).is_empty() && seqs(&b).is_empty());
         assert_eq!(budget.charged.load(Ordering::Acquire), 0);
-        assert!(a.ring_after(6, 10).is_none());
+        assert!(a.ring_after(6, 10, usize::MAX).is_none());
 
         // An unloaded channel gives its charge back; its queued items are skipped later.
         for seq in 8..=12 {
@@ -1875,6 +1899,23 @@ mod tests {
         cache(&b, 1, 10);
         assert!(seqs(&b).is_empty());
         assert_eq!(none.charged.load(Ordering::Acquire), 0);
+    }
+
+    #[test]
+    fn a_ring_page_stops_at_its_bytes() {
+        let budget = Arc::new(Cache::new(1024 * 1024));
+        let a = channel(1, &budget);
+        for seq in 1..=10 {
+            cache(&a, seq, 100);
+        }
+        let page =
+            |page: Option<Vec<Entry>>| page.unwrap().iter().map(|e| e.seq).collect::<Vec<_>>();
+        // Entries come while the page holds less than the bytes: the one reaching them too.
+        assert_eq!(page(a.ring_after(0, 10, 250)), [1, 2, 3]);
+        assert_eq!(page(a.ring_after(0, 10, 300)), [1, 2, 3]);
+        assert_eq!(page(a.ring_after(4, 2, 1000)), [5, 6]);
+        // The first entry always comes.
+        assert_eq!(page(a.ring_after(0, 10, 1)), [1]);
     }
 
     /// A load that read its row before a commit, while the channel was unloaded after that

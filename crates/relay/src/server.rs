@@ -4,11 +4,15 @@
 //! Connections are served with hyper's HTTP/2 server directly (gRPC needs nothing else), so
 //! that the relay keeps what the Python transport did per connection: a cap on concurrent
 //! calls answered with RESOURCE_EXHAUSTED (not a SETTINGS limit clients would queue behind),
-//! a budget of stream resets (HTTP/2 rapid reset), TCP_NODELAY, and a drain it controls.
+//! a budget of stream resets (HTTP/2 rapid reset), TCP_NODELAY, and a drain it controls; and
+//! bounds on the connections themselves: a connection that holds no call for
+//! `idle_timeout` (silent, preface only, or done) is closed, and connections are capped
+//! overall and per client address (a refused one is closed as soon as it is accepted).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -41,6 +45,14 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// HTTP/2 streams a connection may open beyond the relay's cap: those get the cap's
 /// RESOURCE_EXHAUSTED answer, and only past this does h2 itself refuse streams.
 const STREAMS_OVER_CAP: u32 = 100;
+/// At most one line per this interval about refused connections or failing accepts: a flood
+/// of them must not flood the log (20,000 idle connections once filled it with `accept
+/// failed: Too many open files`).
+const LOG_EVERY: Duration = Duration::from_secs(10);
+/// What h2 may buffer per stream ahead of the peer's window, beyond the chunk it is given
+/// (hyper's default is 400 KiB): part of what a subscriber that stops reading holds
+/// (`docs/design.md` §5).
+pub const SEND_BUFFER_BYTES: usize = 256 * 1024;
 
 /// Where the server is in its life; connections and the acceptor watch it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -105,6 +117,7 @@ impl RelayServer {
             max_subscriptions_per_stream: config.max_subscriptions_per_stream,
             max_follows_per_account: config.max_follows_per_account,
             default_policy: retention.default_policy,
+            stream_buffer_bytes: config.stream_buffer_bytes,
         };
         let transport_limit = settings.transport_limit();
         let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());
@@ -118,9 +131,8 @@ impl RelayServer {
         )
         // Streams reset before they were even accepted: h2 answers a burst of these with
         // GOAWAY(ENHANCE_YOUR_CALM) itself; later resets are counted by `Connection`.
-        .max_pending_accept_reset_streams(
-            usize::try_from(config.reset_burst).unwrap_or(usize::MAX),
-        );
+        .max_pending_accept_reset_streams(usize::try_from(config.reset_burst).unwrap_or(usize::MAX))
+        .max_send_buf_size(SEND_BUFFER_BYTES);
 
         let calls = Arc::new(Calls::default());
         let shared = Arc::new(Shared {
@@ -132,6 +144,10 @@ impl RelayServer {
             max_streams: config.max_streams_per_connection,
             reset_burst: f64::from(config.reset_burst),
             reset_rate: config.reset_rate_per_second,
+            idle_timeout: config.idle_timeout,
+            admission: Mutex::new(Admission::default()),
+            max_connections: config.max_connections,
+            max_per_address: config.max_connections_per_address,
         });
         let (phase, watching) = watch::channel(Phase::Serving);
         let acceptor = tokio::spawn(accept(listeners, shared, watching));
@@ -271,6 +287,109 @@ struct Shared {
     max_streams: u32,
     reset_burst: f64,
     reset_rate: f64,
+    idle_timeout: Duration,
+    admission: Mutex<Admission>,
+    max_connections: usize,
+    max_per_address: usize,
+}
+
+/// The connections being served: how many, and from which addresses.
+#[derive(Default)]
+struct Admission {
+    total: usize,
+    per_address: HashMap<IpAddr, usize>,
+}
+
+/// A served connection's place in the caps, given back when it is dropped.
+struct Admitted {
+    shared: Arc<Shared>,
+    address: IpAddr,
+}
+
+impl Shared {
+    /// A place for a connection from `address`, or None when a cap is reached.
+    fn admit(self: &Arc<Self>, address: IpAddr) -> Option<Admitted> {
+        let mut admission = self
+            .admission
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if admission.total >= self.max_connections {
+            return None;
+        }
+        let held = admission.per_address.entry(address).or_insert(0);
+        if *held >= self.max_per_address {
+            return None;
+        }
+        *held += 1;
+        admission.total += 1;
+        Some(Admitted {
+            shared: Arc::clone(self),
+            address,
+        })
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        let mut admission = self
+            .shared
+            .admission
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        admission.total = admission.total.saturating_sub(1);
+        if let Some(held) = admission.per_address.get_mut(&self.address) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                admission.per_address.remove(&self.address);
+            }
+        }
+    }
+}
+
+/// What the per-address cap counts: the address, but an IPv6 client's /64 (one subscriber
+/// typically holds a whole /64: single addresses would be free to rotate), as the HTTP
+/// port's caps and rate limits count it (`static/api/_ratelimit.py::client_key`).
+fn client_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        v4 => v4,
+    }
+}
+
+/// A log line at most every [`LOG_EVERY`], saying how many times it happened meanwhile.
+struct RateLimitedLog {
+    what: &'static str,
+    last: Option<Instant>,
+    unsaid: u64,
+}
+
+impl RateLimitedLog {
+    fn new(what: &'static str) -> Self {
+        RateLimitedLog {
+            what,
+            last: None,
+            unsaid: 0,
+        }
+    }
+
+    fn note(&mut self, detail: &dyn std::fmt::Display) {
+        self.unsaid += 1;
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|last| now.saturating_duration_since(last) < LOG_EVERY)
+        {
+            return;
+        }
+        let times = if self.unsaid == 1 {
+            String::new()
+        } else {
+            format!(" ({} times since the last report)", self.unsaid)
+        };
+        eprintln!("relay: {}: {detail}{times}", self.what);
+        self.last = Some(now);
+        self.unsaid = 0;
+    }
 }
 
 /// Accepts until the drain; returns the connections' tasks (dropping them aborts them).
@@ -280,6 +399,8 @@ async fn accept(
     mut phase: watch::Receiver<Phase>,
 ) -> JoinSet<()> {
     let mut connections = JoinSet::new();
+    let mut refused = RateLimitedLog::new("refused connections");
+    let mut failed = RateLimitedLog::new("accept failed");
     loop {
         tokio::select! {
             () = reached(&mut phase, Phase::Draining) => return connections,
@@ -292,12 +413,22 @@ async fn accept(
             }
             accepted = accept_any(&listeners) => match accepted {
                 Ok((stream, peer)) => {
+                    let address = client_key(peer.ip());
+                    let Some(admitted) = shared.admit(address) else {
+                        // Closed at once (dropped): a refusal costs an accept and a close.
+                        drop(stream);
+                        refused.note(&format_args!(
+                            "over the caps ({} connections, {} per address), the last from {}",
+                            shared.max_connections, shared.max_per_address, address
+                        ));
+                        continue;
+                    };
                     let phase = phase.clone();
-                    connections.spawn(serve(stream, peer, Arc::clone(&shared), phase));
+                    connections.spawn(serve(stream, peer, admitted, phase));
                 }
                 Err(e) => {
                     // E.g. out of file descriptors: wait, then go on.
-                    eprintln!("relay: accept failed: {e}");
+                    failed.note(&e);
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
@@ -317,13 +448,15 @@ async fn accept_any(listeners: &[TcpListener]) -> std::io::Result<(TcpStream, So
     .await
 }
 
-/// One connection, until the peer leaves, it floods resets, or the relay closes it.
+/// One connection, until the peer leaves, it floods resets, it holds no call for the idle
+/// timeout, or the relay closes it.
 async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
-    shared: Arc<Shared>,
+    admitted: Admitted,
     mut phase: watch::Receiver<Phase>,
 ) {
+    let shared = Arc::clone(&admitted.shared);
     // Small answers must leave at once (the latency target), not wait for Nagle.
     if let Err(e) = stream.set_nodelay(true) {
         eprintln!("relay: TCP_NODELAY on {peer}: {e}");
@@ -337,6 +470,7 @@ async fn serve(
             Instant::now(),
         )),
         flooded: Notify::new(),
+        quiet_since: Mutex::new(Instant::now()),
     });
     let gate = CallGate {
         shared: Arc::clone(&shared),
@@ -345,6 +479,11 @@ async fn serve(
     let conn = shared.http.serve_connection(TokioIo::new(stream), gate);
     tokio::pin!(conn);
     let mut going_away = false;
+    // The idle timer; once the connection is closed for idleness, the deadline of its
+    // GOAWAY (a peer that sent nothing, or only the preface, never answers it).
+    let timer = tokio::time::sleep(shared.idle_timeout);
+    tokio::pin!(timer);
+    let mut idle_closing = false;
     let flooded = loop {
         tokio::select! {
             served = conn.as_mut() => match served {
@@ -355,6 +494,30 @@ async fn serve(
             () = reached(&mut phase, Phase::Closing), if !going_away => {
                 going_away = true;
                 conn.as_mut().graceful_shutdown();
+            }
+            () = &mut timer => {
+                let now = Instant::now();
+                if idle_closing {
+                    if connection.active.load(Ordering::Acquire) == 0 {
+                        // Dropping the connection closes its socket.
+                        return;
+                    }
+                    // A call that came just before the GOAWAY finishes first.
+                    timer.as_mut().reset((now + CLOSE_GRACE).into());
+                    continue;
+                }
+                match connection.idle_until(shared.idle_timeout) {
+                    Some(deadline) if deadline <= now => {
+                        idle_closing = true;
+                        if !going_away {
+                            going_away = true;
+                            conn.as_mut().graceful_shutdown();
+                        }
+                        timer.as_mut().reset((now + CLOSE_GRACE).into());
+                    }
+                    Some(deadline) => timer.as_mut().reset(deadline.into()),
+                    None => timer.as_mut().reset((now + shared.idle_timeout).into()),
+                }
             }
         }
     };
@@ -415,9 +578,35 @@ struct Connection {
     /// closed: a burst, then a rate (HTTP/2 rapid reset).
     resets: Mutex<TokenBucket>,
     flooded: Notify,
+    /// Since when no call is in flight (the connection's start before its first call).
+    quiet_since: Mutex<Instant>,
 }
 
 impl Connection {
+    /// When the connection becomes idle for `timeout` if no call comes; None while calls
+    /// are in flight.
+    fn idle_until(&self, timeout: Duration) -> Option<Instant> {
+        let quiet_since = || {
+            *self
+                .quiet_since
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        let before = quiet_since();
+        if self.active.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        // A call that ended in between set the time before its count went to 0: read again.
+        Some(before.max(quiet_since()) + timeout)
+    }
+
+    fn quiet_now(&self) {
+        *self
+            .quiet_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+    }
+
     fn reset(&self) {
         let wait = self
             .resets
@@ -457,6 +646,8 @@ impl CallSlot {
 
 impl Drop for CallSlot {
     fn drop(&mut self) {
+        // The time first, then the count: the idle timer never sees 0 calls with an old time.
+        self.connection.quiet_now();
         self.connection.active.fetch_sub(1, Ordering::AcqRel);
         if self.shared.calls.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.shared.calls.idle.notify_waiters();
@@ -586,6 +777,15 @@ impl Drop for CountedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipv6_client_counts_by_its_64() {
+        let key = |s: &str| client_key(s.parse().unwrap_or(IpAddr::V4(0.into())));
+        assert_eq!(key("2001:db8:1:2:3:4:5:6"), key("2001:db8:1:2:ffff::1"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(key("::ffff:10.0.0.1"), key("10.0.0.1"));
+        assert_ne!(key("10.0.0.1"), key("10.0.0.2"));
+    }
 
     fn send_sync<T: Send + Sync>(_: &T) {}
     fn send<T: Send>(_: &T) {}

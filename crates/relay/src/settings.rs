@@ -293,6 +293,30 @@ settings! {
         prune_batch: usize = 256,
             "--relay-prune-batch", 1.0, 1_000_000.0,
             "entries one relay prune transaction deletes at most";
+        /// A connection without a call for this long is closed: one that never sent anything,
+        /// or only the HTTP/2 preface, or whose calls are done (measured at e879e1d: 20 such
+        /// connections were all still open after 75 s).
+        idle_timeout: Duration = Duration::from_secs(60),
+            "--relay-idle-timeout", 0.05, 86_400.0,
+            "close a relay connection without a call for this many seconds (also one that \
+             sent nothing, or only the HTTP/2 preface)";
+        /// Connections served at once; more are closed as soon as they are accepted. `static
+        /// serve` fits it in its open-file limit with the HTTP port's (`static.cli`).
+        max_connections: usize = 10_000,
+            "--relay-max-connections", 1.0, 10_000_000.0,
+            "relay connections served at once; more are closed as they come (lowered to fit \
+             the open-file limit when unset)";
+        /// Connections served at once per client address (an IPv6 client's /64).
+        max_connections_per_address: usize = 1_000,
+            "--relay-max-connections-per-address", 1.0, 10_000_000.0,
+            "relay connections served at once per client address (an IPv6 client's /64)";
+        /// What one streaming call may hold ahead of its peer: its page of the log and its
+        /// queue of responses, half each (each may exceed its half by one message). Measured
+        /// at e879e1d, without it: ~256 MiB per subscriber that stopped reading 1 MiB messages.
+        stream_buffer_bytes: usize = 512 * 1024,
+            "--relay-stream-buffer", 1024.0, 1024.0 * 1024.0 * 1024.0,
+            "bytes one relay stream may hold ahead of a slow peer (its page of the log and its \
+             queue of responses; each may exceed its half by one message)";
     }
 }
 

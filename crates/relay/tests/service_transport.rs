@@ -400,3 +400,138 @@ async fn a_taken_port_is_an_error() {
         "{error}"
     );
 }
+
+/// Whether the relay closes `tcp` within a few seconds (reads until the end; what it sent
+/// before, e.g. its SETTINGS and GOAWAY, is skipped).
+async fn closed_by_the_relay(tcp: &mut TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => return true,
+            Ok(Ok(_)) => {}
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_without_calls_are_closed_after_the_idle_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let idle = Duration::from_millis(400);
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.idle_timeout = idle;
+        c.keepalive_interval = Duration::from_millis(100);
+    })
+    .await;
+    // A subscription on a connection of its own: live calls keep it open.
+    let mut client = relay.client().await;
+    create(&mut client, CHANNEL).await;
+    let mut sub = Subscription::open(&mut client, subscribe_request(CHANNEL, 0)).await;
+    sub.wait_keepalives(1).await;
+    let started = Instant::now();
+    let mut silent = TcpStream::connect(relay.addr).await.unwrap();
+    let mut preface = TcpStream::connect(relay.addr).await.unwrap();
+    preface
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    let mut settings = TcpStream::connect(relay.addr).await.unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(4, 0, 0, &[])); // SETTINGS, then nothing
+    settings.write_all(&out).await.unwrap();
+    // A real HTTP/2 client (it answers PINGs) that makes one call, then none.
+    let (mut send, connection) = raw_connection(&relay).await;
+    let (response, _) = send
+        .send_request(grpc_request("ListMembers"), true)
+        .unwrap();
+    within("an answer", response).await.unwrap();
+    for (what, tcp) in [
+        ("silent", &mut silent),
+        ("preface only", &mut preface),
+        ("preface and SETTINGS", &mut settings),
+    ] {
+        assert!(
+            closed_by_the_relay(tcp).await,
+            "a {what} connection stayed open"
+        );
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(5), connection).await;
+    assert!(ended.is_ok(), "a connection whose call is done stayed open");
+    assert!(started.elapsed() >= idle, "closed before the idle timeout");
+    // The subscription's connection was never idle: it flows, and serves calls.
+    tokio::time::sleep(idle * 2).await;
+    let keepalives = sub.keepalives;
+    sub.wait_keepalives(keepalives + 2).await;
+    let message = application(CHANNEL, 0, b"still here");
+    assert_eq!(publish(&mut client, CHANNEL, message).await.unwrap().seq, 1);
+    sub.wait_for(1).await;
+}
+
+/// A connection from `local` (a loopback address) that the relay serves: None when it closed
+/// it instead. The connection stays open while the returned handles live.
+async fn served_from(
+    relay: &Relay,
+    local: &str,
+) -> Option<(
+    h2::client::SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+)> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(format!("{local}:0").parse().unwrap()).unwrap();
+    let tcp = socket.connect(relay.addr).await.unwrap();
+    let (mut send, connection) = h2::client::handshake(tcp).await.ok()?;
+    let connection = tokio::spawn(connection);
+    let (response, _) = send.send_request(grpc_request("ListMembers"), true).ok()?;
+    match tokio::time::timeout(Duration::from_secs(5), response).await {
+        Ok(Ok(_)) => Some((send, connection)),
+        Ok(Err(_)) => None,
+        Err(_) => panic!("neither served nor closed"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_capped_overall_and_per_address() {
+    let relay = Relay::start(|c| {
+        c.allow_anonymous = true;
+        c.max_connections = 3;
+        c.max_connections_per_address = 2;
+    })
+    .await;
+    let mut first = served_from(&relay, "127.0.0.1").await.expect("the 1st");
+    let _second = served_from(&relay, "127.0.0.1").await.expect("the 2nd");
+    assert!(
+        served_from(&relay, "127.0.0.1").await.is_none(),
+        "a 3rd connection from one address"
+    );
+    let _third = served_from(&relay, "127.0.0.2")
+        .await
+        .expect("another address");
+    assert!(
+        served_from(&relay, "127.0.0.3").await.is_none(),
+        "a 4th connection overall"
+    );
+    // A refused connection was closed at once; a served one gives its place back as it ends.
+    let (response, _) = first
+        .0
+        .send_request(grpc_request("ListMembers"), true)
+        .unwrap();
+    within("an answer on a served connection", response)
+        .await
+        .unwrap();
+    drop(first.0);
+    first.1.abort();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let _again = loop {
+        if let Some(served) = served_from(&relay, "127.0.0.3").await {
+            break served;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a closed connection kept its place"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+}

@@ -7,9 +7,10 @@
 //! publish costs the stream one wake-up of the channel that moved, and an idle follow a small
 //! constant, whatever the number of follows. Queued follows are served in turns, one page of
 //! at most [`READ_PAGE`] entries each, then go to the back of the queue: a busy channel does
-//! not starve the others. One page is read at a time and at most `RESPONSE_QUEUE` responses
-//! wait for the peer, so a stream's memory beyond its follows does not grow with their number
-//! or the traffic; a peer that stops reading stalls its own driver only.
+//! not starve the others. One page is read at a time (bounded in bytes, as Subscribe's) and at
+//! most the response queue's bytes wait for the peer, so a stream's memory beyond its follows
+//! does not grow with their number, the traffic or the messages' size; a peer that stops
+//! reading stalls its own driver only.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -20,7 +21,6 @@ use std::time::Duration;
 use futures_util::future::{abortable, AbortHandle};
 use futures_util::stream::{FuturesUnordered, StreamExt as _};
 use futures_util::FutureExt as _;
-use tokio::sync::mpsc;
 use tokio::time::{Instant, Sleep};
 use tonic::{Status, Streaming};
 
@@ -34,7 +34,7 @@ use crate::log::Channel;
 use crate::pb;
 use crate::pb::subscribe_many_response::Item;
 
-type Sender = mpsc::Sender<std::result::Result<pb::SubscribeManyResponse, Status>>;
+type Sender = super::Sender<std::result::Result<pb::SubscribeManyResponse, Status>>;
 
 /// An armed follow's wake-up: its name and id, and whether the channel's log is still open;
 /// None once aborted (the follow was removed or restarted).
@@ -373,7 +373,12 @@ impl Many {
             let read = self
                 .inner
                 .log
-                .read_after(&channel, cursor, READ_PAGE.max(max_batch))
+                .read_page(
+                    &channel,
+                    cursor,
+                    READ_PAGE.max(max_batch),
+                    self.inner.settings.page_bytes(),
+                )
                 .await;
             let mut page = match read {
                 // Pruning overtook this follow: it ends, not the stream.

@@ -189,8 +189,15 @@ pub(crate) trait LogReader: Send + Sync {
     fn proposals(&self, channel_id: i64, epoch: u64) -> StoreFuture<Vec<Bytes>>;
     /// The names some legacy channel shadows (read once, at open: no new ones are made).
     fn shadowed_names(&self) -> StoreFuture<Vec<String>>;
-    /// Up to `limit` entries after `after_seq`, in order.
-    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>>;
+    /// Up to `limit` entries after `after_seq`, in order, and no entry more once their
+    /// messages reach `max_bytes` (the first always comes).
+    fn read(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        limit: usize,
+        max_bytes: usize,
+    ) -> StoreFuture<Vec<Entry>>;
     /// The seq after which `epoch` starts, None when the channel never reached it.
     fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>>;
     fn fetch_welcome(&self, channel_id: i64, key: WelcomeKey)

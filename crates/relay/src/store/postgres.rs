@@ -174,8 +174,13 @@ const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = 
      ORDER BY seq";
 const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
 const HEADS: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1)";
-const READ: &str = "SELECT seq, epoch, content_type, message, account FROM relay_entries \
-     WHERE channel_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
+/// A page: up to $3 entries, and none more once their messages reach $4 bytes (the first
+/// always comes), decided by the database so that no row past the page is sent.
+const READ: &str = "SELECT seq, epoch, content_type, message, account FROM \
+     (SELECT seq, epoch, content_type, message, account, \
+      sum(octet_length(message)) OVER (ORDER BY seq) - octet_length(message) AS before \
+      FROM relay_entries WHERE channel_id = $1 AND seq > $2 ORDER BY seq LIMIT $3) page \
+     WHERE before < $4 ORDER BY seq";
 const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
 const WELCOME_BY_REF: &str = "SELECT w.welcome, w.commit_seq, w.epoch \
      FROM relay_welcome_refs r JOIN relay_welcomes w \
@@ -1073,12 +1078,22 @@ impl LogReader for PgReader {
         })
     }
 
-    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>> {
+    fn read(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        limit: usize,
+        max_bytes: usize,
+    ) -> StoreFuture<Vec<Entry>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         self.run(move |conn| async move {
             let rows = conn
                 .client
-                .query(&conn.read, &[&channel_id, &to_db(after_seq), &limit])
+                .query(
+                    &conn.read,
+                    &[&channel_id, &to_db(after_seq), &limit, &max_bytes],
+                )
                 .await?;
             Ok(rows
                 .iter()

@@ -587,19 +587,27 @@ fn read(
     channel_id: i64,
     after_seq: u64,
     limit: usize,
+    max_bytes: usize,
 ) -> rusqlite::Result<Vec<Entry>> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     let mut stmt = conn.prepare_cached(READ)?;
-    let rows = stmt.query_map(params![channel_id, after_seq, limit], |row| {
-        Ok(Entry {
+    let mut rows = stmt.query(params![channel_id, after_seq, limit])?;
+    let mut page = Vec::new();
+    let mut bytes = 0usize;
+    // Stepped row by row: the rows past the page's bytes are never copied out.
+    while bytes < max_bytes {
+        let Some(row) = rows.next()? else { break };
+        let message = row.get::<_, Vec<u8>>(3)?;
+        bytes = bytes.saturating_add(message.len());
+        page.push(Entry {
             seq: row.get(0)?,
             epoch: row.get(1)?,
             content_type: row.get(2)?,
-            message: Bytes::from(row.get::<_, Vec<u8>>(3)?),
+            message: Bytes::from(message),
             account: Arc::from(row.get::<_, String>(4)?),
-        })
-    })?;
-    rows.collect()
+        });
+    }
+    Ok(page)
 }
 
 /// The seq after which `epoch` starts, None when the channel never reached it.
@@ -894,8 +902,16 @@ impl LogReader for SqliteReader {
         on_pool(self, shadowed_names)
     }
 
-    fn read(&self, channel_id: i64, after_seq: u64, limit: usize) -> StoreFuture<Vec<Entry>> {
-        on_pool(self, move |conn| read(conn, channel_id, after_seq, limit))
+    fn read(
+        &self,
+        channel_id: i64,
+        after_seq: u64,
+        limit: usize,
+        max_bytes: usize,
+    ) -> StoreFuture<Vec<Entry>> {
+        on_pool(self, move |conn| {
+            read(conn, channel_id, after_seq, limit, max_bytes)
+        })
     }
 
     fn epoch_start(&self, channel_id: i64, epoch: u64) -> StoreFuture<Option<u64>> {
