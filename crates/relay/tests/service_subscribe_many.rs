@@ -443,8 +443,11 @@ async fn a_busy_channel_does_not_starve_the_others() {
     let logged = many.seqs(&busy).len();
     many.wait_for(&quiet, 1).await;
     let behind = many.seqs(&busy).len();
+    // Half the busy entries: what is already buffered between the relay and this reader (h2's
+    // send buffer, TCP, the client) counts too; it was 1,280 in a CI run beside a benchmark.
+    // A relay that replayed the busy channel first would deliver the other ~3,900 first.
     assert!(
-        behind < BUSY && behind - logged < BUSY / 4,
+        behind < BUSY && behind - logged < BUSY / 2,
         "the quiet channel's entry came after {behind} of {BUSY} busy entries ({logged} when it \
          was logged, {before} before it was published)"
     );
