@@ -1186,6 +1186,10 @@ type Driver = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// A response stream whose producer (the driver) runs inside the stream's own polls: no task
 /// is spawned, the driver runs only while the body is polled (that is, while HTTP/2 flow
 /// control lets the call send), and it is dropped with the body when the peer goes away.
+///
+/// So a driver may stay suspended at any await for as long as its peer does not read: what it
+/// awaits must not hold anything others wait for. Store reads run as tasks of their own (the
+/// PostgreSQL read pool's shared connections; SQLite's blocking threads) for that reason.
 pub(crate) struct Driven<T> {
     driver: Option<Driver>,
     rx: mpsc::Receiver<(T, OwnedSemaphorePermit)>,

@@ -951,17 +951,24 @@ impl ReadPool {
 }
 
 impl PgReader {
-    /// Runs `read` on a pooled connection.
     /// Runs `read` on a pooled connection; once more on a new one when that connection was
     /// found broken (PostgreSQL restarted: the first read after it must not fail a stream).
+    ///
+    /// The read is a task of its own, which always runs to its end: its caller may stop
+    /// polling half-way. A streaming call's producer runs only while HTTP/2 lets the call send
+    /// (`service::Driven`), and the connections are shared, pipelined: a response left unread
+    /// stops the connection's every later one. Reads in the caller's own future let a peer
+    /// that stopped reading wedge one pooled connection, and so every fourth read of everyone
+    /// (a fair subscriber stalled at ~320 of 2,000 entries beside such a peer). A page is
+    /// bounded (`read_page`'s bytes), so what a finished, unclaimed read holds is too.
     fn run<T, F, Fut>(&self, read: F) -> StoreFuture<T>
     where
         T: Send + 'static,
         F: Fn(Arc<ReadConnection>) -> Fut + Send + 'static,
-        Fut: Future<Output = PgResult<T>> + Send,
+        Fut: Future<Output = PgResult<T>> + Send + 'static,
     {
         let pool = Arc::clone(&self.0);
-        Box::pin(async move {
+        let read = async move {
             let conn = pool.connection().await.map_err(store_error)?;
             match read(Arc::clone(&conn)).await {
                 Err(_) if conn.client.is_closed() => {
@@ -970,6 +977,11 @@ impl PgReader {
                 }
                 result => result.map_err(store_error),
             }
+        };
+        Box::pin(async move {
+            tokio::spawn(read)
+                .await
+                .unwrap_or_else(|_| Err(RelayError::store("a PostgreSQL read ended abruptly")))
         })
     }
 }
