@@ -40,6 +40,7 @@ from collections.abc import Iterator
 import grpc
 
 from static import _native
+from static.store import relay_database, sqlite_url
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay._generated import relay_pb2_grpc as pb_grpc
 from tests.support.server import ServerProcess
@@ -179,7 +180,7 @@ def run(entries: int, batch: int) -> dict[str, float]:
             create_channel(relay, log)
             create_channel(relay, live)
             fill(relay, log, entries)
-            database = Path(tmp) / "static.db"
+            database = Path(relay_database(sqlite_url(str(Path(tmp) / "static.db"))))
             disk_before = relay_disk_bytes(database)
             quiet = publish_latencies(relay, live, time.monotonic() + 2.0, [False])
 

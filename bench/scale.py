@@ -72,6 +72,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from static import _native
+from static.store import relay_database, sqlite_url
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay.client import Relay
 from tests.support.server import ServerProcess
@@ -248,7 +249,7 @@ class Disk:
 
 
 def relay_disk(database: Path) -> Disk:
-    """The relay's disk on SQLite: ``database`` (``<data-dir>/static.db``) and its ``-wal``
+    """The relay's disk on SQLite: ``database`` (``<data-dir>/static-relay.db``) and its ``-wal``
     file, in bytes, and the free pages (read through a read-only connection of its own, which
     the running server does not notice; 0 when the database cannot be read)."""
 
@@ -319,7 +320,8 @@ class Server:
 
     @property
     def database(self) -> Path:
-        return self.directory / "static.db"
+        """The relay's SQLite file (a file of its own, beside the accounts' ``static.db``)."""
+        return Path(relay_database(sqlite_url(str(self.directory / "static.db"))))
 
     def rss(self) -> int:
         """VmRSS in bytes."""

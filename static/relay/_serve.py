@@ -12,7 +12,7 @@ import trio
 from static._settings import ServerSettings
 from static.auth import TokenVerifier
 from static.relay._rust import serve_rust_relay
-from static.store import database_location
+from static.store import relay_database
 
 __all__ = ["serve_relay"]
 
@@ -27,5 +27,5 @@ async def serve_relay(
     """Serve the relay on ``settings.relay`` over the (already migrated) database of
     ``settings`` until ``shutdown`` is set; report ``grpc://HOST:PORT`` through ``task_status``
     once it listens."""
-    database = database_location(settings.resolved_database_url)
+    database = relay_database(settings.resolved_database_url)
     await serve_rust_relay(database, settings, verifier, shutdown, task_status=task_status)

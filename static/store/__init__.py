@@ -1,14 +1,17 @@
 """Storage: one interface (:class:`Database`), SQLite and PostgreSQL implementations, migrations.
 
 ``open_database(url)`` picks the backend from the URL (``sqlite:///path`` or
-``postgresql://...``) and applies pending migrations before it yields; ``database_location(url)``
-is what another client of the same database (the relay, which opens it itself) connects to.
+``postgresql://...``) and applies pending migrations before it yields; ``relay_database(url)``
+is what the relay, which opens its part of the database itself, connects to (on SQLite, a file
+of its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+import trio
 
 from static.store._accounts import (
     AccountRecord,
@@ -21,7 +24,8 @@ from static.store._accounts import (
     SigningKeyRecord,
 )
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
-from static.store._migrations import migrate
+from static.store._migrations import ACCOUNTS, RELAY, migrate
+from static.store._split import relay_path, split_shared_file
 
 __all__ = [
     "AccountRecord",
@@ -39,6 +43,7 @@ __all__ = [
     "SigningKeyRecord",
     "database_location",
     "open_database",
+    "relay_database",
     "sqlite_url",
 ]
 
@@ -56,6 +61,14 @@ def _unsupported(url: str) -> ValueError:
     return ValueError(
         f"unsupported database URL {url!r}: expected sqlite:///PATH or postgresql://..."
     )
+
+
+def relay_database(url: str) -> str:
+    """What the relay opens for the database at ``url``: the PostgreSQL URL as given, or, on
+    SQLite, the relay's own file beside the accounts' (``static.store._split``). ``ValueError``
+    as :func:`database_location`."""
+    location = database_location(url)
+    return location if url.startswith(_POSTGRES) else relay_path(location)
 
 
 def database_location(url: str) -> str:
@@ -87,8 +100,15 @@ async def open_database(url: str) -> AsyncIterator[Database]:
     if url.startswith(_SQLITE):
         from static.store._sqlite import open_sqlite
 
-        async with open_sqlite(url[len(_SQLITE) :]) as sqlite_db:
-            await migrate(sqlite_db)
+        path = url[len(_SQLITE) :]
+        if path not in ("", ":memory:") and not path.startswith("file:"):
+            # The relay's part of the schema, in its own file, made and migrated before the
+            # relay (or anyone) opens it; and moved there first from a file that held both.
+            await trio.to_thread.run_sync(split_shared_file, path)
+            async with open_sqlite(relay_path(path)) as relay_db:
+                await migrate(relay_db, RELAY)
+        async with open_sqlite(path) as sqlite_db:
+            await migrate(sqlite_db, ACCOUNTS)
             yield sqlite_db
     elif url.startswith(_POSTGRES):
         from static.store._postgres import open_postgres

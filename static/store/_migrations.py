@@ -4,6 +4,12 @@ Migrations are the files in ``static/store/migrations``: ``NNNN_name.sql`` for S
 accept, or a pair ``NNNN_name.sqlite.sql`` / ``NNNN_name.postgresql.sql`` where they differ. They
 apply in version order, each in its own transaction, exactly once; a concurrent starter waits
 (SQLite: the write lock; PostgreSQL: an advisory lock).
+
+Each belongs to one part of the schema: the accounts' (the default) or the relay's (a first line
+``-- database: relay``). On PostgreSQL both parts share one database. On SQLite the relay's part
+is a file of its own (``static.store._split``): the relay reads and writes it with the SQLite
+compiled into the extension, and this store uses Python's; two SQLite libraries on one file in
+one process do not exclude each other (POSIX locks are per process), so they must never share one.
 """
 
 from __future__ import annotations
@@ -11,11 +17,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
+from typing import Final
 
 from static.store._database import Database
 
-__all__ = ["Migration", "load_migrations", "migrate"]
+__all__ = ["ACCOUNTS", "RELAY", "Migration", "load_migrations", "migrate"]
 
+#: The parts of the schema (see the module's docstring).
+ACCOUNTS: Final = "accounts"
+RELAY: Final = "relay"
+_PART = re.compile(r"^-- database: (\w+)", re.MULTILINE)
 _FILE = re.compile(r"^(\d{4})_([a-z0-9_]+?)(?:\.(sqlite|postgresql))?\.sql$")
 # Any constant works; it only has to be the same in every process that migrates this database.
 _ADVISORY_LOCK = 0x5717_1C00
@@ -26,10 +37,11 @@ class Migration:
     version: int
     name: str
     sql: str
+    part: str
 
 
-def load_migrations(dialect: str) -> list[Migration]:
-    """The migrations for ``dialect``, in version order."""
+def load_migrations(dialect: str, part: str | None = None) -> list[Migration]:
+    """The migrations for ``dialect`` (of one ``part`` of the schema, or all), in version order."""
     found: dict[int, Migration] = {}
     for entry in resources.files("static.store.migrations").iterdir():
         match = _FILE.match(entry.name)
@@ -40,12 +52,15 @@ def load_migrations(dialect: str) -> list[Migration]:
             continue
         if version in found:
             raise RuntimeError(f"two migrations with version {version}: {entry.name}")
-        found[version] = Migration(version, name, entry.read_text(encoding="utf-8"))
-    return [found[v] for v in sorted(found)]
+        sql = entry.read_text(encoding="utf-8")
+        marked = _PART.search(sql)
+        found[version] = Migration(version, name, sql, marked[1] if marked else ACCOUNTS)
+    return [found[v] for v in sorted(found) if part is None or found[v].part == part]
 
 
-async def migrate(db: Database) -> list[int]:
-    """Apply the migrations ``db`` has not seen yet; return the versions applied."""
+async def migrate(db: Database, part: str | None = None) -> list[int]:
+    """Apply the migrations (of one ``part`` of the schema, or all) ``db`` has not seen yet;
+    return the versions applied."""
     await db.execute_script(
         "CREATE TABLE IF NOT EXISTS schema_migrations ("
         " version INTEGER PRIMARY KEY,"
@@ -53,7 +68,7 @@ async def migrate(db: Database) -> list[int]:
         " applied_at TEXT NOT NULL)"
     )
     applied: list[int] = []
-    for migration in load_migrations(db.dialect):
+    for migration in load_migrations(db.dialect, part):
         async with db.transaction() as tx:
             if db.dialect == "postgresql":
                 await tx.execute("SELECT pg_advisory_xact_lock($1)", _ADVISORY_LOCK)

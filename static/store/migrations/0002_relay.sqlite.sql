@@ -1,3 +1,4 @@
+-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)
 -- The relay's channel logs (read and written by the Rust relay: crates/relay/src/store/sqlite.rs;
 -- created here, by the Python store's migrations). Channels are unique per scope: the
 -- account that created them, or '' for anonymous callers.

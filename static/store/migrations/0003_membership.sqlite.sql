@@ -1,3 +1,4 @@
+-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)
 -- Channels governed by MLS membership (docs/design.md §5.2; read and written by the Rust relay,
 -- crates/relay/src/store/). Names become global, orgs belong to one account, and access follows
 -- the leaves bound to an account.

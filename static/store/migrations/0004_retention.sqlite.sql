@@ -1,3 +1,4 @@
+-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)
 -- Retention (docs/design.md §5.3; read and written by the Rust relay, crates/relay/src/store/):
 -- per-channel policies, the pruned horizon, the time each entry was appended and the life of
 -- each Welcome.

@@ -1,3 +1,4 @@
+-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)
 -- The relay's idempotency index in generations (docs/design.md §5; crates/relay/src/store/
 -- sqlite.rs). Keys are SHA-256 digests, so a unique index on (channel_id, idempotency_key)
 -- takes every publish to a random leaf: once that index outgrew SQLite's page cache, each
