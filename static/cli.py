@@ -192,6 +192,16 @@ def _parser() -> argparse.ArgumentParser:
         help="authenticated requests allowed per API key (JWTs count against their key); "
         "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
     )
+    serve.add_argument(
+        "--auth-failure-rate",
+        type=RateLimit.parse,
+        default=_env(
+            "STATIC_AUTH_FAILURE_RATE", str(defaults.api.auth_failure_rate_limit or "off")
+        ),
+        metavar="N/SECONDS",
+        help="failed authentications allowed per client address (429 past them): bursts of "
+        "N, N per SECONDS; 'off' disables [STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
+    )
     return parser
 
 
@@ -214,6 +224,7 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
             token_ttl_seconds=args.token_ttl,
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
+            auth_failure_rate_limit=args.auth_failure_rate,
             **{field_name: getattr(args, _dest(flag)) for flag, field_name, _ in _HTTP_CAPS},
         ),
         relay_settings=RelaySettings(
