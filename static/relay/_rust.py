@@ -14,6 +14,7 @@ would lack this task's context, which the PostgreSQL store (triopg, over trio-as
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,7 +25,7 @@ import trio
 
 from static._native import RelayServer
 from static._settings import Address, ServerSettings
-from static.auth import TokenVerifier
+from static.auth import INVALID_TOKEN, TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
 from static.store import DatabaseError
 
@@ -37,6 +38,8 @@ _UNAUTHENTICATED = 16
 _Verified = tuple[str, str, float | None] | tuple[int, str]
 _SHUTTING_DOWN: _Verified = (_UNAVAILABLE, "relay is shutting down")
 
+_log = logging.getLogger("static.auth")
+
 
 @dataclass(frozen=True)
 class _Request:
@@ -45,13 +48,19 @@ class _Request:
 
 
 async def _check(verifier: TokenVerifier, token: str) -> _Verified:
-    """The principal, or a (code, text) refusal."""
+    """The principal, or a (code, text) refusal. Never raises: an exception here would end the
+    verification task's nursery, and with it the whole process."""
     try:
         principal = await verifier.verify_token(token)
     except TokenRefused as exc:
         return (_UNAUTHENTICATED, str(exc) or "invalid token")
     except DatabaseError as exc:
         return (_UNAVAILABLE, f"store unavailable: {exc}")
+    except Exception as exc:  # noqa: BLE001  (a verifier bug refuses this call only)
+        _log.warning(
+            "relay call refused after an unexpected %s in the token check", type(exc).__name__
+        )
+        return (_UNAUTHENTICATED, INVALID_TOKEN)
     return (principal.account_id, principal.key_id, principal.expires_at)
 
 

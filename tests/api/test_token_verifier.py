@@ -42,7 +42,7 @@ async def test_verify_token_and_revocation(database_url: str) -> None:
         assert principal.account_id == owner.account_id
         assert principal.key_id == owner.key_id
         assert principal.expires_at is not None
-        assert 0 < principal.expires_at - datetime.now(UTC).timestamp() <= 901
+        assert 0 < principal.expires_at - datetime.now(UTC).timestamp() <= 900
         assert await verifier.key_is_active(owner.key_id)
 
         store: AccountStore = authority.store
