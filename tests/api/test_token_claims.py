@@ -129,7 +129,9 @@ _JSON = st.recursive(
     | st.text(max_size=20)
     | st.integers().map(str)
     | st.floats(allow_nan=False, allow_infinity=False).map(str),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 _MISSING = object()

@@ -1,0 +1,65 @@
+"""Failed authentications per client address: 429 with Retry-After past the budget, on every
+route that authenticates; credentials that worked from the address keep working."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+
+from tests.support.api import Api, assert_error, bearer
+from tests.support.server import ServerProcess
+
+BUDGET = 20
+WRONG_KEY = "sk_live_" + "A" * 43
+
+
+def _limited(response: httpx.Response) -> None:
+    assert_error(response, 429, "too many requests")
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+
+
+def test_wrong_keys_are_limited_per_address(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server(
+        "--signup-rate", "off", "--key-rate", "off", "--auth-failure-rate", f"{BUDGET}/60"
+    )
+    api = Api(server.http_url)
+    try:
+        known = api.signup()
+        assert api.me(known.key).status_code == 200  # works from here: remembered
+        token = api.token(known.key)  # so does the token minted here
+        unknown = api.signup()  # its key has not authenticated from here yet
+
+        # Every kind of failure spends the budget, on every authenticating route.
+        failures = [
+            lambda: api.me(WRONG_KEY),
+            lambda: api.http.get("/v1/keys", headers=bearer(WRONG_KEY)),
+            lambda: api.http.post("/v1/tokens", headers=bearer(WRONG_KEY)),
+            lambda: api.http.post("/v1/keys", headers=bearer(WRONG_KEY), json={}),
+            lambda: api.http.delete(f"/v1/keys/{known.id}", headers=bearer(WRONG_KEY)),
+            lambda: api.me(token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")),
+            lambda: api.http.get("/v1/accounts/me"),
+            lambda: api.http.get("/v1/keys", headers={"Authorization": "Basic eDp5"}),
+        ]
+        for i in range(BUDGET):
+            assert failures[i % len(failures)]().status_code == 401
+        for attempt in failures:
+            _limited(attempt())
+        # 1,500 guesses, as the issue made: none is even looked at.
+        limited = sum(api.me(WRONG_KEY).status_code == 429 for _ in range(300))
+        assert limited == 300
+
+        # A good client sharing the address keeps working with what worked from here...
+        for _ in range(5):
+            assert api.me(known.key).status_code == 200
+            assert api.me(token).status_code == 200
+        assert api.http.get("/v1/keys", headers=bearer(known.key)).status_code == 200
+        fresh = api.token(known.key)
+        assert api.me(fresh).status_code == 200
+        # ...and a credential new to this address waits like the guesser.
+        _limited(api.me(unknown.key))
+        # Routes that take no credential are not limited.
+        assert api.http.get("/healthz").status_code == 200
+        assert api.http.post("/v1/accounts", json={"email": "x@example.com"}).status_code == 200
+    finally:
+        api.close()
