@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import static
+from static.api._validation import EMAIL_PATTERN, MAX_EMAIL_CHARS, MAX_NAME_CHARS, NAME_PATTERN
 
 __all__ = ["openapi_document"]
 
@@ -48,6 +49,15 @@ _JSON_BODY_ERRORS = {
     "415": _error(
         "`content type must be application/json`: a non-empty body needs that content type"
     ),
+}
+
+
+#: An optional display name (an account's, a key's): null or blank means none.
+_NAME = {
+    "type": ["string", "null"],
+    "maxLength": MAX_NAME_CHARS,
+    "pattern": NAME_PATTERN,
+    "description": "No control characters; surrounding white space is dropped",
 }
 
 
@@ -242,11 +252,13 @@ def openapi_document() -> dict[str, Any]:
                     "properties": {
                         "email": {
                             "type": "string",
-                            "maxLength": 254,
-                            "description": "One `@` with text on both sides; surrounding "
-                            "whitespace is dropped; unique case-insensitively",
+                            "maxLength": MAX_EMAIL_CHARS,
+                            "pattern": EMAIL_PATTERN,
+                            "description": "One `@` with text on both sides, no white space "
+                            "or control characters; surrounding white space is dropped; "
+                            "unique case-insensitively",
                         },
-                        "name": {"type": ["string", "null"], "maxLength": 200},
+                        "name": _NAME,
                     },
                 },
                 "Account": {
@@ -269,13 +281,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "NewKey": {
                     "type": "object",
-                    "properties": {
-                        "name": {
-                            "type": ["string", "null"],
-                            "maxLength": 200,
-                            "default": "default",
-                        }
-                    },
+                    "properties": {"name": {**_NAME, "default": "default"}},
                 },
                 "CreatedKey": {
                     "type": "object",
