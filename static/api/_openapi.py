@@ -35,7 +35,11 @@ _UNAUTHORIZED = _error(
 )
 _ACCOUNT_GONE = _error("`Not found`: the account behind the credential does not exist")
 _RATE_LIMITED = {
-    **_error("`too many requests`; wait the seconds of the `Retry-After` header"),
+    **_error(
+        "`too many requests`: the rate limit of the route, or (on routes that authenticate) "
+        "too many failed authentications from the client's address; wait the seconds of the "
+        "`Retry-After` header"
+    ),
     "headers": {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}},
 }
 _UNAVAILABLE = _error("`service unavailable`: the store failed")
@@ -243,11 +247,14 @@ def openapi_document() -> dict[str, Any]:
             "schemas": {
                 "Error": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["error"],
                     "properties": {"error": {"type": "string"}},
                 },
                 "NewAccount": {
                     "type": "object",
+                    # Unknown fields are ignored (plan_tier cannot be chosen by the client).
+                    "additionalProperties": True,
                     "required": ["email"],
                     "properties": {
                         "email": {
@@ -263,6 +270,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Account": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "email", "name", "plan_tier"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
@@ -273,6 +281,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "CreatedAccount": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["account", "api_key"],
                     "properties": {
                         "account": {"$ref": "#/components/schemas/Account"},
@@ -281,10 +290,13 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "NewKey": {
                     "type": "object",
+                    # Unknown fields are ignored (plan_tier cannot be chosen by the client).
+                    "additionalProperties": True,
                     "properties": {"name": {**_NAME, "default": "default"}},
                 },
                 "CreatedKey": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "key_prefix", "name", "key"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
@@ -295,10 +307,11 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Key": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "key_prefix", "name", "last_used_at", "created_at"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
-                        "key_prefix": {"type": "string"},
+                        "key_prefix": {"type": "string", "pattern": "^sk_live_[0-9A-Za-z]{8}$"},
                         "name": {"type": "string"},
                         "last_used_at": {"type": ["string", "null"], "format": "date-time"},
                         "created_at": {"type": "string", "format": "date-time"},
@@ -306,6 +319,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "KeyList": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["keys"],
                     "properties": {
                         "keys": {"type": "array", "items": {"$ref": "#/components/schemas/Key"}}
@@ -313,11 +327,12 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Token": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["access_token", "token_type", "expires_in"],
                     "properties": {
-                        "access_token": {"type": "string"},
+                        "access_token": {"type": "string", "minLength": 1},
                         "token_type": {"const": "Bearer"},
-                        "expires_in": {"type": "integer", "description": "seconds"},
+                        "expires_in": {"type": "integer", "minimum": 1, "description": "seconds"},
                     },
                 },
                 "JWKSet": {
