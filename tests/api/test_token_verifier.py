@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from datetime import UTC, datetime
 
@@ -11,11 +13,17 @@ from static._settings import ApiSettings
 from static.auth import (
     Authority,
     Principal,
+    SigningKey,
+    TokenClaims,
+    TokenRules,
     TokenVerifier,
     Unauthenticated,
     generate_api_key,
+    mint_token,
     open_authority,
 )
+from static.auth._tokens import TokenVerifierCore
+from static.relay._rust import _check
 from static.store import AccountStore, KeyOwner, NewKey, open_database
 
 
@@ -81,3 +89,41 @@ async def test_audience_is_enforced(database_url: str) -> None:
         async with open_authority(db, ApiSettings()) as relay_side:
             with pytest.raises(Unauthenticated, match="invalid or expired token"):
                 await relay_side.verify_token(token)
+
+
+class _Broken(TokenVerifierCore):
+    """A verifier with a bug: what the safety net is for (no known input reaches it now)."""
+
+    def _verify(self, token: str) -> TokenClaims:
+        raise TypeError("unsupported operand type(s) for +: 'str' and 'float'")
+
+
+def test_an_unexpected_error_refuses_the_token_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = SigningKey.generate()
+    rules = TokenRules(issuer="static", audience="static-relay", ttl_seconds=900)
+    token = mint_token(key, rules, account_id=str(uuid.uuid4()), key_id="k", now=time.time())
+    with (
+        caplog.at_level(logging.WARNING, logger="static.auth"),
+        pytest.raises(Unauthenticated, match="invalid or expired token"),
+    ):
+        _Broken([key], rules).verify(token)
+    (record,) = caplog.records
+    assert "TypeError" in record.getMessage()
+    assert key.kid in record.getMessage()  # the claimed kid, to find the token's issuer
+    assert token not in caplog.text and token.split(".")[2] not in caplog.text
+
+
+class _RaisingVerifier:
+    async def verify_token(self, token: str) -> Principal:
+        raise KeyError("exp")
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return False
+
+
+async def test_the_relay_callback_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="static.auth"):
+        assert await _check(_RaisingVerifier(), "a.b.c") == (16, "invalid or expired token")
+    assert "KeyError" in caplog.text
