@@ -259,6 +259,7 @@ def openapi_document() -> dict[str, Any]:
                     "properties": {
                         "email": {
                             "type": "string",
+                            "minLength": 3,
                             "maxLength": MAX_EMAIL_CHARS,
                             "pattern": EMAIL_PATTERN,
                             "description": "One `@` with text on both sides, no white space "
