@@ -124,6 +124,8 @@ def test_the_body_sent_after_a_413_is_drained_then_the_connection_closes_cleanly
 
 def test_a_peer_that_keeps_sending_is_cut_off_by_bytes(api: Api) -> None:
     with open_raw(api.base_url) as sock:
+        # A small send buffer: what was sent is close to what the server took.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
         sock.sendall(
             b"POST /v1/accounts HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100000000\r\n\r\n"
@@ -142,7 +144,8 @@ def test_a_peer_that_keeps_sending_is_cut_off_by_bytes(api: Api) -> None:
                 closed = True
                 break
         assert closed, f"still open after {sent} bytes"
-        assert sent < 10 * LINGER_BYTES
+        # Measured: 1.5-1.8 MiB (the bound, plus what the server's socket buffer took).
+        assert sent < 6 * LINGER_BYTES
 
 
 def test_a_peer_that_trickles_is_cut_off_by_time(api: Api) -> None:
