@@ -55,6 +55,11 @@ class RateLimit:
         return f"{self.requests}/{self.per_seconds:g}"
 
 
+#: The longest lifetime ``--token-ttl`` allows, and so the largest ``exp - iat`` a token may
+#: carry to be accepted.
+MAX_TOKEN_TTL_SECONDS = 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
     """The HTTP API's knobs."""

@@ -17,7 +17,14 @@ from typing import Final
 
 import trio
 
-from static._settings import Address, ApiSettings, RateLimit, RelaySettings, ServerSettings
+from static._settings import (
+    MAX_TOKEN_TTL_SECONDS,
+    Address,
+    ApiSettings,
+    RateLimit,
+    RelaySettings,
+    ServerSettings,
+)
 from static.store import database_location
 
 __all__ = ["main"]
@@ -206,8 +213,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
-    if not 1 <= args.token_ttl <= 86400:
-        raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    if not 1 <= args.token_ttl <= MAX_TOKEN_TTL_SECONDS:
+        raise ValueError(f"--token-ttl must be between 1 and {MAX_TOKEN_TTL_SECONDS} seconds")
     options = _relay_options()
     _fit_connections(args, options, open_files)
     for option in options:

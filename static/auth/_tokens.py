@@ -25,6 +25,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from static._settings import MAX_TOKEN_TTL_SECONDS
 from static.auth._principal import Unauthenticated
 
 __all__ = [
@@ -251,9 +252,11 @@ class TokenVerifierCore:
 def _claims_well_typed(payload: Any) -> bool:
     """Whether every claim we read has exactly the type we mint it with.
 
-    pyjwt is lenient where we must not be: it accepts ``"exp": "1e12"`` (``int()`` of a numeric
-    string), ``true`` as 1, floats, and a list for ``aud``; our own checks would then compare a
-    string with a float. Checked once per token (the result is cached with its signature).
+    pyjwt is lenient where we must not be: it accepts ``"exp": "99999999999"`` (``int()`` of a
+    numeric string), ``true`` as 1, floats, and a list for ``aud``; our own checks would then
+    compare a string with a float. A lifetime (``exp - iat``) over ``MAX_TOKEN_TTL_SECONDS`` is
+    refused too: none is minted, and pyjwt has checked that ``iat`` is not in the future, so
+    ``exp`` stays within a day from now. Checked once per token (cached with its signature).
     """
     if not isinstance(payload, dict):
         return False
@@ -262,6 +265,10 @@ def _claims_well_typed(payload: Any) -> bool:
         # ``type() is int``: a bool is an int to isinstance.
         if type(value) is not int:
             return False
+    # An ``exp`` of 1e20 overflowed the relay's clock arithmetic (a panic in the extension,
+    # INTERNAL to the caller): a lifetime no server mints is refused here.
+    if not 0 < payload["exp"] - payload["iat"] <= MAX_TOKEN_TTL_SECONDS:
+        return False
     jti = payload.get("jti")
     return (
         type(payload.get("iss")) is str

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from static._settings import MAX_TOKEN_TTL_SECONDS
 from static.auth import SigningKey
 from tests.relay.client import Relay, pb, status_of
 from tests.support.api import Api, assert_error, bearer
@@ -134,7 +135,11 @@ _JSON = st.recursive(
     ),
     max_leaves=6,
 )
-_MISSING = object()
+_NOW = math.floor(time.time())
+# Never within 2 minutes of now, where the oracle's margins would call a good value bad.
+_TIMES = st.integers(_NOW - 10**6, _NOW + 10**6).filter(
+    lambda t: abs(t - time.time()) > 120
+) | st.integers(min_value=2**31, max_value=2**80)
 
 
 @st.composite
@@ -148,7 +153,9 @@ def _claims(draw: st.DrawFn, good: dict[str, Any]) -> tuple[dict[str, Any], set[
         if choice == "keep":
             claims[name] = good[name]
         elif choice == "arbitrary":
-            claims[name] = draw(_JSON)
+            # Times also near the real ones and far past them (an int overflow on the relay).
+            values = _JSON | _TIMES if name in ("iat", "nbf", "exp") else _JSON
+            claims[name] = draw(values)
             changed.add(name)
         else:
             changed.add(name)
@@ -170,6 +177,8 @@ def test_arbitrary_claims_are_refused_at_both_ports(target: Target, data: st.Dat
     good = target.good_claims()
     claims, changed = data.draw(_claims(good))
     valid = all(name in claims and target.is_good(name, claims[name]) for name in CLAIMS)
+    # And a lifetime no server mints is refused (an exp of 1e20 made the relay panic).
+    valid = valid and claims["exp"] - claims["iat"] <= MAX_TOKEN_TTL_SECONDS
     # An arbitrary value may happen to be a good one (an old ``iat``): only then is it accepted.
     assert valid or changed
     token = target.sign(claims)
@@ -186,6 +195,9 @@ def test_arbitrary_claims_are_refused_at_both_ports(target: Target, data: st.Dat
     ("name", "value"),
     [
         ("exp", "99999999999"),  # the case: pyjwt's int() accepts it, ``+`` did not
+        ("exp", 10**20),  # overflowed the relay's clock (a panic in the extension: INTERNAL)
+        ("exp", 2**63),
+        ("exp", math.floor(time.time()) + MAX_TOKEN_TTL_SECONDS),  # iat is 120 s ago
         ("exp", True),
         ("exp", 1e12),
         ("exp", math.nan),
