@@ -320,7 +320,7 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
         owner = await api_key_owner()
         issued = authority.mint(owner)
         if auth_limiter is not None:
-            # The token works from where its key does (the SDK's next step is to use it).
+            # The token works from where its key does (a client may use it on /me at once).
             auth_limiter.succeeded(address(), digest(issued.access_token))
         return _json(
             {
