@@ -216,7 +216,8 @@ class RelayServer:
     """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.
 
     ``verify(token)`` is called from a thread of the relay's runtime, once per call carrying a
-    token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None), or refuses
+    token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None; one the clock
+    cannot hold, negative or not finite is None too), or refuses
     with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). ``database`` is a
     SQLite file or a ``postgresql://`` URL (several relays may share one PostgreSQL database).
     ``settings`` sets tunable settings by name (see :func:`relay_settings`), the others keep

@@ -63,9 +63,11 @@ fn call_verify(
     if let Ok((account_id, key_id, expires_at)) =
         answer.extract::<(String, String, Option<f64>)>(py)
     {
+        // Checked: an expiry past what SystemTime holds (an `exp` of 1e20) panicked here.
+        // Unrepresentable (negative, NaN, too far) is no deadline, as None is.
         let expires_at = expires_at
-            .filter(|at| at.is_finite() && *at >= 0.0)
-            .map(|at| UNIX_EPOCH + Duration::from_secs_f64(at));
+            .and_then(|at| Duration::try_from_secs_f64(at).ok())
+            .and_then(|left| UNIX_EPOCH.checked_add(left));
         return Ok(Principal {
             account_id,
             key_id,
