@@ -1,12 +1,15 @@
 """Failed authentications per client address: 429 with Retry-After past the budget, on every
-route that authenticates; credentials that worked from the address keep working."""
+route that authenticates, and RESOURCE_EXHAUSTED on the relay; credentials that worked from the
+address keep working."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
 import httpx
 
+from tests.relay.client import Relay, pb, status_of
 from tests.support.api import Api, assert_error, bearer
 from tests.support.server import ServerProcess
 
@@ -64,5 +67,49 @@ def test_wrong_keys_are_limited_per_address(start_server: Callable[..., ServerPr
         # Routes that take no credential are not limited.
         assert api.http.get("/healthz").status_code == 200
         assert api.http.post("/v1/accounts", json={"email": "x@example.com"}).status_code == 200
+    finally:
+        api.close()
+
+
+def test_bad_tokens_on_the_relay_are_limited_per_address(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server(
+        "--signup-rate", "off", "--key-rate", "off", "--auth-failure-rate", f"{BUDGET}/{PERIOD}"
+    )
+    api = Api(server.http_url)
+    try:
+        owner = api.signup()
+        known = api.token(owner.key)
+        with Relay(server.relay_url) as relay:
+
+            def code(token: str | None) -> tuple[grpc.StatusCode, dict[str, str]]:
+                metadata = [("authorization", f"Bearer {token}")] if token else []
+                try:
+                    relay.stub.ListMembers(
+                        pb.ListMembersRequest(channel="nobody/has/this"),
+                        timeout=10,
+                        metadata=metadata,
+                    )
+                except grpc.RpcError as exc:
+                    status, _, trailers = status_of(exc)
+                    return status, trailers
+                return grpc.StatusCode.OK, {}
+
+            assert code(known)[0] == grpc.StatusCode.NOT_FOUND  # works from here: remembered
+            forged = known[:-4] + ("AAAA" if not known.endswith("AAAA") else "BBBB")
+            for _ in range(BUDGET):
+                assert code(forged)[0] == grpc.StatusCode.UNAUTHENTICATED
+            status, trailers = code(forged)
+            assert status == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert 1_000 <= int(trailers["static-retry-after-ms"]) <= PERIOD // BUDGET * 1_000
+            # The token that worked from here still does; a new one waits like the forger.
+            assert code(known)[0] == grpc.StatusCode.NOT_FOUND
+            assert code(api.token(owner.key))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # No token at all is refused by the relay itself, as before (not counted here).
+            assert code(None)[0] == grpc.StatusCode.UNAUTHENTICATED
+        # The HTTP port keeps a budget of its own.
+        assert api.me(owner.key).status_code == 200
+        assert api.me(WRONG_KEY).status_code == 401
     finally:
         api.close()

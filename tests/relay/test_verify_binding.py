@@ -26,7 +26,7 @@ def test_an_unrepresentable_expiry_is_no_deadline(tmp_path: Path, expires_at: fl
         host="127.0.0.1",
         port=0,
         database=str(db),
-        verify=lambda token: (account, key, expires_at),
+        verify=lambda token, peer: (account, key, expires_at),
         allow_anonymous=False,
         settings={},
     )
