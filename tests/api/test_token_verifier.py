@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from static._settings import ApiSettings
+from static._settings import ApiSettings, RateLimit
+from static.api import AuthFailureLimiter
 from static.auth import (
     Authority,
     Principal,
@@ -127,3 +128,22 @@ async def test_the_relay_callback_never_raises(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.WARNING, logger="static.auth"):
         assert await _check(_RaisingVerifier(), "a.b.c") == (16, "invalid or expired token")
     assert "KeyError" in caplog.text
+
+
+class _Refusing:
+    async def verify_token(self, token: str) -> Principal:
+        raise Unauthenticated("invalid or expired token")
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return False
+
+
+async def test_relay_failures_count_per_address_ipv6_per_64() -> None:
+    limiter = AuthFailureLimiter(RateLimit(2, 60))
+    # The extension names peers ip:port, IPv6 without brackets.
+    for peer in ["2001:db8::1:5000", "2001:db8::2:6000"]:
+        assert (await _check(_Refusing(), "t", peer, limiter))[0] == 16
+    refused = await _check(_Refusing(), "t", "2001:db8::3:7000", limiter)
+    assert refused[0] == 8 and refused[2] == 30  # type: ignore[misc]
+    assert (await _check(_Refusing(), "t", "2001:db8:1::1:5000", limiter))[0] == 16
+    assert (await _check(_Refusing(), "t", "127.0.0.1:5000", limiter))[0] == 16
