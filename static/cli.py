@@ -206,8 +206,9 @@ def _parser() -> argparse.ArgumentParser:
             "STATIC_AUTH_FAILURE_RATE", str(defaults.api.auth_failure_rate_limit or "off")
         ),
         metavar="N/SECONDS",
-        help="failed authentications allowed per client address (429 past them): bursts of "
-        "N, N per SECONDS; 'off' disables [STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
+        help="failed authentications allowed per client address, on each port (then 429, "
+        "or RESOURCE_EXHAUSTED on the relay): bursts of N, N per SECONDS; 'off' disables "
+        "[STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
     )
     return parser
 
