@@ -215,9 +215,12 @@ class Waker:
 class RelayServer:
     """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.
 
-    ``verify(token)`` is called from a thread of the relay's runtime, once per call carrying a
-    token: it returns ``(account_id, key_id, expires_at)`` (Unix seconds, or None), or refuses
-    with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14 (UNAVAILABLE). ``database`` is a
+    ``verify(token, peer)`` is called from a thread of the relay's runtime, once per call
+    carrying a token, with the caller's ``ip:port``: it returns ``(account_id, key_id,
+    expires_at)`` (Unix seconds, or None; one the clock cannot hold, negative or not finite is
+    None too), or refuses with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14
+    (UNAVAILABLE), or with ``(8, message, retry_after_seconds)`` (RESOURCE_EXHAUSTED, with the
+    relay's retry-after trailer). ``database`` is a
     SQLite file or a ``postgresql://`` URL (several relays may share one PostgreSQL database).
     ``settings`` sets tunable settings by name (see :func:`relay_settings`), the others keep
     their defaults. Construction raises ``OSError`` when the relay cannot start (address in use,
@@ -231,7 +234,11 @@ class RelayServer:
         host: str,
         port: int,
         database: str,
-        verify: Callable[[str], tuple[str, str, float | None] | tuple[int, str]] | None,
+        verify: Callable[
+            [str, str],
+            tuple[str, str, float | None] | tuple[int, str] | tuple[int, str, int],
+        ]
+        | None,
         allow_anonymous: bool,
         settings: Mapping[str, float],
     ) -> None: ...

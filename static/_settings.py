@@ -55,6 +55,11 @@ class RateLimit:
         return f"{self.requests}/{self.per_seconds:g}"
 
 
+#: The longest lifetime ``--token-ttl`` allows, and so the largest ``exp - iat`` a token may
+#: carry to be accepted.
+MAX_TOKEN_TTL_SECONDS = 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
     """The HTTP API's knobs."""
@@ -75,6 +80,10 @@ class ApiSettings:
     signup_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(10, 60))
     #: Authenticated requests per API key (JWTs count against the key they came from).
     key_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(600, 60))
+    #: Failed authentications (401s of every authenticating route; refused tokens on the
+    #: relay, a budget of its own) per client address (an IPv6 client's /64); past it, 429
+    #: (RESOURCE_EXHAUSTED) until the bucket refills. None disables.
+    auth_failure_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(100, 60))
     #: Seconds between writes of the coalesced ``last_used_at`` updates.
     last_used_flush_seconds: float = 0.5
     #: Connections served at once, overall and per client address (an IPv6 client's /64);

@@ -17,7 +17,14 @@ from typing import Final
 
 import trio
 
-from static._settings import Address, ApiSettings, RateLimit, RelaySettings, ServerSettings
+from static._settings import (
+    MAX_TOKEN_TTL_SECONDS,
+    Address,
+    ApiSettings,
+    RateLimit,
+    RelaySettings,
+    ServerSettings,
+)
 from static.store import database_location
 
 __all__ = ["main"]
@@ -192,12 +199,23 @@ def _parser() -> argparse.ArgumentParser:
         help="authenticated requests allowed per API key (JWTs count against their key); "
         "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
     )
+    serve.add_argument(
+        "--auth-failure-rate",
+        type=RateLimit.parse,
+        default=_env(
+            "STATIC_AUTH_FAILURE_RATE", str(defaults.api.auth_failure_rate_limit or "off")
+        ),
+        metavar="N/SECONDS",
+        help="failed authentications allowed per client address, on each port (then 429, "
+        "or RESOURCE_EXHAUSTED on the relay): bursts of N, N per SECONDS; 'off' disables "
+        "[STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
+    )
     return parser
 
 
 def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
-    if not 1 <= args.token_ttl <= 86400:
-        raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    if not 1 <= args.token_ttl <= MAX_TOKEN_TTL_SECONDS:
+        raise ValueError(f"--token-ttl must be between 1 and {MAX_TOKEN_TTL_SECONDS} seconds")
     options = _relay_options()
     _fit_connections(args, options, open_files)
     for option in options:
@@ -214,6 +232,7 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
             token_ttl_seconds=args.token_ttl,
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
+            auth_failure_rate_limit=args.auth_failure_rate,
             **{field_name: getattr(args, _dest(flag)) for flag, field_name, _ in _HTTP_CAPS},
         ),
         relay_settings=RelaySettings(

@@ -14,6 +14,7 @@ from hypercorn.trio.tcp_server import TCPServer
 from static._settings import ServerSettings
 from static.api._app import create_app
 from static.api._connections import ConnectionCaps
+from static.api._h11 import install as install_h11_fixes
 from static.auth import Authority
 from static.store import Database
 
@@ -142,6 +143,8 @@ async def serve_app(
     """Serve the Quart-Trio ``app`` with ``config`` until ``shutdown`` is set (in-flight
     requests finish); with ``caps``, connections beyond them are closed as they come."""
     _contain_connection_errors()
+    # CL+TE refused, JSON error bodies, lingering close (static/api/_h11.py).
+    install_h11_fixes()
     if caps is not None:
         _CAPS[config] = caps
     app.asgi_app = _ShieldFinalSend(app.asgi_app)

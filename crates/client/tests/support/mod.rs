@@ -521,6 +521,7 @@ impl Verify for AuthorityVerify {
     fn verify(
         &self,
         token: String,
+        _peer: String,
     ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
         let account = self.0.valid.lock().unwrap().get(&token).cloned();
         if account.is_none() {

@@ -430,6 +430,7 @@ impl Verify for FakeVerify {
     fn verify(
         &self,
         token: String,
+        _peer: String,
     ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
         Box::pin(async move {
             let parts: Vec<&str> = token.split('.').collect();
