@@ -21,6 +21,7 @@ const SCHEMA: [&str; 3] = [
     include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
     include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
     include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0006_health.sql"),
 ];
 
 /// A PostgreSQL cluster of the test's own, stopped when dropped.
