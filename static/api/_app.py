@@ -29,6 +29,8 @@ from static.api._errors import (
     TooManyRequests,
     Unauthorized,
 )
+from static.api._observe import RelayStatus, authenticated
+from static.api._observe import install as install_observability
 from static.api._openapi import openapi_document
 from static.api._ratelimit import RateLimiter, client_key
 from static.api._validation import (
@@ -109,8 +111,14 @@ def _error_response(exc: BaseException) -> Response:
     return _json({"error": "internal error"}, 500)
 
 
-def create_app(db: Database, settings: ServerSettings, authority: Authority) -> QuartTrio:
-    """Build the app over ``db`` and ``authority``."""
+def create_app(
+    db: Database,
+    settings: ServerSettings,
+    authority: Authority,
+    relay: RelayStatus | None = None,
+) -> QuartTrio:
+    """Build the app over ``db`` and ``authority``; ``/readyz`` and ``/metrics`` also read
+    ``relay`` (the relay of the same process) when given."""
     api = settings.api
     store = authority.store
     # No static files: Quart would otherwise serve a /static/<path> route.
@@ -124,6 +132,8 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     signup_limiter = RateLimiter(api.signup_rate_limit) if api.signup_rate_limit else None
     key_limiter = RateLimiter(api.key_rate_limit) if api.key_rate_limit else None
     openapi = openapi_document()
+    # First: its clock starts before the other hooks run (docs/design.md "Observability").
+    install_observability(app, settings, store, relay)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -149,7 +159,7 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
         token = bearer_token(request.headers.getlist("Authorization"))
         if not is_api_key(token) and looks_like_jwt(token):
             raise Unauthorized("api key required")
-        owner = await authority.authenticate_key(token)
+        owner = await authenticated(authority.authenticate_key(token), token)
         limit_key(owner.key_id)
         found(owner)
         return owner
@@ -182,11 +192,6 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
 
     # -- routes -----------------------------------------------------------------------------
 
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        await db.fetchval("SELECT 1")
-        return _json({"status": "ok"})
-
     @app.post("/v1/accounts")
     async def create_account() -> Response:
         if signup_limiter is not None:
@@ -211,9 +216,9 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     async def me() -> Response:
         token = bearer_token(request.headers.getlist("Authorization"))
         if is_api_key(token) or not looks_like_jwt(token):
-            owner = await authority.authenticate_key(token)
+            owner = await authenticated(authority.authenticate_key(token), token)
         else:
-            owner = await authority.authenticate_token(token)
+            owner = await authenticated(authority.authenticate_token(token), token)
         limit_key(owner.key_id)
         return _json(_account_json(found(owner)))
 

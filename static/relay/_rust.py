@@ -22,10 +22,12 @@ from functools import partial
 
 import trio
 
+from static import _metrics
 from static._native import RelayServer
 from static._settings import Address, ServerSettings
 from static.auth import TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
+from static.relay._handle import RelayHandle
 from static.store import DatabaseError
 
 __all__ = ["serve_rust_relay"]
@@ -55,10 +57,20 @@ async def _check(verifier: TokenVerifier, token: str) -> _Verified:
     return (principal.account_id, principal.key_id, principal.expires_at)
 
 
+def _token_result(answer: _Verified) -> str:
+    """The token check's result, for its metric."""
+    if len(answer) == 3:
+        return "ok"
+    if answer[0] == _UNAVAILABLE:
+        return "store_unavailable"
+    return "invalid_token"
+
+
 async def _answer(verifier: TokenVerifier, request: _Request) -> None:
     answer = _SHUTTING_DOWN
     try:
         answer = await _check(verifier, request.token)
+        _metrics.token_check("relay", _token_result(answer))
     finally:
         # Cancelled (shutdown) too: the extension's thread waits for an answer.
         request.answer.set_result(answer)
@@ -119,6 +131,7 @@ async def serve_rust_relay(
     verifier: TokenVerifier | None,
     shutdown: trio.Event,
     *,
+    handle: RelayHandle | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the relay on ``settings.relay`` over ``database`` (a SQLite file or a PostgreSQL URL,
@@ -145,6 +158,8 @@ async def serve_rust_relay(
         settings=dict(relay.tunables),
     )
     server = await trio.to_thread.run_sync(start)
+    if handle is not None:
+        handle.attach(server)
     async with trio.open_nursery() as verifications:
         if verifier is not None:
             verifications.start_soon(_serve_verifications, verifier, requests_out)
