@@ -17,7 +17,7 @@ use tonic::Code;
 
 use service_support::*;
 
-const SCHEMA: [&str; 3] = [
+const SCHEMA: [&str; 4] = [
     include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
     include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
     include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
