@@ -31,9 +31,9 @@ impl CallInfo {
     }
 }
 
-/// Streaming calls that stay open (counted in the `streams` gauge while they do).
+/// The relay's subscriptions (counted in the `streams` gauge while they last).
 fn is_stream(method: &str) -> bool {
-    matches!(method, "Subscribe" | "SubscribeMany" | "Health/Watch")
+    matches!(method, "Subscribe" | "SubscribeMany")
 }
 
 /// One call, until it is finished (by its code, or by being dropped: CANCELLED).

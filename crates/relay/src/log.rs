@@ -165,9 +165,10 @@ pub struct Channel {
     /// has been idle.
     used: AtomicU64,
     cache: Arc<Cache>,
-    /// When the publish of its newest entry was submitted ([`metrics::now_ns`], 0 unknown):
-    /// what a live delivery's latency is measured from.
+    /// When the publish of the entry [`Channel::head_submitted_seq`] was submitted here
+    /// ([`metrics::now_ns`], 0 unknown): what a live delivery's latency is measured from.
     head_submitted: AtomicU64,
+    head_submitted_seq: AtomicU64,
 }
 
 impl Channel {
@@ -186,6 +187,7 @@ impl Channel {
             used: AtomicU64::new(cache.now()),
             cache: Arc::clone(cache),
             head_submitted: AtomicU64::new(0),
+            head_submitted_seq: AtomicU64::new(0),
         }
     }
 
@@ -233,9 +235,11 @@ impl Channel {
     }
 
     /// The channel's current (committed) epoch.
-    /// When the publish of the newest entry was submitted ([`metrics::now_ns`]; 0 unknown).
-    pub fn head_submitted_ns(&self) -> u64 {
-        self.head_submitted.load(Ordering::Relaxed)
+    /// When the publish of entry `seq` was submitted to this relay ([`metrics::now_ns`]), if
+    /// it is the latest this relay appended (not another relay's, nor an older one).
+    pub fn submitted_ns(&self, seq: u64) -> Option<u64> {
+        let ns = self.head_submitted.load(Ordering::Acquire);
+        (ns != 0 && self.head_submitted_seq.load(Ordering::Acquire) == seq).then_some(ns)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -1715,7 +1719,8 @@ fn committed(batch: &[Publish], plan: &Plan) {
             p.channel.cache().cached(&p.channel, seq);
             p.channel
                 .head_submitted
-                .store(p.submitted, Ordering::Relaxed);
+                .store(p.submitted, Ordering::Release);
+            p.channel.head_submitted_seq.store(seq, Ordering::Release);
             if let GroupCheck::Valid(Some(change)) = &p.checked.group {
                 // Before the epoch moves (below): whoever sees the new epoch finds the group
                 // that goes with it.

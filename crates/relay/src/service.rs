@@ -782,18 +782,20 @@ enum Slot {
     Decided(pb::PublishResult),
 }
 
-/// The refusal of a caller whose account has no bound leaf in the channel.
-/// A page up to `sent` went to a subscriber: when that is the channel's head, it was a live
-/// delivery, timed from the head's publish (one observation per page).
+/// A page up to `sent` went to a subscriber: when that is the channel's head, published to
+/// this relay, it was a live delivery, timed from that publish (one observation per page).
 pub(crate) fn delivered_live(channel: &Channel, sent: u64) {
-    let submitted = channel.head_submitted_ns();
-    if submitted != 0 && sent == channel.head_seq() {
+    if sent != channel.head_seq() {
+        return;
+    }
+    if let Some(submitted) = channel.submitted_ns(sent) {
         metrics::metrics()
             .publish_to_delivery
             .observe(metrics::since_ns(submitted).as_secs_f64());
     }
 }
 
+/// The refusal of a caller whose account has no bound leaf in the channel.
 fn not_a_member(channel: &str) -> RelayError {
     RelayError::PermissionDenied(format!(
         "this account is not a member of channel '{channel}' (no leaf of its group is bound to \
