@@ -248,9 +248,19 @@ class RelayServer:
         """The API keys behind live streams."""
     def end_streams_of_key(self, key_id: str, reason: str) -> int:
         """End the live streams of ``key_id`` with UNAUTHENTICATED ``reason``; how many."""
+    def health(self) -> str | None:
+        """None while the relay serves and its store can write (its gRPC health status is
+        SERVING), else why not (a store write probe failed, draining, stopped)."""
+    def metrics(self) -> str:
+        """The relay's metrics in Prometheus's text format."""
     def shutdown(self) -> None:
         """Stop accepting, end subscriptions (UNAVAILABLE), let in-flight calls finish within
         the graceful timeout, close connections and the log. Blocks; a second call is a no-op."""
+
+def init_logging(level: int) -> None:
+    """Send the relay's log records at ``level`` (a :mod:`logging` level number) and above to
+    Python's :mod:`logging` (loggers ``static.relay``, ``static.relay.access``); again to move
+    the level."""
 
 def relay_settings() -> list[tuple[str, str, str, float, float, float, str]]:
     """The relay's tunable settings, its one table: ``(name, flag, kind, default, low, high,

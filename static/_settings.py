@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Address", "ApiSettings", "RateLimit", "RelaySettings", "ServerSettings"]
+__all__ = ["Address", "ApiSettings", "LogSettings", "RateLimit", "RelaySettings", "ServerSettings"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +108,17 @@ class RelaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LogSettings:
+    """Logging of ``static serve`` (set up by ``static.cli.main``, ``static._logging``)."""
+
+    #: ``debug``, ``info``, ``warning`` or ``error``: the HTTP access log is at info, the
+    #: relay's at info for refusals and debug for every call.
+    level: str = "info"
+    #: ``text`` or ``json`` (one object a line).
+    format: str = "text"
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
     """Everything ``static serve`` needs."""
 
@@ -118,6 +129,9 @@ class ServerSettings:
     database_url: str | None = None
     api: ApiSettings = field(default_factory=ApiSettings)
     relay_settings: RelaySettings = field(default_factory=RelaySettings)
+    #: Where ``GET /metrics`` is served alone (``--metrics``); None: on the HTTP port.
+    metrics: Address | None = None
+    log: LogSettings = field(default_factory=LogSettings)
 
     @property
     def resolved_database_url(self) -> str:

@@ -21,6 +21,7 @@ from static._settings import (
     MAX_TOKEN_TTL_SECONDS,
     Address,
     ApiSettings,
+    LogSettings,
     RateLimit,
     RelaySettings,
     ServerSettings,
@@ -175,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
             f"(default {getattr(defaults.api, field_name)}, lowered to fit the open-file limit "
             "when unset)",
         )
+    _observability_flags(serve, defaults)
     serve.add_argument(
         "--token-ttl",
         type=int,
@@ -213,6 +215,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _observability_flags(serve: argparse.ArgumentParser, defaults: ServerSettings) -> None:
+    """``--log-level``, ``--log-format``, ``--metrics`` (docs/design.md "Observability")."""
+    from static._logging import LOG_FORMATS, LOG_LEVELS
+
+    serve.add_argument(
+        "--log-level",
+        choices=list(LOG_LEVELS),
+        default=_env("STATIC_LOG_LEVEL", defaults.log.level).lower(),
+        help="least severe log records written to stderr; the relay logs every call at debug "
+        "[STATIC_LOG_LEVEL] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=list(LOG_FORMATS),
+        default=_env("STATIC_LOG_FORMAT", defaults.log.format).lower(),
+        help="log records as text or as JSON lines [STATIC_LOG_FORMAT] (default %(default)s)",
+    )
+    metrics = os.environ.get("STATIC_METRICS")
+    serve.add_argument(
+        "--metrics",
+        type=Address.parse,
+        default=Address.parse(metrics) if metrics else defaults.metrics,
+        metavar="HOST:PORT",
+        help="serve GET /metrics on this address alone (not on the HTTP port) [STATIC_METRICS] "
+        "(default: on the HTTP port)",
+    )
+
+
 def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
     if not 1 <= args.token_ttl <= MAX_TOKEN_TTL_SECONDS:
         raise ValueError(f"--token-ttl must be between 1 and {MAX_TOKEN_TTL_SECONDS} seconds")
@@ -239,6 +269,8 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
             allow_anonymous=args.allow_anonymous,
             tunables={option.name: getattr(args, option.dest) for option in options},
         ),
+        metrics=args.metrics,
+        log=LogSettings(level=args.log_level, format=args.log_format),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused
     # here, as a configuration error, not once the HTTP API is already up.
@@ -314,6 +346,8 @@ async def _run(settings: ServerSettings) -> None:
             bound = await nursery.start(serve, settings, shutdown)
             print(f"http: {bound.http_url}", flush=True)
             print(f"relay: {bound.relay_url}", flush=True)
+            if bound.metrics_url is not None:
+                print(f"metrics: {bound.metrics_url}", flush=True)
             async for _ in signals:
                 shutdown.set()
                 break
@@ -324,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         settings = _settings(args, _raise_open_file_limit())
+        from static._logging import configure_logging
+
+        configure_logging(settings.log.level, settings.log.format)
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2

@@ -31,6 +31,9 @@ from static.api._errors import (
     TooManyRequests,
     Unauthorized,
 )
+from static.api._observe import RelayStatus
+from static.api._observe import authenticated as observed
+from static.api._observe import install as install_observability
 from static.api._openapi import openapi_document
 from static.api._ratelimit import AuthFailureLimiter, RateLimiter, client_key
 from static.api._validation import (
@@ -111,8 +114,14 @@ def _error_response(exc: BaseException) -> Response:
     return _json({"error": "internal error"}, 500)
 
 
-def create_app(db: Database, settings: ServerSettings, authority: Authority) -> QuartTrio:
-    """Build the app over ``db`` and ``authority``."""
+def create_app(
+    db: Database,
+    settings: ServerSettings,
+    authority: Authority,
+    relay: RelayStatus | None = None,
+) -> QuartTrio:
+    """Build the app over ``db`` and ``authority``; ``/readyz`` and ``/metrics`` also read
+    ``relay`` (the relay of the same process) when given."""
     api = settings.api
     store = authority.store
     # No static files: Quart would otherwise serve a /static/<path> route.
@@ -129,6 +138,8 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
         AuthFailureLimiter(api.auth_failure_rate_limit) if api.auth_failure_rate_limit else None
     )
     openapi = openapi_document()
+    # First: its clock starts before the other hooks run (docs/design.md "Observability").
+    install_observability(app, settings, store, relay)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -189,12 +200,12 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     async def key_only(token: str) -> KeyOwner:
         if not is_api_key(token) and looks_like_jwt(token):
             raise Unauthorized("api key required")
-        return await authority.authenticate_key(token)
+        return await observed(authority.authenticate_key(token), token)
 
     async def key_or_token(token: str) -> KeyOwner:
         if is_api_key(token) or not looks_like_jwt(token):
-            return await authority.authenticate_key(token)
-        return await authority.authenticate_token(token)
+            return await observed(authority.authenticate_key(token), token)
+        return await observed(authority.authenticate_token(token), token)
 
     async def api_key_owner() -> KeyOwner:
         """The caller of a key endpoint, which takes an API key only (a JWT is refused)."""
@@ -230,11 +241,6 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
         return response
 
     # -- routes -----------------------------------------------------------------------------
-
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        await db.fetchval("SELECT 1")
-        return _json({"status": "ok"})
 
     @app.post("/v1/accounts")
     async def create_account() -> Response:

@@ -89,10 +89,10 @@ def openapi_document() -> dict[str, Any]:
             "/healthz": {
                 "get": {
                     "operationId": "health",
-                    "summary": "Readiness: the server is up and its store answers",
+                    "summary": "Liveness: the process answers (nothing else is checked)",
                     "responses": {
                         "200": {
-                            "description": "Ready",
+                            "description": "Live",
                             "content": {
                                 "application/json": {
                                     "schema": {
@@ -102,7 +102,38 @@ def openapi_document() -> dict[str, Any]:
                                 }
                             },
                         },
-                        "503": _UNAVAILABLE,
+                    },
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "operationId": "ready",
+                    "summary": "Readiness: the store can write and the relay serves",
+                    "responses": {
+                        "200": {
+                            "description": "Ready",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "properties": {"status": {"const": "ready"}},
+                                    }
+                                }
+                            },
+                        },
+                        "503": _error("`not ready: <part>`: which part cannot serve"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics (aggregate counts and latencies only)",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format 0.0.4",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
                     },
                 }
             },

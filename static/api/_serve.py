@@ -15,6 +15,7 @@ from static._settings import ServerSettings
 from static.api._app import create_app
 from static.api._connections import ConnectionCaps
 from static.api._h11 import install as install_h11_fixes
+from static.api._observe import RelayStatus
 from static.auth import Authority
 from static.store import Database
 
@@ -32,6 +33,9 @@ def hypercorn_config(settings: ServerSettings) -> Config:
     config.bind = [str(settings.http)]
     config.graceful_timeout = settings.api.graceful_timeout_seconds
     config.accesslog = None
+    # hypercorn's own records go through the process's logging (static.cli configures it),
+    # not a handler of its own: one format on stderr (the access log is static.access).
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.include_server_header = False
     # Bounds the damage of HTTP/2 rapid reset on one connection (docs/design.md §7).
     config.keep_alive_max_requests = 1000
@@ -45,11 +49,13 @@ async def serve_http(
     authority: Authority,
     shutdown: trio.Event,
     *,
+    relay: RelayStatus | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL."""
+    """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL.
+    ``relay``: the relay of this process, for ``/readyz`` and ``/metrics``."""
     await serve_app(
-        create_app(db, settings, authority),
+        create_app(db, settings, authority, relay),
         hypercorn_config(settings),
         shutdown,
         caps=ConnectionCaps(settings.api.max_connections, settings.api.max_connections_per_address),

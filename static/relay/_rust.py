@@ -27,11 +27,13 @@ from functools import partial
 
 import trio
 
+from static import _metrics
 from static._native import RelayServer
 from static._settings import Address, ServerSettings
 from static.api import AuthFailureLimiter, client_key
 from static.auth import INVALID_TOKEN, TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
+from static.relay._handle import RelayHandle
 from static.store import DatabaseError
 
 __all__ = ["serve_rust_relay"]
@@ -95,12 +97,24 @@ async def _check(
     return refusal
 
 
+def _token_result(answer: _Verified) -> str:
+    """The token check's result, for its metric."""
+    if isinstance(answer[0], str):  # a principal: (account_id, key_id, expires_at)
+        return "ok"
+    if answer[0] == _UNAVAILABLE:
+        return "store_unavailable"
+    if answer[0] == _RESOURCE_EXHAUSTED:
+        return "rate_limited"
+    return "invalid_token"
+
+
 async def _answer(
     verifier: TokenVerifier, limiter: AuthFailureLimiter | None, request: _Request
 ) -> None:
     answer = _SHUTTING_DOWN
     try:
         answer = await _check(verifier, request.token, request.peer, limiter)
+        _metrics.token_check("relay", _token_result(answer))
     finally:
         # Cancelled (shutdown) too: the extension's thread waits for an answer.
         request.answer.set_result(answer)
@@ -163,6 +177,7 @@ async def serve_rust_relay(
     verifier: TokenVerifier | None,
     shutdown: trio.Event,
     *,
+    handle: RelayHandle | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the relay on ``settings.relay`` over ``database`` (a SQLite file or a PostgreSQL URL,
@@ -189,6 +204,8 @@ async def serve_rust_relay(
         settings=dict(relay.tunables),
     )
     server = await trio.to_thread.run_sync(start)
+    if handle is not None:
+        handle.attach(server)
     async with trio.open_nursery() as verifications:
         if verifier is not None:
             limit = settings.api.auth_failure_rate_limit

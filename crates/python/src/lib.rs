@@ -8,6 +8,7 @@
 
 mod error;
 mod exit;
+mod logging;
 mod relay;
 
 use std::path::PathBuf;
@@ -817,6 +818,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_ed25519_sign_verify_ns, m)?)?;
     relay::register(m)?;
+    logging::register(m)?;
     exit::register(m)?;
     Ok(())
 }

@@ -165,6 +165,23 @@ impl RelayServer {
         self.port
     }
 
+    /// None while the relay serves and its store can write, else why not (its gRPC health
+    /// status). Without the GIL: a runtime thread may be logging (see `logging`).
+    fn health(&self, py: Python<'_>) -> Option<String> {
+        exit::without_gil(py, || {
+            self.with_server(|s| s.health().err())
+                .unwrap_or_else(|| Some("relay is stopped".to_owned()))
+        })
+    }
+
+    /// The relay's metrics, Prometheus text format (without the GIL, as `health`).
+    fn metrics(&self, py: Python<'_>) -> String {
+        exit::without_gil(py, || {
+            self.with_server(static_relay::RelayServer::metrics_text)
+                .unwrap_or_default()
+        })
+    }
+
     /// The API keys behind live streams.
     fn live_keys(&self) -> Vec<String> {
         self.with_server(|s| s.live_keys()).unwrap_or_default()

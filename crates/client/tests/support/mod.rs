@@ -64,6 +64,7 @@ impl Relay {
             include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
+            include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
         ] {
             connection.execute_batch(schema).unwrap();
         }

@@ -49,6 +49,7 @@ pub const SCHEMA: &[&str] = &[
     include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
+    include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
 ];
 
 /// A relay serving a database of its own.
