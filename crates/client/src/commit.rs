@@ -1,6 +1,7 @@
 //! The commit protocol, owned by the channel's façade: make a commit (or proposal), publish it
 //! with the epoch fence, wait until the applier has merged its echo; on a lost race, drop it,
-//! let the winner be applied and make it again.
+//! let the winner be applied and make it again, the members that lost most first
+//! ([`crate::retry::commit_wait`]).
 
 use std::sync::Arc;
 
@@ -8,7 +9,7 @@ use crate::channel_core::ChannelCore;
 use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::retry::{commit_wait, Retry, COMMIT_YIELD};
 use crate::transport::pb;
 use static_mls::engine::Engine;
 
@@ -25,14 +26,15 @@ enum Published {
 /// One channel's commits, one at a time.
 pub(crate) struct Committer {
     core: Arc<ChannelCore>,
-    lock: tokio::sync::Mutex<()>,
+    /// Held for a whole commit; holds when a commit of ours last won its epoch.
+    lock: tokio::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Committer {
     pub(crate) fn new(core: Arc<ChannelCore>) -> Self {
         Self {
             core,
-            lock: tokio::sync::Mutex::new(()),
+            lock: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -41,8 +43,13 @@ impl Committer {
         let core = &self.core;
         core.check_usable()?;
         core.shared.reach().await?;
-        let _guard = self.lock.lock().await;
-        for _ in 0..COMMIT_ATTEMPTS {
+        let mut last_win = self.lock.lock().await;
+        let won_recently = last_win.is_some_and(|at| at.elapsed() < COMMIT_YIELD);
+        for losses in 0..COMMIT_ATTEMPTS {
+            let wait = commit_wait(u32::try_from(losses).unwrap_or(u32::MAX), won_recently);
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
             let name = core.name.clone();
             let maker = Arc::clone(&make);
             let Some((commit, welcome)) =
@@ -53,6 +60,7 @@ impl Committer {
             match self.publish_handshake(commit, welcome.clone()).await {
                 Ok(Published::Accepted(seq)) => {
                     core.wait_applied(seq).await?;
+                    *last_win = Some(std::time::Instant::now());
                     return Ok(welcome);
                 }
                 Ok(Published::Stale(epoch)) => {
