@@ -75,9 +75,10 @@ def test_members_rotating_keys_freely_all_get_through(
     relay: ServerProcess, clients: Clients
 ) -> None:
     """5 members each rotate their keys 50 times, all at once, as fast as they can: every
-    commit races the others for its epoch, and the members that lost most go first, so none
-    gives up (before, 4-8 of 250 failed with "too busy: other members' commits won 16 times
-    in a row"). All 250 land: the members end on one epoch, without a fork."""
+    commit races the others for its epoch; the member that just won steps aside and the
+    members that lost most go first, so none gives up (before, 1-9 of 250 failed with "too
+    busy: other members' commits won 16 times in a row"). All 250 land: the members end on one
+    epoch, without a fork."""
     names = [b"alice", b"bob", b"carol", b"dave", b"erin"]
     agents = [clients(relay, n) for n in names]
     first = agents[0].create_channel(channel_name())
