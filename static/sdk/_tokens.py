@@ -12,6 +12,8 @@ from static._errors import AuthError, TransportError
 __all__ = ["TokenSource"]
 
 _TIMEOUT = 10.0
+#: The characters an API key may hold: printable ASCII without space.
+_KEY_CHARS = (0x21, 0x7E)
 
 
 class TokenSource:
@@ -23,8 +25,27 @@ class TokenSource:
     """
 
     def __init__(self, api_url: str, api_key: str) -> None:
+        if not isinstance(api_key, str):
+            raise AuthError(f"api_key must be a str, not {type(api_key).__name__}")
+        # A key read from a file keeps its newline: surrounding whitespace is no part of a key.
+        api_key = api_key.strip()
+        if not api_key:
+            raise AuthError("api_key must be a non-empty string")
+        if not all(_KEY_CHARS[0] <= ord(c) <= _KEY_CHARS[1] for c in api_key):
+            # Never shown: it is a secret, and probably a wrong value (two keys on a line...).
+            raise AuthError(
+                "api_key contains characters no API key has (whitespace or control "
+                "characters inside it, or non-ASCII); its value is not shown"
+            )
         self._url = api_url.rstrip("/") + "/v1/tokens"
         self._api_key = api_key
+
+    def _redacted(self, text: str) -> str:
+        """``text`` without the key (an HTTP library may quote the header it refused)."""
+        return text.replace(self._api_key, "<api_key>")
+
+    def __repr__(self) -> str:
+        return f"TokenSource({self._url!r})"
 
     @property
     def url(self) -> str:
@@ -44,12 +65,12 @@ class TokenSource:
             with urllib.request.urlopen(request, timeout=_TIMEOUT) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            text = _error_text(err)
+            text = self._redacted(_error_text(err))
             if err.code in (401, 403):
                 raise AuthError(f"the API refused the key at {self._url}: {text}") from None
             raise TransportError(f"POST {self._url} answered {err.code}: {text}") from None
         except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
+            reason = self._redacted(str(getattr(err, "reason", err)))
             raise TransportError(f"cannot reach the API at {self._url}: {reason}") from None
         try:
             body = json.loads(raw)
