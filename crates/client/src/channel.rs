@@ -12,7 +12,7 @@ use crate::commit::{CommitMaker, Committer};
 use crate::config::MAX_PAYLOAD;
 use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
-use crate::pipeline::{SendHandle, Submitted};
+use crate::pipeline::SendHandle;
 use crate::publisher::{Destination, Outbound, Outcome};
 use crate::reader::Follower;
 use crate::retry::Retry;
@@ -136,6 +136,12 @@ impl Channel {
         };
         subscriptions.follow(follower);
         *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
+        // What an earlier opening left in the outbox goes first, as it was.
+        let outbox = engine.outbox(name)?;
+        if !outbox.is_empty() {
+            core.pipeline.preload(outbox);
+            channel.sender().start()?;
+        }
         Ok(channel)
     }
 
@@ -143,7 +149,6 @@ impl Channel {
         Sender {
             core: Arc::clone(&self.core),
             encryptor: Arc::clone(&self.encryptor),
-            committer: Arc::clone(&self.committer),
         }
     }
 
@@ -302,10 +307,12 @@ impl Channel {
         }
     }
 
-    /// Queues `payload` to be encrypted and published in order after what this channel's
-    /// pipeline already holds, and returns at once (see `sender`). Waits while the pipeline
-    /// is full, unless `block` is false: then `Ok(None)` (also while the relay has not
-    /// answered this client yet, since reaching it may take up to the connect timeout).
+    /// Encrypts `payload` into the channel's outbox (on disk when this returns: a killed
+    /// process loses nothing, see `static_mls::outbox`) and queues it to be published in order
+    /// after what this channel's pipeline already holds (see `sender`). Waits while the
+    /// pipeline is full, unless `block` is false: then `Ok(None)` (also while the relay has not
+    /// answered this client yet, since reaching it may take up to the connect timeout, and
+    /// while a commit must come first).
     pub fn send_pipelined(&self, payload: Vec<u8>, block: bool) -> Result<Option<SendHandle>> {
         let core = &self.core;
         check_payload(&payload)?;
@@ -316,19 +323,56 @@ impl Channel {
             }
             self.reach()?;
         }
-        match core
-            .pipeline
-            .submit(payload, block, || core.check_usable())?
-        {
-            Submitted::Full => Ok(None),
-            Submitted::Queued(handle) => {
-                self.sender().start()?;
-                Ok(Some(handle))
+        if !core.pipeline.wait_for_room(block, || core.check_usable())? {
+            return Ok(None);
+        }
+        let engine = core.shared.engine()?;
+        if !block && engine.needs_fresh_epoch(&core.name)? {
+            return Ok(None);
+        }
+        self.committer.ensure_fresh_epoch()?;
+        let payload = Arc::new(payload);
+        let mut retry = Retry::within(core.shared.options.retry_timeout);
+        loop {
+            let submitted = core.pipeline.submit(&payload, |payload| {
+                let mut outgoing = engine.encrypt_to_outbox(&core.name, &[payload])?;
+                // Nothing leaves before the state that produced it is written.
+                engine.sync_before_send()?;
+                outgoing
+                    .pop()
+                    .ok_or_else(|| Error::Internal("encryption returned no message".into()))
+            });
+            match submitted {
+                Ok(handle) => {
+                    self.sender().start()?;
+                    return Ok(Some(handle));
+                }
+                // A member's proposal awaits its commit (see `Encryptor::recover`).
+                Err(Error::Mls(e)) if e.is_pending_proposals() => {
+                    if !block {
+                        return Ok(None);
+                    }
+                    self.encryptor
+                        .recover(Trouble::Failed(Error::Mls(e)), &mut retry, &mut 0)?;
+                }
+                Err(e) => return Err(e),
             }
         }
     }
 
-    /// How many messages were queued with [`Channel::send_pipelined`] so far.
+    /// How many messages [`Channel::send_pipelined`] ever accepted on this channel in this
+    /// data directory, as its outbox counts them (a count an application can resume from
+    /// after a crash: every call that returned is in it).
+    pub fn pipelined_count(&self) -> Result<u64> {
+        Ok(self
+            .core
+            .shared
+            .engine()?
+            .outbox_recorded(&self.core.name)?)
+    }
+
+    /// How many messages were queued on the pipeline by this opening (the outbox an earlier
+    /// opening left included).
     pub fn pipelined(&self) -> u64 {
         self.core.pipeline.submitted()
     }

@@ -1,18 +1,22 @@
 //! The state of a channel's pipelined sends: tickets 0, 1, 2, ... in the order of
-//! [`Channel::send_pipelined`](crate::Channel::send_pipelined), the queue the sender takes
-//! batches from, what is settled and what failed, and the [`SendHandle`] callers wait on.
-//! The sender itself (what publishes the batches) is `sender`.
+//! [`Channel::send_pipelined`](crate::Channel::send_pipelined) (and, first, the outbox an
+//! earlier opening left), the queue of encrypted messages the sender takes batches from, what
+//! is settled and what failed, and the [`SendHandle`] callers wait on. The sender itself (what
+//! publishes the batches) is `sender`.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use static_mls::Outgoing;
 
 use crate::error::{Error, Result};
 use crate::sync::lock;
 
 /// Most messages queued and not yet taken by the sender; `send_pipelined` waits beyond it.
 const MAX_QUEUED: usize = 8192;
-/// Most payload bytes queued and not yet taken by the sender.
+/// Most bytes (messages and the plaintexts kept beside them) queued and not yet taken by the
+/// sender.
 const MAX_QUEUED_BYTES: usize = 64 * 1024 * 1024;
 /// How often a waiter looks whether the channel ended meanwhile.
 pub(crate) const RECHECK: Duration = Duration::from_millis(100);
@@ -21,16 +25,33 @@ pub(crate) const RECHECK: Duration = Duration::from_millis(100);
 #[derive(Default)]
 pub(crate) struct Pipeline {
     state: Mutex<State>,
+    /// Held while messages are encrypted and queued, so that tickets follow encryption order
+    /// (and while the sender encrypts queued messages again, see `sender`).
+    encrypting: Mutex<()>,
     /// Signalled when messages are queued or settled, or the sender stops.
     changed: Condvar,
     /// The sender thread, while one runs.
     pub(crate) thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
+/// A message of the outbox on its way (see `static_mls::outbox`).
+pub(crate) struct Queued {
+    pub(crate) outgoing: Outgoing,
+    /// Its plaintext, to encrypt it again if the relay refuses its epoch; None for a message
+    /// an earlier opening recorded (the outbox keeps ciphertexts only).
+    pub(crate) payload: Option<Arc<Vec<u8>>>,
+}
+
+impl Queued {
+    fn bytes(&self) -> usize {
+        self.outgoing.message.len() + self.payload.as_ref().map_or(0, |p| p.len())
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// Queued, not yet taken by the sender: tickets `taken`, `taken + 1`, ...
-    queue: VecDeque<Arc<Vec<u8>>>,
+    queue: VecDeque<Queued>,
     queued_bytes: usize,
     taken: u64,
     /// Tickets handed out.
@@ -42,13 +63,6 @@ struct State {
     reported: u64,
     /// The channel ended: nothing more is taken.
     stopped: Option<Error>,
-}
-
-/// What [`Pipeline::submit`] did.
-pub(crate) enum Submitted {
-    Queued(SendHandle),
-    /// The pipeline is full and the caller would not wait.
-    Full,
 }
 
 impl Pipeline {
@@ -68,20 +82,19 @@ impl Pipeline {
         self.changed.notify_all();
     }
 
-    /// Queues `payload`, waiting while the pipeline is full unless `block` is false;
-    /// `usable` says whether the channel may still send (checked while waiting).
-    pub(crate) fn submit(
-        self: &Arc<Self>,
-        payload: Vec<u8>,
+    /// Waits while the pipeline is full unless `block` is false (then `Ok(false)`); `usable`
+    /// says whether the channel may still send (checked while waiting).
+    pub(crate) fn wait_for_room(
+        &self,
         block: bool,
         usable: impl Fn() -> Result<()>,
-    ) -> Result<Submitted> {
+    ) -> Result<bool> {
         let mut state = self.state();
         while state.queue.len() >= MAX_QUEUED
             || (state.queued_bytes >= MAX_QUEUED_BYTES && !state.queue.is_empty())
         {
             if !block {
-                return Ok(Submitted::Full);
+                return Ok(false);
             }
             if let Some(e) = &state.stopped {
                 return Err(e.clone());
@@ -89,19 +102,70 @@ impl Pipeline {
             state = self.wait(state, RECHECK);
             usable()?;
         }
-        if let Some(e) = &state.stopped {
-            return Err(e.clone());
+        match &state.stopped {
+            Some(e) => Err(e.clone()),
+            None => Ok(true),
         }
-        let ticket = state.submitted;
-        state.submitted += 1;
-        state.queued_bytes += payload.len();
-        state.queue.push_back(Arc::new(payload));
-        drop(state);
-        self.changed.notify_all();
-        Ok(Submitted::Queued(SendHandle {
+    }
+
+    /// Encrypts `payload` into the outbox with `encrypt` and queues the message, under the
+    /// encryption lock (tickets follow encryption order). Call [`Pipeline::wait_for_room`]
+    /// first: concurrent callers may overshoot the bounds by one message each.
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        payload: &Arc<Vec<u8>>,
+        encrypt: impl FnOnce(&[u8]) -> Result<Outgoing>,
+    ) -> Result<SendHandle> {
+        let _encrypting = lock(&self.encrypting);
+        let outgoing = encrypt(payload)?;
+        let ticket = self.push(Queued {
+            outgoing,
+            payload: Some(Arc::clone(payload)),
+        });
+        Ok(SendHandle {
             pipeline: Arc::clone(self),
             ticket,
-        }))
+        })
+    }
+
+    /// Queues what an earlier opening left in the outbox, before anything else.
+    pub(crate) fn preload(&self, outbox: Vec<Outgoing>) {
+        for outgoing in outbox {
+            self.push(Queued {
+                outgoing,
+                payload: None,
+            });
+        }
+    }
+
+    /// Queues `item`: its ticket.
+    fn push(&self, item: Queued) -> u64 {
+        let mut state = self.state();
+        let ticket = state.submitted;
+        state.submitted += 1;
+        if let Some(e) = state.stopped.clone() {
+            // The channel ended meanwhile: the message stays in the outbox, for the next
+            // opening to send.
+            state.failures.insert(ticket, e);
+            state.taken = state.submitted;
+            state.settled = state.submitted;
+        } else {
+            state.queued_bytes += item.bytes();
+            state.queue.push_back(item);
+        }
+        drop(state);
+        self.changed.notify_all();
+        ticket
+    }
+
+    /// Runs `f` on the queue under the encryption lock: nothing is encrypted or queued
+    /// meanwhile (the sender encrypts queued messages again there).
+    pub(crate) fn with_queue<T>(&self, f: impl FnOnce(&mut VecDeque<Queued>) -> T) -> T {
+        let _encrypting = lock(&self.encrypting);
+        let mut state = self.state();
+        let value = f(&mut state.queue);
+        state.queued_bytes = state.queue.iter().map(Queued::bytes).sum();
+        value
     }
 
     /// How many messages were queued so far.
@@ -147,15 +211,16 @@ impl Pipeline {
         }
     }
 
-    /// The next batch for the sender (its first ticket and payloads, cut by `fits(count,
-    /// bytes)`), waiting up to `idle` for one; `None` when none came or the channel `ended`.
+    /// The next batch for the sender (its first ticket and messages, all of one epoch, cut by
+    /// `fits(count, bytes)`), waiting up to `idle` for one; `None` when none came or the
+    /// channel `ended`.
     pub(crate) fn take_batch(
         &self,
         idle: Duration,
         ended: impl Fn() -> bool,
         size: impl Fn(&[u8]) -> usize,
         fits: impl Fn(usize, usize) -> bool,
-    ) -> Option<(u64, Vec<Arc<Vec<u8>>>)> {
+    ) -> Option<(u64, Vec<Queued>)> {
         let deadline = Instant::now() + idle;
         let mut state = self.state();
         while state.queue.is_empty() {
@@ -169,17 +234,21 @@ impl Pipeline {
             return None;
         }
         let first = state.taken;
+        let epoch = state.queue.front().map(|q| q.outgoing.epoch);
         let mut batch = Vec::new();
         let mut bytes = 0;
         while let Some(next) = state.queue.front() {
-            let item = size(next);
-            if !batch.is_empty() && !fits(batch.len() + 1, bytes + item) {
+            let item = size(&next.outgoing.message);
+            // One epoch per batch: the relay's epoch fence then refuses a tail of it at most.
+            if !batch.is_empty()
+                && (!fits(batch.len() + 1, bytes + item) || Some(next.outgoing.epoch) != epoch)
+            {
                 break;
             }
             bytes += item;
-            if let Some(payload) = state.queue.pop_front() {
-                state.queued_bytes -= payload.len();
-                batch.push(payload);
+            if let Some(queued) = state.queue.pop_front() {
+                state.queued_bytes -= queued.bytes();
+                batch.push(queued);
             }
         }
         state.taken += batch.len() as u64;
