@@ -383,16 +383,16 @@ class Channel(_Closeable):
         self._native.send(_check_bytes("payload", payload))
 
     def send_pipelined(self, payload: bytes) -> SendHandle:
-        """Encrypt ``payload`` into the channel's outbox and return with a :class:`SendHandle`
-        (wait on it, or call :meth:`flush`, to learn the outcome), without waiting for the
-        relay.
+        """Queue ``payload`` to be encrypted and sent, and return at once with a
+        :class:`SendHandle` (wait on it, or call :meth:`flush`, to learn the outcome).
 
-        For high rates from one thread: the channel's sender thread publishes what is queued
-        in batches, in order, so pipelined messages reach the log (and the other members) in
-        the order they were queued, none twice. Once this returns the message is in
-        ``data_dir`` (the outbox): if the process dies before the relay has it, the next
-        opening of the channel sends it first, with the same bytes, and the relay stores it
-        once; :meth:`pipelined_count` tells a restarted program where it was. A lost
+        For high rates from one thread: the channel's sender thread encrypts what is queued
+        in batches and publishes them in order, so pipelined messages reach the log (and the
+        other members) in the order they were queued, none twice. Once this returns the
+        message is in ``data_dir`` (the channel's outbox): if the process dies before the
+        relay has it, the next opening of the channel sends it first (with the same bytes if
+        it was encrypted), and the relay stores it once; :meth:`pipelined_count` tells a
+        restarted program where it was. A lost
         connection or a relay restart is ridden out like :meth:`send` does; a message that
         cannot be sent fails its handle (and the next :meth:`flush`) and never overtakes an
         earlier one. Blocks only when 8,192 messages (or 64 MiB) are queued. A :meth:`send`
@@ -515,8 +515,8 @@ class Channel(_Closeable):
         return SendHandle(handle)
 
     async def pipelined_count_async(self) -> int:
-        """Async :meth:`pipelined_count`."""
-        return await _in_thread(self._native.pipelined_count)
+        """Async :meth:`pipelined_count` (it never waits)."""
+        return self._native.pipelined_count()
 
     async def flush_async(self) -> None:
         """Async :meth:`flush` (bound the wait with ``anyio.fail_after`` or the like: it waits

@@ -5,10 +5,12 @@ delivered or its loss is reported."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import selectors
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -127,6 +129,14 @@ def test_a_sender_killed_again_and_again_sends_each_message_once(
     assert starts == sorted(starts) and len(set(starts)) == len(starts), starts
 
 
+def _wait_for_outbox(data_dir: Path, count: int) -> None:
+    deadline = time.monotonic() + WAIT
+    with contextlib.closing(sqlite3.connect(data_dir / "mls.sqlite3")) as db:
+        while db.execute("SELECT count(*) FROM static_outbox").fetchone()[0] < count:
+            assert time.monotonic() < deadline, "the sender encrypted nothing"
+            time.sleep(0.02)
+
+
 @pytest.mark.parametrize(
     ("rotations", "delivered"),
     # The relay accepts application messages of the 5 epochs before the channel's (its
@@ -154,6 +164,9 @@ def test_an_outbox_resent_after_commits_is_delivered_or_reported(
     queued = [b"queued %d" % i for i in range(10)]
     for payload in queued:
         alices.send_pipelined(payload)
+    # Encrypted (at this epoch) into the outbox before the client goes: what a reopening
+    # cannot encrypt again.
+    _wait_for_outbox(alice_dir, len(queued))
     alice.close()
     server.start()
     for _ in range(rotations):

@@ -12,6 +12,7 @@ use crate::commit::{CommitMaker, Committer};
 use crate::config::MAX_PAYLOAD;
 use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
+use crate::journal::Journal;
 use crate::pipeline::SendHandle;
 use crate::publisher::{Destination, Outbound, Outcome};
 use crate::reader::Follower;
@@ -136,10 +137,22 @@ impl Channel {
         };
         subscriptions.follow(follower);
         *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
-        // What an earlier opening left in the outbox goes first, as it was.
+        // What an earlier opening left goes first: the outbox's messages as they were, then
+        // the journal's payloads it had not encrypted yet.
         let outbox = engine.outbox(name)?;
-        if !outbox.is_empty() {
-            core.pipeline.preload(outbox);
+        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
+        let (journal, journaled) = Journal::open(engine.data_dir(), name)?;
+        let journaled: Vec<_> = journaled
+            .into_iter()
+            .filter(|(place, _)| *place > recorded)
+            .collect();
+        let last_place = journaled.last().map_or(recorded, |(place, _)| *place);
+        // Segments the outbox already covers (a deletion a crash interrupted).
+        journal.forget_upto(recorded);
+        let _ = core.pipeline.journal.set(journal);
+        let left = !outbox.is_empty() || !journaled.is_empty();
+        core.pipeline.preload(outbox, journaled, last_place);
+        if left {
             channel.sender().start()?;
         }
         Ok(channel)
@@ -149,6 +162,7 @@ impl Channel {
         Sender {
             core: Arc::clone(&self.core),
             encryptor: Arc::clone(&self.encryptor),
+            committer: Arc::clone(&self.committer),
         }
     }
 
@@ -307,12 +321,12 @@ impl Channel {
         }
     }
 
-    /// Encrypts `payload` into the channel's outbox (on disk when this returns: a killed
-    /// process loses nothing, see `static_mls::outbox`) and queues it to be published in order
-    /// after what this channel's pipeline already holds (see `sender`). Waits while the
-    /// pipeline is full, unless `block` is false: then `Ok(None)` (also while the relay has not
-    /// answered this client yet, since reaching it may take up to the connect timeout, and
-    /// while a commit must come first).
+    /// Records `payload` in the channel's journal (in the OS's hands when this returns: a
+    /// killed process loses nothing, see `journal`) and queues it to be encrypted into the
+    /// outbox and published in order after what this channel's pipeline already holds (see
+    /// `sender`). Waits while the pipeline is full, unless `block` is false: then `Ok(None)`
+    /// (also while the relay has not answered this client yet, since reaching it may take up
+    /// to the connect timeout).
     pub fn send_pipelined(&self, payload: Vec<u8>, block: bool) -> Result<Option<SendHandle>> {
         let core = &self.core;
         check_payload(&payload)?;
@@ -326,49 +340,23 @@ impl Channel {
         if !core.pipeline.wait_for_room(block, || core.check_usable())? {
             return Ok(None);
         }
-        let engine = core.shared.engine()?;
-        if !block && engine.needs_fresh_epoch(&core.name)? {
-            return Ok(None);
-        }
-        self.committer.ensure_fresh_epoch()?;
-        let payload = Arc::new(payload);
-        let mut retry = Retry::within(core.shared.options.retry_timeout);
-        loop {
-            let submitted = core.pipeline.submit(&payload, |payload| {
-                let mut outgoing = engine.encrypt_to_outbox(&core.name, &[payload])?;
-                // Nothing leaves before the state that produced it is written.
-                engine.sync_before_send()?;
-                outgoing
-                    .pop()
-                    .ok_or_else(|| Error::Internal("encryption returned no message".into()))
-            });
-            match submitted {
-                Ok(handle) => {
-                    self.sender().start()?;
-                    return Ok(Some(handle));
-                }
-                // A member's proposal awaits its commit (see `Encryptor::recover`).
-                Err(Error::Mls(e)) if e.is_pending_proposals() => {
-                    if !block {
-                        return Ok(None);
-                    }
-                    self.encryptor
-                        .recover(Trouble::Failed(Error::Mls(e)), &mut retry, &mut 0)?;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let journal = core
+            .pipeline
+            .journal
+            .get()
+            .ok_or_else(|| Error::Internal("the channel has no outbox journal".into()))?;
+        let handle = core
+            .pipeline
+            .submit(payload, |place, payload| journal.append(place, payload))?;
+        self.sender().start()?;
+        Ok(Some(handle))
     }
 
     /// How many messages [`Channel::send_pipelined`] ever accepted on this channel in this
-    /// data directory, as its outbox counts them (a count an application can resume from
-    /// after a crash: every call that returned is in it).
-    pub fn pipelined_count(&self) -> Result<u64> {
-        Ok(self
-            .core
-            .shared
-            .engine()?
-            .outbox_recorded(&self.core.name)?)
+    /// data directory (a count an application can resume from after a crash: every call that
+    /// returned is in it).
+    pub fn pipelined_count(&self) -> u64 {
+        u64::try_from(self.core.pipeline.last_place()).unwrap_or(0)
     }
 
     /// How many messages were queued on the pipeline by this opening (the outbox an earlier

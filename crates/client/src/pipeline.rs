@@ -1,16 +1,18 @@
 //! The state of a channel's pipelined sends: tickets 0, 1, 2, ... in the order of
-//! [`Channel::send_pipelined`](crate::Channel::send_pipelined) (and, first, the outbox an
-//! earlier opening left), the queue of encrypted messages the sender takes batches from, what
-//! is settled and what failed, and the [`SendHandle`] callers wait on. The sender itself (what
-//! publishes the batches) is `sender`.
+//! [`Channel::send_pipelined`](crate::Channel::send_pipelined) (and, first, what an earlier
+//! opening left in the outbox and the journal), each with its place in the channel's outbox,
+//! the queue the sender takes batches from, what is settled and what failed, and the
+//! [`SendHandle`] callers wait on. The sender itself (what encrypts and publishes the batches)
+//! is `sender`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use static_mls::Outgoing;
 
 use crate::error::{Error, Result};
+use crate::journal::Journal;
 use crate::sync::lock;
 
 /// Most messages queued and not yet taken by the sender; `send_pipelined` waits beyond it.
@@ -25,26 +27,50 @@ pub(crate) const RECHECK: Duration = Duration::from_millis(100);
 #[derive(Default)]
 pub(crate) struct Pipeline {
     state: Mutex<State>,
-    /// Held while messages are encrypted and queued, so that tickets follow encryption order
-    /// (and while the sender encrypts queued messages again, see `sender`).
-    encrypting: Mutex<()>,
+    /// Held while a payload is journaled and queued, so that places and tickets follow the
+    /// journal's order.
+    recording: Mutex<()>,
+    /// The channel's journal, once the channel has opened it.
+    pub(crate) journal: OnceLock<Journal>,
     /// Signalled when messages are queued or settled, or the sender stops.
     changed: Condvar,
     /// The sender thread, while one runs.
     pub(crate) thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-/// A message of the outbox on its way (see `static_mls::outbox`).
+/// What the sender encrypts (if it is not yet) and publishes: one message.
 pub(crate) struct Queued {
-    pub(crate) outgoing: Outgoing,
-    /// Its plaintext, to encrypt it again if the relay refuses its epoch; None for a message
-    /// an earlier opening recorded (the outbox keeps ciphertexts only).
+    /// Its place in the channel's outbox.
+    pub(crate) place: i64,
+    /// Its plaintext, to encrypt it (again, if the relay refuses its epoch); None for a message
+    /// an earlier opening encrypted (the outbox keeps ciphertexts only).
     pub(crate) payload: Option<Arc<Vec<u8>>>,
+    /// The message, once encrypted into the outbox.
+    pub(crate) outgoing: Option<Outgoing>,
 }
+
+/// What encryption adds to a payload at most (framing, signature, AEAD tag), so that a batch
+/// cut by payload size still fits in one relay request once encrypted.
+pub(crate) const MLS_OVERHEAD: usize = 512;
 
 impl Queued {
     fn bytes(&self) -> usize {
-        self.outgoing.message.len() + self.payload.as_ref().map_or(0, |p| p.len())
+        self.outgoing.as_ref().map_or(0, |o| o.message.len())
+            + self.payload.as_ref().map_or(0, |p| p.len())
+    }
+
+    /// Its size on the wire, at most.
+    fn wire_size(&self) -> usize {
+        match (&self.outgoing, &self.payload) {
+            (Some(o), _) => o.message.len(),
+            (None, Some(p)) => p.len() + MLS_OVERHEAD,
+            (None, None) => 0,
+        }
+    }
+
+    /// The epoch it was encrypted in; None while it is not.
+    fn epoch(&self) -> Option<u64> {
+        self.outgoing.as_ref().map(|o| o.epoch)
     }
 }
 
@@ -53,6 +79,8 @@ struct State {
     /// Queued, not yet taken by the sender: tickets `taken`, `taken + 1`, ...
     queue: VecDeque<Queued>,
     queued_bytes: usize,
+    /// The outbox place of the next payload queued.
+    next_place: i64,
     taken: u64,
     /// Tickets handed out.
     submitted: u64,
@@ -108,19 +136,21 @@ impl Pipeline {
         }
     }
 
-    /// Encrypts `payload` into the outbox with `encrypt` and queues the message, under the
-    /// encryption lock (tickets follow encryption order). Call [`Pipeline::wait_for_room`]
-    /// first: concurrent callers may overshoot the bounds by one message each.
+    /// Records `payload` at the next place with `record` (the journal) and queues it, under
+    /// the recording lock. Call [`Pipeline::wait_for_room`] first: concurrent callers may
+    /// overshoot the bounds by one message each.
     pub(crate) fn submit(
         self: &Arc<Self>,
-        payload: &Arc<Vec<u8>>,
-        encrypt: impl FnOnce(&[u8]) -> Result<Outgoing>,
+        payload: Vec<u8>,
+        record: impl FnOnce(i64, &[u8]) -> Result<()>,
     ) -> Result<SendHandle> {
-        let _encrypting = lock(&self.encrypting);
-        let outgoing = encrypt(payload)?;
+        let _recording = lock(&self.recording);
+        let place = self.state().next_place;
+        record(place, &payload)?;
         let ticket = self.push(Queued {
-            outgoing,
-            payload: Some(Arc::clone(payload)),
+            place,
+            payload: Some(Arc::new(payload)),
+            outgoing: None,
         });
         Ok(SendHandle {
             pipeline: Arc::clone(self),
@@ -128,14 +158,34 @@ impl Pipeline {
         })
     }
 
-    /// Queues what an earlier opening left in the outbox, before anything else.
-    pub(crate) fn preload(&self, outbox: Vec<Outgoing>) {
+    /// Queues what an earlier opening left, before anything else: the outbox's messages, then
+    /// the journal's payloads not yet encrypted; places go on after `last_place`.
+    pub(crate) fn preload(
+        &self,
+        outbox: Vec<Outgoing>,
+        journaled: Vec<(i64, Vec<u8>)>,
+        last_place: i64,
+    ) {
+        self.state().next_place = last_place + 1;
         for outgoing in outbox {
             self.push(Queued {
-                outgoing,
+                place: outgoing.id,
                 payload: None,
+                outgoing: Some(outgoing),
             });
         }
+        for (place, payload) in journaled {
+            self.push(Queued {
+                place,
+                payload: Some(Arc::new(payload)),
+                outgoing: None,
+            });
+        }
+    }
+
+    /// How many messages `send_pipelined` ever accepted on the channel (its last place).
+    pub(crate) fn last_place(&self) -> i64 {
+        self.state().next_place - 1
     }
 
     /// Queues `item`: its ticket.
@@ -143,8 +193,9 @@ impl Pipeline {
         let mut state = self.state();
         let ticket = state.submitted;
         state.submitted += 1;
+        state.next_place = state.next_place.max(item.place + 1);
         if let Some(e) = state.stopped.clone() {
-            // The channel ended meanwhile: the message stays in the outbox, for the next
+            // The channel ended meanwhile: the message stays in the journal, for the next
             // opening to send.
             state.failures.insert(ticket, e);
             state.taken = state.submitted;
@@ -156,16 +207,6 @@ impl Pipeline {
         drop(state);
         self.changed.notify_all();
         ticket
-    }
-
-    /// Runs `f` on the queue under the encryption lock: nothing is encrypted or queued
-    /// meanwhile (the sender encrypts queued messages again there).
-    pub(crate) fn with_queue<T>(&self, f: impl FnOnce(&mut VecDeque<Queued>) -> T) -> T {
-        let _encrypting = lock(&self.encrypting);
-        let mut state = self.state();
-        let value = f(&mut state.queue);
-        state.queued_bytes = state.queue.iter().map(Queued::bytes).sum();
-        value
     }
 
     /// How many messages were queued so far.
@@ -211,14 +252,13 @@ impl Pipeline {
         }
     }
 
-    /// The next batch for the sender (its first ticket and messages, all of one epoch, cut by
-    /// `fits(count, bytes)`), waiting up to `idle` for one; `None` when none came or the
-    /// channel `ended`.
+    /// The next batch for the sender (its first ticket and messages, either all to encrypt or
+    /// all encrypted at one epoch, cut by `fits(count, bytes)`), waiting up to `idle` for one;
+    /// `None` when none came or the channel `ended`.
     pub(crate) fn take_batch(
         &self,
         idle: Duration,
         ended: impl Fn() -> bool,
-        size: impl Fn(&[u8]) -> usize,
         fits: impl Fn(usize, usize) -> bool,
     ) -> Option<(u64, Vec<Queued>)> {
         let deadline = Instant::now() + idle;
@@ -234,14 +274,14 @@ impl Pipeline {
             return None;
         }
         let first = state.taken;
-        let epoch = state.queue.front().map(|q| q.outgoing.epoch);
+        let epoch = state.queue.front().map(Queued::epoch);
         let mut batch = Vec::new();
         let mut bytes = 0;
         while let Some(next) = state.queue.front() {
-            let item = size(&next.outgoing.message);
+            let item = next.wire_size();
             // One epoch per batch: the relay's epoch fence then refuses a tail of it at most.
             if !batch.is_empty()
-                && (!fits(batch.len() + 1, bytes + item) || Some(next.outgoing.epoch) != epoch)
+                && (!fits(batch.len() + 1, bytes + item) || Some(next.epoch()) != epoch)
             {
                 break;
             }

@@ -7,9 +7,11 @@
 //! message gone) nor recorded but not encrypted. The outbox holds ciphertexts only: resending
 //! one gives the relay the same bytes, hence the same idempotency key (the SHA-256 of the
 //! message, see `proto/relay.proto`), and a file read by someone else discloses nothing the
-//! relay does not see (our own message keys are deleted once used). A per-channel count of
-//! every message ever recorded lets an application resume its own numbering after a crash.
-//! The SDK's client deletes a message once the relay has settled it (see `static-client`).
+//! relay does not see (our own message keys are deleted once used). Messages have places 1, 2,
+//! 3, ... per channel, and the last place is kept across deletions: with what the SDK's client
+//! journals before encryption (`static-client`'s `journal`), it counts every message ever
+//! accepted, so an application resumes its own numbering after a crash. The client deletes a
+//! message once the relay has settled it.
 
 use rusqlite::{Connection, OptionalExtension};
 
@@ -32,10 +34,8 @@ pub struct Outgoing {
 }
 
 /// Creates the outbox's tables (idempotent; part of opening the store). A message's row is
-/// keyed by its channel and place, with no other index, so that recording one (a transaction
-/// per `send_pipelined`, the hot path) writes one page of it, beside the ratchet's: with a
-/// rowid, a secondary index and a count updated per message it wrote four (alice's CPU per
-/// pipelined message: 144 us against 51 before the outbox, see `bench/e2e.py`).
+/// keyed by its channel and place, with no other index and no count updated per message, so
+/// that recording a batch writes few pages beside the ratchet's.
 pub(crate) fn create_tables(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS static_outbox (
@@ -81,22 +81,21 @@ fn recorded(conn: &Connection, name: &str) -> Result<i64, StoreError> {
     Ok(kept.unwrap_or(0).max(settled.unwrap_or(0)))
 }
 
-/// Records `messages` (encrypted at `epoch`) at the end of the channel's outbox.
+/// Records `messages` (encrypted at `epoch`) at `places` of the channel's outbox.
 fn push(
     conn: &Connection,
     name: &str,
+    places: &[i64],
     epoch: u64,
     messages: Vec<Vec<u8>>,
 ) -> Result<Vec<Outgoing>, StoreError> {
     let recorded_ms = now_ms();
-    let mut id = recorded(conn, name)?;
     let mut insert = conn.prepare_cached(
         "INSERT INTO static_outbox (name, id, epoch, message, recorded_ms)
          VALUES (?1, ?2, ?3, ?4, ?5)",
     )?;
     let mut out = Vec::with_capacity(messages.len());
-    for message in messages {
-        id += 1;
+    for (&id, message) in places.iter().zip(messages) {
         insert.execute((name, id, to_i64(epoch), &message, recorded_ms))?;
         out.push(Outgoing {
             id,
@@ -139,10 +138,16 @@ fn list(conn: &Connection, name: &str) -> Result<Vec<Outgoing>, StoreError> {
     Ok(rows.collect::<rusqlite::Result<_>>()?)
 }
 
-/// Deletes the channel's outbox messages up to `upto`, remembering that place.
+/// Deletes the channel's outbox messages up to `upto`, remembering that place. Without
+/// `secure_delete`: the rows are ciphertexts the relay has, and zeroing their pages doubled what
+/// a batch wrote.
 fn settle(conn: &Connection, name: &str, upto: i64) -> Result<(), StoreError> {
-    conn.prepare_cached("DELETE FROM static_outbox WHERE name = ?1 AND id <= ?2")?
-        .execute((name, upto))?;
+    conn.pragma_update(None, "secure_delete", false)?;
+    let deleted = conn
+        .prepare_cached("DELETE FROM static_outbox WHERE name = ?1 AND id <= ?2")
+        .and_then(|mut stmt| stmt.execute((name, upto)));
+    conn.pragma_update(None, "secure_delete", true)?;
+    deleted?;
     conn.prepare_cached(
         "INSERT INTO static_outbox_settled (name, upto) VALUES (?1, ?2)
          ON CONFLICT (name) DO UPDATE SET upto = max(upto, excluded.upto)",
@@ -152,16 +157,27 @@ fn settle(conn: &Connection, name: &str, upto: i64) -> Result<(), StoreError> {
 }
 
 impl Engine {
-    /// Encrypts `payloads` (in order, at the group's current epoch) and records them in the
-    /// channel's outbox, in one transaction that does not wait for the disk: the caller MUST
-    /// call [`Engine::sync_before_send`] before a message leaves the process (see
+    /// Encrypts `payloads` (in order, at the group's current epoch) and records them at
+    /// `places` of the channel's outbox (places the caller numbers on from
+    /// [`Engine::outbox_recorded`]), in one transaction that does not wait for the disk: the
+    /// caller MUST call [`Engine::sync_before_send`] before a message leaves the process (see
     /// [`Engine::encrypt_many_unsynced`]). Once this returns, the messages survive the process
     /// being killed.
-    pub fn encrypt_to_outbox(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Outgoing>> {
-        let messages = self.encrypt_then(channel, payloads, false, |conn, epoch, messages| {
-            Ok(push(conn, channel, epoch, messages)?)
-        })?;
-        Ok(messages)
+    /// `settled`: a place up to which the relay settled the outbox since, deleted in the
+    /// same transaction (see [`Engine::outbox_settled`]), which saves one per batch.
+    pub fn encrypt_to_outbox(
+        &self,
+        channel: &str,
+        settled: Option<i64>,
+        places: &[i64],
+        payloads: &[&[u8]],
+    ) -> Result<Vec<Outgoing>> {
+        self.encrypt_then(channel, payloads, false, |conn, epoch, messages| {
+            if let Some(upto) = settled {
+                settle(conn, channel, upto)?;
+            }
+            Ok(push(conn, channel, places, epoch, messages)?)
+        })
     }
 
     /// Encrypts again, at the group's current epoch, the outbox messages `ids` (whose
@@ -202,7 +218,7 @@ impl Engine {
         self.with_db(|db| db.light_transaction(|conn| Ok(settle(conn, channel, upto_id)?)))
     }
 
-    /// How many messages the channel's outbox ever recorded (every
+    /// The last place the channel's outbox recorded or settled (every
     /// [`Engine::encrypt_to_outbox`] that returned, as far as the disk kept it).
     pub fn outbox_recorded(&self, channel: &str) -> Result<u64> {
         self.with_db(|db| Ok(to_u64(recorded(&db.conn, channel)?)))
@@ -225,8 +241,10 @@ mod tests {
             let a = Engine::open(&a_dir, b"alice").unwrap();
             let b = Engine::open(&b_dir, b"bob").unwrap();
             two_member_group(&a, &b, CH).unwrap();
-            let first = a.encrypt_to_outbox(CH, &[b"one", b"two"]).unwrap();
-            let second = a.encrypt_to_outbox(CH, &[b"three"]).unwrap();
+            let first = a
+                .encrypt_to_outbox(CH, None, &[1, 2], &[b"one", b"two"])
+                .unwrap();
+            let second = a.encrypt_to_outbox(CH, None, &[3], &[b"three"]).unwrap();
             assert!(first[0].id < first[1].id && first[1].id < second[0].id);
             // The receiver reads what the outbox holds.
             for (m, want) in first
@@ -248,12 +266,15 @@ mod tests {
         a.outbox_settled(CH, ids[1]).unwrap();
         let kept: Vec<i64> = a.outbox(CH).unwrap().iter().map(|m| m.id).collect();
         assert_eq!(kept, [ids[2]]);
-        // The count covers every message recorded, settled or not, and places go on from it.
+        // The count covers every message recorded, settled or not.
         assert_eq!(a.outbox_recorded(CH).unwrap(), 3);
         a.outbox_settled(CH, ids[2]).unwrap();
         assert!(a.outbox(CH).unwrap().is_empty());
         assert_eq!(a.outbox_recorded(CH).unwrap(), 3);
-        assert_eq!(a.encrypt_to_outbox(CH, &[b"four"]).unwrap()[0].id, 4);
+        // What was settled meanwhile goes with the next batch's transaction.
+        let next = a.encrypt_to_outbox(CH, Some(3), &[4], &[b"four"]).unwrap();
+        let kept: Vec<i64> = a.outbox(CH).unwrap().iter().map(|m| m.id).collect();
+        assert_eq!(kept, [next[0].id]);
     }
 
     #[test]
@@ -262,7 +283,9 @@ mod tests {
         let a = Engine::open(dir.path().join("a"), b"alice").unwrap();
         a.create_group(CH).unwrap();
         let too_large = vec![0; crate::engine::MAX_INPUT_LEN + 1];
-        assert!(a.encrypt_to_outbox(CH, &[b"ok", &too_large]).is_err());
+        assert!(a
+            .encrypt_to_outbox(CH, None, &[1, 2], &[b"ok", &too_large])
+            .is_err());
         assert!(a.outbox(CH).unwrap().is_empty());
         assert_eq!(a.outbox_recorded(CH).unwrap(), 0);
     }
@@ -272,7 +295,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = Engine::open(dir.path().join("a"), b"alice").unwrap();
         a.create_group(CH).unwrap();
-        let first = a.encrypt_to_outbox(CH, &[b"one", b"two"]).unwrap();
+        let first = a
+            .encrypt_to_outbox(CH, None, &[1, 2], &[b"one", b"two"])
+            .unwrap();
         let again = a.reencrypt_outbox(CH, &[first[1].id], &[b"two"]).unwrap();
         assert_eq!(again[0].id, first[1].id);
         assert_ne!(again[0].message, first[1].message);

@@ -563,17 +563,20 @@ impl Channel {
     ) -> PyResult<Option<SendHandle>> {
         let inner = Arc::clone(&self.inner);
         let payload = payload.to_vec();
-        // Even without waiting it writes the outbox: the GIL is released.
-        let handle = native(exit::without_gil(py, move || {
-            inner.send_pipelined(payload, block)
-        }))?;
+        let handle = if block {
+            native(exit::without_gil(py, move || {
+                inner.send_pipelined(payload, true)
+            }))?
+        } else {
+            // Never waits (one write to the journal): no need to release the GIL.
+            native(inner.send_pipelined(payload, false))?
+        };
         Ok(handle.map(|inner| SendHandle { inner }))
     }
 
     /// How many messages `send_pipelined` ever accepted on this channel (its outbox's count).
-    fn pipelined_count(&self, py: Python<'_>) -> PyResult<u64> {
-        let inner = Arc::clone(&self.inner);
-        native(exit::without_gil(py, move || inner.pipelined_count()))
+    fn pipelined_count(&self) -> u64 {
+        self.inner.pipelined_count()
     }
 
     /// Waits until every pipelined send so far is settled; false on timeout.
