@@ -5,7 +5,9 @@ Usage: python -m tests.sdk.pipelined_agent RELAY DATA_DIR IDENTITY CHANNEL TOTAL
 Reopens CHANNEL from DATA_DIR and sends messages ``b"%06d" % i`` with ``send_pipelined`` for i
 from where the channel's ``pipelined_count()`` says it stopped up to TOTAL, then flushes. It
 never resends: what an earlier run's ``send_pipelined`` accepted is counted, and its outbox
-sends it. Prints ``ready <first i>``, ``at <i>`` every 500 messages, and ``done`` (flushed).
+sends it. Prints ``ready <first i>``, ``at <i>`` every 500 messages (then waits for a line on
+stdin, so that the test may kill it within a few hundred messages of a point it chooses), and
+``done`` (flushed).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
             channel.send_pipelined(b"%06d" % i)
             if i % PROGRESS_EVERY == 0:
                 print(f"at {i}", flush=True)
+                sys.stdin.readline()
         channel.flush(60)
         print("done", flush=True)
 
