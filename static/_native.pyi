@@ -160,8 +160,10 @@ class Channel:
         received, applied, a message handed out. For benchmarks."""
     def send(self, payload: bytes) -> None: ...
     def send_pipelined(self, payload: bytes, block: bool = True) -> SendHandle | None:
-        """Queues ``payload`` for the channel's sender thread; None only when ``block`` is
-        false and the pipeline is full."""
+        """Records ``payload`` in the channel's outbox journal and queues it for the
+        channel's sender thread; None only when ``block`` is false and the pipeline is full."""
+    def pipelined_count(self) -> int:
+        """How many messages ``send_pipelined`` ever accepted on this channel (durable)."""
     def flush(self, timeout: float | None = None) -> bool:
         """Waits until every pipelined send so far is settled: True, or False on timeout.
         Raises the first failure among them not reported by an earlier flush."""

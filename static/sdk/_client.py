@@ -413,11 +413,15 @@ class Channel(_Closeable):
 
         For high rates from one thread: the channel's sender thread encrypts what is queued
         in batches and publishes them in order, so pipelined messages reach the log (and the
-        other members) in the order they were queued, none twice. A lost connection or a relay
-        restart is ridden out like :meth:`send` does; a message that cannot be sent fails its
-        handle (and the next :meth:`flush`) and never overtakes an earlier one. Blocks only
-        when 8,192 messages (or 64 MiB) are queued. A :meth:`send` from the same thread waits
-        for what it queued before.
+        other members) in the order they were queued, none twice. Once this returns the
+        message is in ``data_dir`` (the channel's outbox): if the process dies before the
+        relay has it, the next opening of the channel sends it first (with the same bytes if
+        it was encrypted), and the relay stores it once; :meth:`pipelined_count` tells a
+        restarted program where it was. A lost
+        connection or a relay restart is ridden out like :meth:`send` does; a message that
+        cannot be sent fails its handle (and the next :meth:`flush`) and never overtakes an
+        earlier one. Blocks only when 8,192 messages (or 64 MiB) are queued. A :meth:`send`
+        from the same thread waits for what it queued before.
 
         :raises TransportError: the payload exceeds :data:`MAX_PAYLOAD` bytes.
         :raises RuntimeError: (a subclass) the channel has ended.
@@ -425,6 +429,12 @@ class Channel(_Closeable):
         handle = self._native.send_pipelined(_check_bytes("payload", payload))
         assert handle is not None  # blocking: never None
         return SendHandle(handle)
+
+    def pipelined_count(self) -> int:
+        """How many messages :meth:`send_pipelined` ever accepted on this channel in this
+        ``data_dir`` (every call that returned, across crashes and reopenings): a program that
+        numbers its messages resumes from it after a crash, and resends nothing."""
+        return self._native.pipelined_count()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every message queued with :meth:`send_pipelined` so far is in the log
@@ -528,6 +538,10 @@ class Channel(_Closeable):
             handle = await _in_thread(self._native.send_pipelined, payload)
         assert handle is not None
         return SendHandle(handle)
+
+    async def pipelined_count_async(self) -> int:
+        """Async :meth:`pipelined_count` (it never waits)."""
+        return self._native.pipelined_count()
 
     async def flush_async(self) -> None:
         """Async :meth:`flush` (bound the wait with ``anyio.fail_after`` or the like: it waits

@@ -12,7 +12,8 @@ use crate::commit::{CommitMaker, Committer};
 use crate::config::MAX_PAYLOAD;
 use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
-use crate::pipeline::{SendHandle, Submitted};
+use crate::journal::Journal;
+use crate::pipeline::SendHandle;
 use crate::publisher::{Destination, Outbound, Outcome};
 use crate::reader::Follower;
 use crate::retry::Retry;
@@ -136,6 +137,24 @@ impl Channel {
         };
         subscriptions.follow(follower);
         *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
+        // What an earlier opening left goes first: the outbox's messages as they were, then
+        // the journal's payloads it had not encrypted yet.
+        let outbox = engine.outbox(name)?;
+        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
+        let (journal, journaled) = Journal::open(engine.data_dir(), name)?;
+        let journaled: Vec<_> = journaled
+            .into_iter()
+            .filter(|(place, _)| *place > recorded)
+            .collect();
+        let last_place = journaled.last().map_or(recorded, |(place, _)| *place);
+        // Segments the outbox already covers (a deletion a crash interrupted).
+        journal.forget_upto(recorded);
+        let _ = core.pipeline.journal.set(journal);
+        let left = !outbox.is_empty() || !journaled.is_empty();
+        core.pipeline.preload(outbox, journaled, last_place);
+        if left {
+            channel.sender().start()?;
+        }
         Ok(channel)
     }
 
@@ -302,10 +321,12 @@ impl Channel {
         }
     }
 
-    /// Queues `payload` to be encrypted and published in order after what this channel's
-    /// pipeline already holds, and returns at once (see `sender`). Waits while the pipeline
-    /// is full, unless `block` is false: then `Ok(None)` (also while the relay has not
-    /// answered this client yet, since reaching it may take up to the connect timeout).
+    /// Records `payload` in the channel's journal (in the OS's hands when this returns: a
+    /// killed process loses nothing, see `journal`) and queues it to be encrypted into the
+    /// outbox and published in order after what this channel's pipeline already holds (see
+    /// `sender`). Waits while the pipeline is full, unless `block` is false: then `Ok(None)`
+    /// (also while the relay has not answered this client yet, since reaching it may take up
+    /// to the connect timeout).
     pub fn send_pipelined(&self, payload: Vec<u8>, block: bool) -> Result<Option<SendHandle>> {
         let core = &self.core;
         check_payload(&payload)?;
@@ -316,19 +337,30 @@ impl Channel {
             }
             self.reach()?;
         }
-        match core
-            .pipeline
-            .submit(payload, block, || core.check_usable())?
-        {
-            Submitted::Full => Ok(None),
-            Submitted::Queued(handle) => {
-                self.sender().start()?;
-                Ok(Some(handle))
-            }
+        if !core.pipeline.wait_for_room(block, || core.check_usable())? {
+            return Ok(None);
         }
+        let journal = core
+            .pipeline
+            .journal
+            .get()
+            .ok_or_else(|| Error::Internal("the channel has no outbox journal".into()))?;
+        let handle = core
+            .pipeline
+            .submit(payload, |place, payload| journal.append(place, payload))?;
+        self.sender().start()?;
+        Ok(Some(handle))
     }
 
-    /// How many messages were queued with [`Channel::send_pipelined`] so far.
+    /// How many messages [`Channel::send_pipelined`] ever accepted on this channel in this
+    /// data directory (a count an application can resume from after a crash: every call that
+    /// returned is in it).
+    pub fn pipelined_count(&self) -> u64 {
+        u64::try_from(self.core.pipeline.last_place()).unwrap_or(0)
+    }
+
+    /// How many messages were queued on the pipeline by this opening (the outbox an earlier
+    /// opening left included).
     pub fn pipelined(&self) -> u64 {
         self.core.pipeline.submitted()
     }

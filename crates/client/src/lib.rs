@@ -43,6 +43,7 @@ mod encrypt;
 mod entry;
 mod error;
 mod inbox;
+mod journal;
 mod own;
 mod pipeline;
 mod publisher;

@@ -1356,6 +1356,18 @@ impl Engine {
         payloads: &[&[u8]],
         durable: bool,
     ) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_then(channel, payloads, durable, |_, _, messages| Ok(messages))
+    }
+
+    /// Encrypts `payloads` in one transaction and hands the messages, with their epoch, to
+    /// `record`, inside that transaction (the outbox records them there: `crate::outbox`).
+    pub(crate) fn encrypt_then<T>(
+        &self,
+        channel: &str,
+        payloads: &[&[u8]],
+        durable: bool,
+        record: impl FnOnce(&rusqlite::Connection, u64, Vec<Vec<u8>>) -> Result<T>,
+    ) -> Result<T> {
         for payload in payloads {
             check_payload(payload)?;
         }
@@ -1366,11 +1378,17 @@ impl Engine {
             if payloads.len() > 1 {
                 provider.storage().defer_message_secrets();
             }
-            payloads
+            let messages = payloads
                 .iter()
                 .map(|payload| create_message(group, provider, &self.signer, channel, payload))
-                .collect()
+                .collect::<Result<Vec<_>>>()?;
+            record(conn, group.epoch().as_u64(), messages)
         })
+    }
+
+    /// Runs `f` on the open database.
+    pub(crate) fn with_db<T>(&self, f: impl FnOnce(&Db) -> Result<T>) -> Result<T> {
+        f(&lock(&self.db))
     }
 
     /// Where the channel's processing resumes in the relay's log.

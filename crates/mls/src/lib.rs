@@ -16,6 +16,7 @@ pub mod channel_name;
 pub mod crypto;
 pub mod engine;
 pub mod error;
+pub mod outbox;
 pub mod storage;
 pub mod store;
 
@@ -29,6 +30,7 @@ pub use error::{
     GroupLookupError, InternalError, InvalidKeyPackage, JoinError, KeyPackageError, LeaveError,
     OpenError, ProcessError, RemoveMemberError, Result,
 };
+pub use outbox::Outgoing;
 pub use store::Cursor;
 
 /// The crate version, reported by `static._native.__version__`.

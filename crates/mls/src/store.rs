@@ -637,6 +637,7 @@ impl Db {
                  name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
              );",
         )?;
+        crate::outbox::create_tables(&conn)?;
         // Inboxes of an older version: the message's epoch and the publishing account came later
         // (an old row reads as epoch 0, account unknown).
         for (column, ddl) in [

@@ -581,10 +581,15 @@ impl Channel {
                 inner.send_pipelined(payload, true)
             }))?
         } else {
-            // Never waits: no need to release the GIL.
+            // Never waits (one write to the journal): no need to release the GIL.
             native(inner.send_pipelined(payload, false))?
         };
         Ok(handle.map(|inner| SendHandle { inner }))
+    }
+
+    /// How many messages `send_pipelined` ever accepted on this channel (its outbox's count).
+    fn pipelined_count(&self) -> u64 {
+        self.inner.pipelined_count()
     }
 
     /// Waits until every pipelined send so far is settled; false on timeout.

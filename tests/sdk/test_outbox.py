@@ -1,0 +1,203 @@
+"""The outbox: what ``send_pipelined`` accepted survives the sender's crash, and the next opening
+sends it first, with the same bytes, so that the other members read every message exactly once
+and in order without the program resending anything; across commits, a resent message is
+delivered or its loss is reported."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import selectors
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from static_sdk import TransportError
+from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support.server import ServerProcess, restartable_args
+
+#: Messages of the kill test, and how many times the sender is killed on the way.
+TOTAL = 20_000
+KILLS = 6
+
+
+class _Sender:
+    """tests/sdk/pipelined_agent.py in a subprocess, its stdout read line by line."""
+
+    def __init__(self, relay: str, data_dir: Path, name: str, total: int) -> None:
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tests.sdk.pipelined_agent"),
+                *(relay, str(data_dir), "alice", name, str(total)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parents[2],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
+        self.buffer = b""
+
+    def line(self, timeout: float = WAIT) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the sender said nothing within {timeout} s")
+            if self.selector.select(0.1):
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise AssertionError(f"the sender ended (exit {self.proc.wait(WAIT)})")
+                self.buffer += chunk
+        raw, self.buffer = self.buffer.split(b"\n", 1)
+        return raw.decode()
+
+    def go_on(self) -> None:
+        """Lets it send the next 500 messages."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"\n")
+        self.proc.stdin.flush()
+
+    def end(self, kill: bool) -> None:
+        if kill:
+            self.proc.send_signal(signal.SIGKILL)
+        code = self.proc.wait(WAIT)
+        self.selector.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        assert kill or code == 0, f"the sender exited with {code}"
+
+
+def test_a_sender_killed_again_and_again_sends_each_message_once(
+    relay: ServerProcess, clients: Clients, tmp_path: Path
+) -> None:
+    name = channel_name()
+    alice_dir = tmp_path / "alice-data"
+    alice, bob = clients(relay, b"alice", data_dir=alice_dir), clients(relay, b"bob")
+    bobs = bob.join_channel(name, alice.create_channel(name).add_member(bob.generate_key_package()))
+    # Alice's data_dir goes to the sending processes.
+    alice.close()
+    received: list[bytes] = []
+    all_in = threading.Event()
+
+    def read() -> None:
+        for message in bobs.messages():
+            received.append(message)
+            if len(received) == TOTAL:
+                break
+        all_in.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
+    starts = []
+    for _ in range(KILLS):
+        sender = _Sender(relay.relay_url, alice_dir, name, TOTAL)
+        try:
+            ready = sender.line()
+            starts.append(int(ready.split()[1]))
+            # Killed 1-3 progress points (500 messages apart) on, a random moment after it
+            # was let go on: in the middle of queueing, encrypting and publishing.
+            for _ in range(rng.randint(1, 3)):
+                assert sender.line().startswith("at"), f"no progress (seed {seed})"
+                sender.go_on()
+            time.sleep(rng.uniform(0, 0.02))
+        finally:
+            sender.end(kill=True)
+    last = _Sender(relay.relay_url, alice_dir, name, TOTAL)
+    try:
+        starts.append(int(last.line().split()[1]))
+        while last.line() != "done":
+            last.go_on()
+    finally:
+        last.end(kill=False)
+    assert all_in.wait(WAIT), f"received {len(received)} of {TOTAL} (seed {seed}, runs {starts})"
+    expected = [b"%06d" % i for i in range(TOTAL)]
+    first_wrong = next(
+        (i for i, (got, want) in enumerate(zip(received, expected, strict=True)) if got != want),
+        None,
+    )
+    assert first_wrong is None, (
+        f"message {first_wrong} is {received[first_wrong]!r} (seed {seed}, runs {starts})"
+    )
+    # Nothing came twice: nothing more arrives.
+    with pytest.raises(TimeoutError):
+        bobs.receive(0.5)
+    # Each run went on from where the one before it was killed, and got somewhere.
+    assert starts == sorted(starts) and len(set(starts)) == len(starts), starts
+
+
+def _encrypted(data_dir: Path) -> int:
+    """How many messages the sender has encrypted into the outbox, once it has some: its first
+    batch, which it publishes (against a relay that is down) before it encrypts another."""
+    deadline = time.monotonic() + WAIT
+    with contextlib.closing(sqlite3.connect(data_dir / "mls.sqlite3")) as db:
+        while (count := db.execute("SELECT count(*) FROM static_outbox").fetchone()[0]) == 0:
+            assert time.monotonic() < deadline, "the sender encrypted nothing"
+            time.sleep(0.02)
+    assert isinstance(count, int)
+    return count
+
+
+@pytest.mark.parametrize(
+    ("rotations", "delivered"),
+    # The relay accepts application messages of the 5 epochs before the channel's (its
+    # --relay-application-window), and members keep those epochs' secrets (PAST_EPOCHS).
+    [(3, True), (7, False)],
+    ids=["within-the-window", "beyond-the-window"],
+)
+def test_an_outbox_resent_after_commits_is_delivered_or_reported(
+    start_server: Callable[..., ServerProcess],
+    clients: Clients,
+    tmp_path: Path,
+    rotations: int,
+    delivered: bool,
+) -> None:
+    server = start_server(*restartable_args("--allow-anonymous"))
+    name = channel_name()
+    alice_dir = tmp_path / "alice-data"
+    alice, bob = clients(server, b"alice", data_dir=alice_dir), clients(server, b"bob")
+    alices = alice.create_channel(name)
+    bobs = bob.join_channel(name, alices.add_member(bob.generate_key_package()))
+    alices.send(b"before")
+    assert receive_n(bobs, 1) == [b"before"]
+    # The relay is down: the messages wait in the outbox, and the client goes away.
+    server.stop()
+    queued = [b"queued %d" % i for i in range(10)]
+    for payload in queued:
+        alices.send_pipelined(payload)
+    # Some are encrypted (at this epoch) into the outbox before the client goes, which a
+    # reopening cannot encrypt again; the others are only journaled.
+    encrypted = _encrypted(alice_dir)
+    alice.close()
+    server.start()
+    for _ in range(rotations):
+        bobs.rotate_keys()
+    reopened = clients(server, b"alice", data_dir=alice_dir).open_channel(name)
+    assert reopened.pipelined_count() == len(queued)
+    if delivered:
+        reopened.flush(WAIT)
+        assert receive_n(bobs, len(queued)) == queued
+    else:
+        # Encrypted at an epoch the relay no longer takes, and the outbox keeps no plaintext
+        # to encrypt it again: each such message fails, said at the next flush. Those only
+        # journaled are encrypted now, at the channel's epoch.
+        with pytest.raises(TransportError, match=r"cannot be sent.*no plaintext"):
+            reopened.flush(WAIT)
+        assert receive_n(bobs, len(queued) - encrypted) == queued[encrypted:]
+    # Either way the channel goes on, and nothing of the outbox comes later.
+    reopened.send(b"after")
+    assert receive_n(bobs, 1) == [b"after"]
+    with pytest.raises(TimeoutError):
+        bobs.receive(0.3)
