@@ -170,6 +170,7 @@ pub fn options() -> ClientOptions {
     ClientOptions {
         connect_timeout: Duration::from_secs(5),
         retry_timeout: Duration::from_secs(20),
+        ca_file: None,
     }
 }
 
@@ -231,7 +232,7 @@ impl Agent {
             self.name.as_bytes(),
             self.tokens.clone(),
             None,
-            self.options,
+            self.options.clone(),
         )
         .unwrap_or_else(|e| panic!("{}: Client::open failed: {e}", self.name));
         self.client = Some(client);
