@@ -275,6 +275,23 @@ def test_a_peer_that_never_shakes_hands_holds_its_place_only_until_the_timeout(
             sock.close()
 
 
+def test_the_api_drops_a_peer_that_never_shakes_hands_at_the_timeout(
+    tls_server: Callable[..., ServerProcess], pki: Pki
+) -> None:
+    # The API's handshake timeout is 10 s (ApiSettings; hypercorn's own default is 60 s).
+    server = tls_server("--http-max-connections-per-address", "1")
+    address = _address(server.http_url)
+    with socket.create_connection(address, timeout=5) as stalled:
+        time.sleep(0.3)
+        # The silent peer holds this address's one place: another connection is closed.
+        with socket.create_connection(address, timeout=5) as second:
+            assert _closed_within(second, 2) < 2
+        took = _closed_within(stalled, 20)
+    assert 8 < took < 16, took
+    trusted = ssl.create_default_context(cafile=str(pki.ca))
+    assert httpx.get(f"{server.http_url}/healthz", verify=trusted).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

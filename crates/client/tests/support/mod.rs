@@ -203,7 +203,7 @@ impl Agent {
             name.as_bytes(),
             tokens.clone(),
             None,
-            options,
+            options.clone(),
         )
         .unwrap_or_else(|e| panic!("{name}: Client::open failed: {e}"));
         Agent {
