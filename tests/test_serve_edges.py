@@ -89,7 +89,14 @@ def test_a_fresh_data_dir_and_its_files_are_owner_only(running: ServerProcess) -
     data = running.data_dir
     # Some traffic, so that SQLite has made its -wal and -shm files (the relay's writer too).
     assert httpx.post(f"{running.http_url}/v1/accounts", json={"email": "m@x.io"}).is_success
-    names = {"static.db", "static.db-wal", "static.db-shm", "static.db.lock"}
+    names = {
+        *(
+            f"{db}{suffix}"
+            for db in ("static.db", "static-relay.db")
+            for suffix in ("", "-wal", "-shm")
+        ),
+        "static.db.lock",
+    }
     assert names <= {path.name for path in data.iterdir()}, sorted(data.iterdir())
     for name in names:
         assert _mode(data / name) == 0o600, (name, oct(_mode(data / name)))
