@@ -263,7 +263,9 @@ def bench_backend(backend: str, loader: str, connections: int, duration: float) 
     else:
         database_url = f"sqlite:///{workdir / 'static.db'}"
     server = ServerProcess(
-        workdir / "server", database_url, ["--signup-rate", "off", "--key-rate", "off"]
+        workdir / "server",
+        database_url,
+        ["--signup-rate", "off", "--key-rate", "off", "--auth-failure-rate", "off"],
     ).start()
     baseline = Baseline()
     try:

@@ -11,7 +11,10 @@ examples/blocking_agents.py --relay ... --api-url http://127.0.0.1:8080``.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import traceback
+from collections.abc import Callable
 
 from _common import Options, parse
 
@@ -47,20 +50,39 @@ def bob(opts: Options, key_packages: queue.Queue[bytes], welcomes: queue.Queue[b
             channel.send(b"answer to " + message)
 
 
-def main() -> None:
+Agent = Callable[[Options, "queue.Queue[bytes]", "queue.Queue[bytes]"], None]
+
+
+def main() -> int:
     opts = parse(__doc__ or "")
     key_packages: queue.Queue[bytes] = queue.Queue()
     welcomes: queue.Queue[bytes] = queue.Queue()
-    threads = [
-        threading.Thread(target=agent, args=(opts, key_packages, welcomes))
-        for agent in (alice, bob)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Each agent's outcome: None, or its failure (then the other one may wait forever: the
+    # program ends at the first failure, with a non-zero exit code).
+    outcomes: queue.Queue[BaseException | None] = queue.Queue()
+
+    def run(agent: Agent) -> None:
+        try:
+            agent(opts, key_packages, welcomes)
+        except Exception as exc:  # noqa: BLE001 - any failure ends the program non-zero
+            traceback.print_exc()
+            outcomes.put(exc)
+        else:
+            outcomes.put(None)
+
+    for agent in (alice, bob):
+        threading.Thread(target=run, args=(agent,), daemon=True).start()
+    for _ in range(2):
+        try:
+            failure = outcomes.get(timeout=60)
+        except queue.Empty:
+            print("the agents did not finish within 60 s", file=sys.stderr)
+            return 1
+        if failure is not None:
+            return 1
     print("done", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The client-side error hierarchy: one class per row of the spec's error table (SPEC §7).
+"""The client-side error hierarchy: one class per row of the error table (docs/sdk.md, Errors).
 
 Every class subclasses ``RuntimeError`` (the spec says all methods raise RuntimeError) and every
 message begins with the class's prefix. These classes are defined here once; the native extension

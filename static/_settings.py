@@ -6,7 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Address", "ApiSettings", "RateLimit", "RelaySettings", "ServerSettings", "TlsSettings"]
+__all__ = [
+    "Address",
+    "ApiSettings",
+    "LogSettings",
+    "RateLimit",
+    "RelaySettings",
+    "ServerSettings",
+    "TlsSettings",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,11 @@ class RateLimit:
         return f"{self.requests}/{self.per_seconds:g}"
 
 
+#: The longest lifetime ``--token-ttl`` allows, and so the largest ``exp - iat`` a token may
+#: carry to be accepted.
+MAX_TOKEN_TTL_SECONDS = 86_400
+
+
 @dataclass(frozen=True, slots=True)
 class ApiSettings:
     """The HTTP API's knobs."""
@@ -75,6 +88,10 @@ class ApiSettings:
     signup_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(10, 60))
     #: Authenticated requests per API key (JWTs count against the key they came from).
     key_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(600, 60))
+    #: Failed authentications (401s of every authenticating route; refused tokens on the
+    #: relay, a budget of its own) per client address (an IPv6 client's /64); past it, 429
+    #: (RESOURCE_EXHAUSTED) until the bucket refills. None disables.
+    auth_failure_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(100, 60))
     #: Seconds between writes of the coalesced ``last_used_at`` updates.
     last_used_flush_seconds: float = 0.5
     #: Connections served at once, overall and per client address (an IPv6 client's /64);
@@ -103,6 +120,17 @@ class RelaySettings:
 
 
 @dataclass(frozen=True, slots=True)
+class LogSettings:
+    """Logging of ``static serve`` (set up by ``static.cli.main``, ``static._logging``)."""
+
+    #: ``debug``, ``info``, ``warning`` or ``error``: the HTTP access log is at info, the
+    #: relay's at info for refusals and debug for every call.
+    level: str = "info"
+    #: ``text`` or ``json`` (one object a line).
+    format: str = "text"
+
+
+@dataclass(frozen=True, slots=True)
 class TlsSettings:
     """The PEM certificate chain (leaf first) and private key both ports serve TLS with."""
 
@@ -121,6 +149,9 @@ class ServerSettings:
     database_url: str | None = None
     api: ApiSettings = field(default_factory=ApiSettings)
     relay_settings: RelaySettings = field(default_factory=RelaySettings)
+    #: Where ``GET /metrics`` is served alone (``--metrics``); None: on the HTTP port.
+    metrics: Address | None = None
+    log: LogSettings = field(default_factory=LogSettings)
     #: TLS on both ports (``--tls-cert``/``--tls-key``); None serves plaintext.
     tls: TlsSettings | None = None
 

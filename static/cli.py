@@ -20,8 +20,10 @@ import trio
 
 import static
 from static._settings import (
+    MAX_TOKEN_TTL_SECONDS,
     Address,
     ApiSettings,
+    LogSettings,
     RateLimit,
     RelaySettings,
     ServerSettings,
@@ -190,6 +192,7 @@ def _parser() -> argparse.ArgumentParser:
             f"(default {getattr(defaults.api, field_name)}, lowered to fit the open-file limit "
             "when unset)",
         )
+    _observability_flags(serve, defaults)
     serve.add_argument(
         "--token-ttl",
         type=int,
@@ -214,12 +217,51 @@ def _parser() -> argparse.ArgumentParser:
         help="authenticated requests allowed per API key (JWTs count against their key); "
         "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
     )
+    serve.add_argument(
+        "--auth-failure-rate",
+        type=RateLimit.parse,
+        default=_env(
+            "STATIC_AUTH_FAILURE_RATE", str(defaults.api.auth_failure_rate_limit or "off")
+        ),
+        metavar="N/SECONDS",
+        help="failed authentications allowed per client address, on each port (then 429, "
+        "or RESOURCE_EXHAUSTED on the relay): bursts of N, N per SECONDS; 'off' disables "
+        "[STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
+    )
     return parser
 
 
+def _observability_flags(serve: argparse.ArgumentParser, defaults: ServerSettings) -> None:
+    """``--log-level``, ``--log-format``, ``--metrics`` (docs/design.md "Observability")."""
+    from static._logging import LOG_FORMATS, LOG_LEVELS
+
+    serve.add_argument(
+        "--log-level",
+        choices=list(LOG_LEVELS),
+        default=_env("STATIC_LOG_LEVEL", defaults.log.level).lower(),
+        help="least severe log records written to stderr; the relay logs every call at debug "
+        "[STATIC_LOG_LEVEL] (default %(default)s)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=list(LOG_FORMATS),
+        default=_env("STATIC_LOG_FORMAT", defaults.log.format).lower(),
+        help="log records as text or as JSON lines [STATIC_LOG_FORMAT] (default %(default)s)",
+    )
+    metrics = os.environ.get("STATIC_METRICS")
+    serve.add_argument(
+        "--metrics",
+        type=Address.parse,
+        default=Address.parse(metrics) if metrics else defaults.metrics,
+        metavar="HOST:PORT",
+        help="serve GET /metrics on this address alone (not on the HTTP port) [STATIC_METRICS] "
+        "(default: on the HTTP port)",
+    )
+
+
 def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
-    if not 1 <= args.token_ttl <= 86400:
-        raise ValueError("--token-ttl must be between 1 and 86400 seconds")
+    if not 1 <= args.token_ttl <= MAX_TOKEN_TTL_SECONDS:
+        raise ValueError(f"--token-ttl must be between 1 and {MAX_TOKEN_TTL_SECONDS} seconds")
     options = _relay_options()
     _fit_connections(args, options, open_files)
     for option in options:
@@ -236,12 +278,15 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
             token_ttl_seconds=args.token_ttl,
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
+            auth_failure_rate_limit=args.auth_failure_rate,
             **{field_name: getattr(args, _dest(flag)) for flag, field_name, _ in _HTTP_CAPS},
         ),
         relay_settings=RelaySettings(
             allow_anonymous=args.allow_anonymous,
             tunables={option.name: getattr(args, option.dest) for option in options},
         ),
+        metrics=args.metrics,
+        log=LogSettings(level=args.log_level, format=args.log_format),
         tls=_tls(args.tls_cert, args.tls_key),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused
@@ -343,6 +388,8 @@ async def _run(settings: ServerSettings) -> None:
             bound = await nursery.start(serve, settings, shutdown)
             print(f"http: {bound.http_url}", flush=True)
             print(f"relay: {bound.relay_url}", flush=True)
+            if bound.metrics_url is not None:
+                print(f"metrics: {bound.metrics_url}", flush=True)
             async for _ in signals:
                 shutdown.set()
                 break
@@ -353,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         settings = _settings(args, _raise_open_file_limit())
+        from static._logging import configure_logging
+
+        configure_logging(settings.log.level, settings.log.format)
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2

@@ -8,14 +8,15 @@ exit codes belong to ``static.cli.main`` alone: :func:`serve` stops when ``shutd
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
 from static._datadir import hold_database, prepare_data_dir
 from static._settings import ServerSettings
-from static.api import serve_http
+from static.api import serve_http, serve_metrics
 from static.auth import open_authority
-from static.relay import serve_relay
+from static.relay import RelayHandle, serve_relay
 from static.store import open_database
 
 __all__ = ["BoundServer", "serve"]
@@ -27,6 +28,8 @@ class BoundServer:
 
     http_url: str
     relay_url: str
+    #: Where ``GET /metrics`` is served alone (``--metrics``), else None (the HTTP port).
+    metrics_url: str | None = None
 
 
 async def serve(
@@ -50,6 +53,17 @@ async def serve(
         open_authority(db, settings.api) as authority,
         trio.open_nursery() as nursery,
     ):
-        http_url: str = await nursery.start(serve_http, db, settings, authority, shutdown)
-        relay_url: str = await nursery.start(serve_relay, settings, authority, shutdown)
-        task_status.started(BoundServer(http_url=http_url, relay_url=relay_url))
+        # What /readyz and /metrics read of the relay, once it listens.
+        relay = RelayHandle()
+        http_url: str = await nursery.start(
+            partial(serve_http, relay=relay), db, settings, authority, shutdown
+        )
+        relay_url: str = await nursery.start(
+            partial(serve_relay, handle=relay), settings, authority, shutdown
+        )
+        metrics_url = None
+        if settings.metrics is not None:
+            metrics_url = await nursery.start(serve_metrics, settings, relay, shutdown)
+        task_status.started(
+            BoundServer(http_url=http_url, relay_url=relay_url, metrics_url=metrics_url)
+        )

@@ -1,4 +1,4 @@
-"""The client error hierarchy and the channel-name rule (SPEC §7, client library)."""
+"""The client error hierarchy and the channel-name rule (docs/sdk.md, Errors)."""
 
 import pytest
 

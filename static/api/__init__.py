@@ -1,6 +1,16 @@
 """The HTTP API: a Quart-Trio app served by hypercorn's trio worker."""
 
 from static.api._app import create_app
+from static.api._observe import serve_metrics
+from static.api._ratelimit import AuthFailureLimiter, client_key
 from static.api._serve import hypercorn_config, serve_app, serve_http
 
-__all__ = ["create_app", "hypercorn_config", "serve_app", "serve_http"]
+__all__ = [
+    "AuthFailureLimiter",
+    "client_key",
+    "create_app",
+    "hypercorn_config",
+    "serve_app",
+    "serve_http",
+    "serve_metrics",
+]

@@ -8,9 +8,11 @@ traceback, and a storage failure is a 503.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,8 +31,11 @@ from static.api._errors import (
     TooManyRequests,
     Unauthorized,
 )
+from static.api._observe import RelayStatus
+from static.api._observe import authenticated as observed
+from static.api._observe import install as install_observability
 from static.api._openapi import openapi_document
-from static.api._ratelimit import RateLimiter, client_key
+from static.api._ratelimit import AuthFailureLimiter, RateLimiter, client_key
 from static.api._validation import (
     bearer_token,
     parse_json_object,
@@ -109,8 +114,14 @@ def _error_response(exc: BaseException) -> Response:
     return _json({"error": "internal error"}, 500)
 
 
-def create_app(db: Database, settings: ServerSettings, authority: Authority) -> QuartTrio:
-    """Build the app over ``db`` and ``authority``."""
+def create_app(
+    db: Database,
+    settings: ServerSettings,
+    authority: Authority,
+    relay: RelayStatus | None = None,
+) -> QuartTrio:
+    """Build the app over ``db`` and ``authority``; ``/readyz`` and ``/metrics`` also read
+    ``relay`` (the relay of the same process) when given."""
     api = settings.api
     store = authority.store
     # No static files: Quart would otherwise serve a /static/<path> route.
@@ -123,7 +134,12 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
     app.url_map.merge_slashes = False
     signup_limiter = RateLimiter(api.signup_rate_limit) if api.signup_rate_limit else None
     key_limiter = RateLimiter(api.key_rate_limit) if api.key_rate_limit else None
+    auth_limiter = (
+        AuthFailureLimiter(api.auth_failure_rate_limit) if api.auth_failure_rate_limit else None
+    )
     openapi = openapi_document()
+    # First: its clock starts before the other hooks run (docs/design.md "Observability").
+    install_observability(app, settings, store, relay)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -144,12 +160,56 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
             raise NotFound()
         return owner.account
 
-    async def api_key_owner() -> KeyOwner:
-        """The caller of a key endpoint, which takes an API key only (a JWT is refused)."""
-        token = bearer_token(request.headers.getlist("Authorization"))
+    def address() -> str:
+        return client_key(request.remote_addr or "")
+
+    def digest(token: str) -> bytes:
+        return hashlib.sha256(token.encode()).digest()
+
+    def refused(where: str, credential: bytes | None, now: float) -> None:
+        assert auth_limiter is not None
+        wait = auth_limiter.wait(where, credential, now)
+        if wait is not None:
+            raise TooManyRequests(wait)
+
+    async def authenticated(check: Callable[[str], Awaitable[KeyOwner]]) -> KeyOwner:
+        """The owner of the request's bearer token as ``check`` finds it; every failure
+        (a 401) counts against the client's address, and an address past its failures is
+        refused (429) before its credential is looked at, unless that credential worked from
+        there lately (``AuthFailureLimiter``)."""
+        if auth_limiter is None:
+            return await check(bearer_token(request.headers.getlist("Authorization")))
+        where, now = address(), time.monotonic()
+        try:
+            token = bearer_token(request.headers.getlist("Authorization"))
+        except Unauthorized:
+            # No credential to recognise: 429 past the address's failures, else this 401.
+            refused(where, None, now)
+            auth_limiter.failed(where, now)
+            raise
+        credential = digest(token)
+        refused(where, credential, now)
+        try:
+            owner = await check(token)
+        except (Unauthorized, Unauthenticated):
+            auth_limiter.failed(where, now)
+            raise
+        auth_limiter.succeeded(where, credential)
+        return owner
+
+    async def key_only(token: str) -> KeyOwner:
         if not is_api_key(token) and looks_like_jwt(token):
             raise Unauthorized("api key required")
-        owner = await authority.authenticate_key(token)
+        return await observed(authority.authenticate_key(token), token)
+
+    async def key_or_token(token: str) -> KeyOwner:
+        if is_api_key(token) or not looks_like_jwt(token):
+            return await observed(authority.authenticate_key(token), token)
+        return await observed(authority.authenticate_token(token), token)
+
+    async def api_key_owner() -> KeyOwner:
+        """The caller of a key endpoint, which takes an API key only (a JWT is refused)."""
+        owner = await authenticated(key_only)
         limit_key(owner.key_id)
         found(owner)
         return owner
@@ -182,11 +242,6 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
 
     # -- routes -----------------------------------------------------------------------------
 
-    @app.get("/healthz")
-    async def healthz() -> Response:
-        await db.fetchval("SELECT 1")
-        return _json({"status": "ok"})
-
     @app.post("/v1/accounts")
     async def create_account() -> Response:
         if signup_limiter is not None:
@@ -209,11 +264,7 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
 
     @app.get("/v1/accounts/me")
     async def me() -> Response:
-        token = bearer_token(request.headers.getlist("Authorization"))
-        if is_api_key(token) or not looks_like_jwt(token):
-            owner = await authority.authenticate_key(token)
-        else:
-            owner = await authority.authenticate_token(token)
+        owner = await authenticated(key_or_token)
         limit_key(owner.key_id)
         return _json(_account_json(found(owner)))
 
@@ -274,6 +325,9 @@ def create_app(db: Database, settings: ServerSettings, authority: Authority) -> 
         # No body is needed; one sent anyway is ignored (past the size limit it is a 413).
         owner = await api_key_owner()
         issued = authority.mint(owner)
+        if auth_limiter is not None:
+            # The token works from where its key does (a client may use it on /me at once).
+            auth_limiter.succeeded(address(), digest(issued.access_token))
         return _json(
             {
                 "access_token": issued.access_token,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import static
+from static.api._validation import EMAIL_PATTERN, MAX_EMAIL_CHARS, MAX_NAME_CHARS, NAME_PATTERN
 
 __all__ = ["openapi_document"]
 
@@ -34,7 +35,11 @@ _UNAUTHORIZED = _error(
 )
 _ACCOUNT_GONE = _error("`Not found`: the account behind the credential does not exist")
 _RATE_LIMITED = {
-    **_error("`too many requests`; wait the seconds of the `Retry-After` header"),
+    **_error(
+        "`too many requests`: the rate limit of the route, or (on routes that authenticate) "
+        "too many failed authentications from the client's address; wait the seconds of the "
+        "`Retry-After` header"
+    ),
     "headers": {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}},
 }
 _UNAVAILABLE = _error("`service unavailable`: the store failed")
@@ -48,6 +53,15 @@ _JSON_BODY_ERRORS = {
     "415": _error(
         "`content type must be application/json`: a non-empty body needs that content type"
     ),
+}
+
+
+#: An optional display name (an account's, a key's): null or blank means none.
+_NAME = {
+    "type": ["string", "null"],
+    "maxLength": MAX_NAME_CHARS,
+    "pattern": NAME_PATTERN,
+    "description": "No control characters; surrounding white space is dropped",
 }
 
 
@@ -75,10 +89,10 @@ def openapi_document() -> dict[str, Any]:
             "/healthz": {
                 "get": {
                     "operationId": "health",
-                    "summary": "Readiness: the server is up and its store answers",
+                    "summary": "Liveness: the process answers (nothing else is checked)",
                     "responses": {
                         "200": {
-                            "description": "Ready",
+                            "description": "Live",
                             "content": {
                                 "application/json": {
                                     "schema": {
@@ -88,7 +102,38 @@ def openapi_document() -> dict[str, Any]:
                                 }
                             },
                         },
-                        "503": _UNAVAILABLE,
+                    },
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "operationId": "ready",
+                    "summary": "Readiness: the store can write and the relay serves",
+                    "responses": {
+                        "200": {
+                            "description": "Ready",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "properties": {"status": {"const": "ready"}},
+                                    }
+                                }
+                            },
+                        },
+                        "503": _error("`not ready: <part>`: which part cannot serve"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics (aggregate counts and latencies only)",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format 0.0.4",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        },
                     },
                 }
             },
@@ -233,24 +278,31 @@ def openapi_document() -> dict[str, Any]:
             "schemas": {
                 "Error": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["error"],
                     "properties": {"error": {"type": "string"}},
                 },
                 "NewAccount": {
                     "type": "object",
+                    # Unknown fields are ignored (plan_tier cannot be chosen by the client).
+                    "additionalProperties": True,
                     "required": ["email"],
                     "properties": {
                         "email": {
                             "type": "string",
-                            "maxLength": 254,
-                            "description": "One `@` with text on both sides; surrounding "
-                            "whitespace is dropped; unique case-insensitively",
+                            "minLength": 3,
+                            "maxLength": MAX_EMAIL_CHARS,
+                            "pattern": EMAIL_PATTERN,
+                            "description": "One `@` with text on both sides, no white space "
+                            "or control characters; surrounding white space is dropped; "
+                            "unique case-insensitively",
                         },
-                        "name": {"type": ["string", "null"], "maxLength": 200},
+                        "name": _NAME,
                     },
                 },
                 "Account": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "email", "name", "plan_tier"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
@@ -261,6 +313,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "CreatedAccount": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["account", "api_key"],
                     "properties": {
                         "account": {"$ref": "#/components/schemas/Account"},
@@ -269,16 +322,13 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "NewKey": {
                     "type": "object",
-                    "properties": {
-                        "name": {
-                            "type": ["string", "null"],
-                            "maxLength": 200,
-                            "default": "default",
-                        }
-                    },
+                    # Unknown fields are ignored (plan_tier cannot be chosen by the client).
+                    "additionalProperties": True,
+                    "properties": {"name": {**_NAME, "default": "default"}},
                 },
                 "CreatedKey": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "key_prefix", "name", "key"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
@@ -289,10 +339,11 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Key": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["id", "key_prefix", "name", "last_used_at", "created_at"],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
-                        "key_prefix": {"type": "string"},
+                        "key_prefix": {"type": "string", "pattern": "^sk_live_[0-9A-Za-z]{8}$"},
                         "name": {"type": "string"},
                         "last_used_at": {"type": ["string", "null"], "format": "date-time"},
                         "created_at": {"type": "string", "format": "date-time"},
@@ -300,6 +351,7 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "KeyList": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["keys"],
                     "properties": {
                         "keys": {"type": "array", "items": {"$ref": "#/components/schemas/Key"}}
@@ -307,11 +359,12 @@ def openapi_document() -> dict[str, Any]:
                 },
                 "Token": {
                     "type": "object",
+                    "additionalProperties": False,
                     "required": ["access_token", "token_type", "expires_in"],
                     "properties": {
-                        "access_token": {"type": "string"},
+                        "access_token": {"type": "string", "minLength": 1},
                         "token_type": {"const": "Bearer"},
-                        "expires_in": {"type": "integer", "description": "seconds"},
+                        "expires_in": {"type": "integer", "minimum": 1, "description": "seconds"},
                     },
                 },
                 "JWKSet": {

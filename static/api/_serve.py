@@ -15,6 +15,8 @@ from hypercorn.trio.tcp_server import TCPServer
 from static._settings import ServerSettings
 from static.api._app import create_app
 from static.api._connections import ConnectionCaps
+from static.api._h11 import install as install_h11_fixes
+from static.api._observe import RelayStatus
 from static.auth import Authority
 from static.store import Database
 
@@ -32,6 +34,9 @@ def hypercorn_config(settings: ServerSettings) -> Config:
     config.bind = [str(settings.http)]
     config.graceful_timeout = settings.api.graceful_timeout_seconds
     config.accesslog = None
+    # hypercorn's own records go through the process's logging (static.cli configures it),
+    # not a handler of its own: one format on stderr (the access log is static.access).
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.include_server_header = False
     # Bounds the damage of HTTP/2 rapid reset on one connection (docs/design.md §7).
     config.keep_alive_max_requests = 1000
@@ -52,11 +57,13 @@ async def serve_http(
     authority: Authority,
     shutdown: trio.Event,
     *,
+    relay: RelayStatus | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL."""
+    """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL.
+    ``relay``: the relay of this process, for ``/readyz`` and ``/metrics``."""
     await serve_app(
-        create_app(db, settings, authority),
+        create_app(db, settings, authority, relay),
         hypercorn_config(settings),
         shutdown,
         caps=ConnectionCaps(settings.api.max_connections, settings.api.max_connections_per_address),
@@ -150,6 +157,8 @@ async def serve_app(
     """Serve the Quart-Trio ``app`` with ``config`` until ``shutdown`` is set (in-flight
     requests finish); with ``caps``, connections beyond them are closed as they come."""
     _contain_connection_errors()
+    # CL+TE refused, JSON error bodies, lingering close (static/api/_h11.py).
+    install_h11_fixes()
     if caps is not None:
         _CAPS[config] = caps
     app.asgi_app = _ShieldFinalSend(app.asgi_app)

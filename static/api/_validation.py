@@ -15,8 +15,10 @@ from typing import Any, NoReturn
 from static.api._errors import BadRequest, NotFound, Unauthorized, UnsupportedMediaType
 
 __all__ = [
+    "EMAIL_PATTERN",
     "MAX_EMAIL_CHARS",
     "MAX_NAME_CHARS",
+    "NAME_PATTERN",
     "NewAccount",
     "bearer_token",
     "parse_json_object",
@@ -31,10 +33,23 @@ DEFAULT_KEY_NAME = "default"
 
 # C0/C1 controls and DEL have no place in an email or a display name (and PostgreSQL refuses
 # NUL); lone surrogates cannot be stored as UTF-8 at all.
-_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# (Surrogates are left out of the patterns: JSON Schema validators work on Unicode scalar values,
+# which have none, and refuse such a pattern.)
+_CONTROLS = r"\x00-\x1f\x7f-\x9f"
+_FORBIDDEN = re.compile(rf"[{_CONTROLS}\ud800-\udfff]")
+# What ``str.strip()`` drops: every character for which ``str.isspace()`` holds.
+_SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# The fields as JSON Schema patterns (ECMA-262 and Python alike), stated in the OpenAPI
+# document and checked here, so that the two cannot disagree (schemathesis checks it both ways).
+# Surrounding white space is allowed and dropped; inside, a name takes anything but controls,
+# an email one ``@`` with text on both sides and no white space.
+NAME_PATTERN = f"^[{_SPACE}]*[^{_CONTROLS}]*[{_SPACE}]*$"
+_EMAIL_CHAR = f"[^@{_SPACE}{_CONTROLS}]"
+EMAIL_PATTERN = f"^[{_SPACE}]*{_EMAIL_CHAR}+@{_EMAIL_CHAR}+[{_SPACE}]*$"
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # RFC 7230 token68 (RFC 6750's b64token): what may follow "Bearer ".
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+_EMAIL = re.compile(EMAIL_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +86,18 @@ def parse_json_object(body: bytes, content_type: str | None) -> dict[str, Any]:
 
 
 def _text(body: dict[str, Any], field: str, max_chars: int) -> str | None:
-    """An optional text field: absent, null or blank is None; surrounding space is dropped."""
+    """An optional text field: absent, null or blank is None; surrounding space is dropped.
+    The length counts the value as sent (as the schema's ``maxLength`` does)."""
     value = body.get(field)
     if value is None:
         return None
     if not isinstance(value, str):
         raise BadRequest(f"{field} must be a string")
+    if len(value) > max_chars:
+        raise BadRequest(f"{field} must be at most {max_chars} characters")
     value = value.strip()
     if not value:
         return None
-    if len(value) > max_chars:
-        raise BadRequest(f"{field} must be at most {max_chars} characters")
     if _FORBIDDEN.search(value):
         raise BadRequest(f"{field} contains invalid characters")
     return value
@@ -92,8 +108,7 @@ def parse_new_account(body: dict[str, Any]) -> NewAccount:
     email = _text(body, "email", MAX_EMAIL_CHARS)
     if email is None:
         raise BadRequest("email is required")
-    local, at, domain = email.partition("@")
-    if not at or not local or not domain or "@" in domain or any(c.isspace() for c in email):
+    if _EMAIL.fullmatch(email) is None:
         raise BadRequest("invalid email")
     return NewAccount(email=email, name=_text(body, "name", MAX_NAME_CHARS))
 

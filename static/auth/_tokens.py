@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import math
 import re
 import time
@@ -24,6 +25,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from static._settings import MAX_TOKEN_TTL_SECONDS
 from static.auth._principal import Unauthenticated
 
 __all__ = [
@@ -42,11 +44,17 @@ ALGORITHM = "EdDSA"
 #: The one error text of every token that fails verification (which check failed is not shown).
 INVALID_TOKEN = "invalid or expired token"
 _REQUIRED = ["iss", "sub", "aud", "iat", "nbf", "exp", "jti", "key_id"]
+#: Claims that are integers (seconds since the epoch); ``bool`` is not one, a float is not one.
+_TIMES = ("iat", "nbf", "exp")
+#: A bound on ``jti`` (ours are 32 hex digits): a signed token is still no place for a novel.
+_MAX_JTI = 128
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 # Verified signatures are remembered (never the time checks): Ed25519 verification is the
 # costliest step of a JWT-authenticated request, and a token is typically reused many times.
 _CACHE_SIZE = 4096
+
+_log = logging.getLogger("static.auth")
 
 
 def _b64url(data: bytes) -> str:
@@ -152,8 +160,10 @@ def mint_token(
         "aud": rules.audience,
         "iat": issued,
         "nbf": issued,
-        # Rounded up: a token never lives shorter than the ``expires_in`` announced with it.
-        "exp": math.ceil(now) + rules.ttl_seconds,
+        # Exactly the configured lifetime after ``iat`` (a ceil here made it 901 s for 900).
+        # Whole seconds, so the token may end up to 1 s before now + ``expires_in``: clients
+        # refresh with a margin far larger (the SDK: min(30 s, a tenth of it)).
+        "exp": issued + rules.ttl_seconds,
         "jti": uuid.uuid4().hex,
         "key_id": key_id,
     }
@@ -172,7 +182,26 @@ class TokenVerifierCore:
         self._verified: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     def verify(self, token: str) -> TokenClaims:
-        """The claims of ``token``; :class:`Unauthenticated` if it is not valid right now."""
+        """The claims of ``token``; :class:`Unauthenticated` if it is not valid right now.
+
+        Whatever else goes wrong while checking (a bug, a claim of a shape nobody foresaw) is
+        also :class:`Unauthenticated`, logged once: a token costs at most its own request.
+        """
+        try:
+            return self._verify(token)
+        except Unauthenticated:
+            raise
+        except Exception as exc:  # every failure refuses this token only
+            kid, sub = _unverified_ids(token)
+            _log.warning(
+                "token refused after an unexpected %s in its verification (kid %s, sub %s)",
+                type(exc).__name__,
+                kid,
+                sub,
+            )
+            raise Unauthenticated(INVALID_TOKEN) from exc
+
+    def _verify(self, token: str) -> TokenClaims:
         payload = self._verified.get(token)
         if payload is None:
             payload = self._verify_signature(token)
@@ -215,13 +244,52 @@ class TokenVerifierCore:
             )
         except (jwt.InvalidTokenError, TypeError, ValueError) as exc:
             raise Unauthenticated(INVALID_TOKEN) from exc
-        sub, key_id = payload.get("sub"), payload.get("key_id")
-        if not (
-            isinstance(sub, str)
-            and isinstance(key_id, str)
-            and _UUID.fullmatch(sub)
-            and _UUID.fullmatch(key_id)
-            and isinstance(payload.get("jti"), str)
-        ):
+        if not _claims_well_typed(payload):
             raise Unauthenticated(INVALID_TOKEN)
         return payload
+
+
+def _claims_well_typed(payload: Any) -> bool:
+    """Whether every claim we read has exactly the type we mint it with.
+
+    pyjwt is lenient where we must not be: it accepts ``"exp": "99999999999"`` (``int()`` of a
+    numeric string), ``true`` as 1, floats, and a list for ``aud``; our own checks would then
+    compare a string with a float. A lifetime (``exp - iat``) over ``MAX_TOKEN_TTL_SECONDS`` is
+    refused too: none is minted, and pyjwt has checked that ``iat`` is not in the future, so
+    ``exp`` stays within a day from now. Checked once per token (cached with its signature).
+    """
+    if not isinstance(payload, dict):
+        return False
+    for name in _TIMES:
+        value = payload.get(name)
+        # ``type() is int``: a bool is an int to isinstance.
+        if type(value) is not int:
+            return False
+    # An ``exp`` of 1e20 overflowed the relay's clock arithmetic (a panic in the extension,
+    # INTERNAL to the caller): a lifetime no server mints is refused here.
+    if not 0 < payload["exp"] - payload["iat"] <= MAX_TOKEN_TTL_SECONDS:
+        return False
+    jti = payload.get("jti")
+    return (
+        type(payload.get("iss")) is str
+        and type(payload.get("aud")) is str
+        and isinstance(jti, str)
+        and 0 < len(jti) <= _MAX_JTI
+        and all(
+            type(payload.get(name)) is str and _UUID.fullmatch(payload[name]) is not None
+            for name in ("sub", "key_id")
+        )
+    )
+
+
+def _unverified_ids(token: str) -> tuple[str, str]:
+    """The ``kid`` and ``sub`` a token claims (unverified, shortened), for a log line: never the
+    token itself."""
+    kid = sub = "?"
+    try:
+        kid = repr(jwt.get_unverified_header(token).get("kid"))[:64]
+        claims = jwt.decode(token, options={"verify_signature": False})
+        sub = repr(claims.get("sub"))[:64]
+    except Exception:  # noqa: BLE001  (a log line's detail; the refusal stands anyway)
+        pass
+    return kid, sub

@@ -4,6 +4,7 @@ The protocol is ``proto/relay.proto``; :func:`serve_relay` runs it in the ``stat
 the Rust relay (``static._native.RelayServer``), on SQLite and PostgreSQL alike.
 """
 
+from static.relay._handle import RelayHandle
 from static.relay._serve import serve_relay
 
-__all__ = ["serve_relay"]
+__all__ = ["RelayHandle", "serve_relay"]

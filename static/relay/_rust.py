@@ -4,7 +4,9 @@ The gRPC service, the channel logs and their group-committing writer run on a to
 the extension, in this process, on the same database as the HTTP API (a SQLite file, or a
 PostgreSQL database that other ``static serve`` processes may share); no message crosses into
 Python. What stays here is what is not per message: tokens are checked by the server's
-:class:`~static.auth.TokenVerifier` once per call, the keys behind live streams are re-checked
+:class:`~static.auth.TokenVerifier` once per call (behind the HTTP port's limit on failed
+authentications per client address, :class:`~static.api.AuthFailureLimiter`, with a budget of
+its own), the keys behind live streams are re-checked
 for revocation every ``revocation_check_seconds``, and shutdown is decided here.
 
 The extension asks for token checks from its own threads. They are answered by a task of this
@@ -14,7 +16,10 @@ would lack this task's context, which the PostgreSQL store (triopg, over trio-as
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,56 +27,109 @@ from functools import partial
 
 import trio
 
+from static import _metrics
 from static._native import RelayServer
 from static._settings import Address, ServerSettings
-from static.auth import TokenVerifier
+from static.api import AuthFailureLimiter, client_key
+from static.auth import INVALID_TOKEN, TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
+from static.relay._handle import RelayHandle
 from static.store import DatabaseError
 
 __all__ = ["serve_rust_relay"]
 
 #: gRPC codes ``verify`` refuses with.
+_RESOURCE_EXHAUSTED = 8
 _UNAVAILABLE = 14
 _UNAUTHENTICATED = 16
 
-_Verified = tuple[str, str, float | None] | tuple[int, str]
+#: A principal, a refusal ``(code, text)``, or ``(RESOURCE_EXHAUSTED, text, retry after s)``.
+_Verified = tuple[str, str, float | None] | tuple[int, str] | tuple[int, str, int]
 _SHUTTING_DOWN: _Verified = (_UNAVAILABLE, "relay is shutting down")
+
+_log = logging.getLogger("static.auth")
 
 
 @dataclass(frozen=True)
 class _Request:
     token: str
+    #: The caller's ``ip:port``, as the extension names it.
+    peer: str
     answer: Future[_Verified]
 
 
-async def _check(verifier: TokenVerifier, token: str) -> _Verified:
-    """The principal, or a (code, text) refusal."""
+async def _check(
+    verifier: TokenVerifier,
+    token: str,
+    peer: str = "",
+    limiter: AuthFailureLimiter | None = None,
+) -> _Verified:
+    """The principal, or a refusal. Never raises: an exception here would end the verification
+    task's nursery, and with it the whole process.
+
+    With ``limiter``, every refusal counts against the peer's address, and an address past its
+    failures is refused (RESOURCE_EXHAUSTED, with the seconds to wait) before the token is
+    checked, unless that token worked from there lately: the HTTP port's rule (docs/design.md
+    §4.1)."""
+    where, now = client_key(peer.rpartition(":")[0] or peer), time.monotonic()
+    credential = hashlib.sha256(token.encode()).digest()
+    if limiter is not None:
+        wait = limiter.wait(where, credential, now)
+        if wait is not None:
+            return (_RESOURCE_EXHAUSTED, "too many failed authentications from this address", wait)
     try:
         principal = await verifier.verify_token(token)
     except TokenRefused as exc:
-        return (_UNAUTHENTICATED, str(exc) or "invalid token")
+        refusal = (_UNAUTHENTICATED, str(exc) or "invalid token")
     except DatabaseError as exc:
         return (_UNAVAILABLE, f"store unavailable: {exc}")
-    return (principal.account_id, principal.key_id, principal.expires_at)
+    except Exception as exc:  # noqa: BLE001  (a verifier bug refuses this call only)
+        _log.warning(
+            "relay call refused after an unexpected %s in the token check", type(exc).__name__
+        )
+        refusal = (_UNAUTHENTICATED, INVALID_TOKEN)
+    else:
+        if limiter is not None:
+            limiter.succeeded(where, credential)
+        return (principal.account_id, principal.key_id, principal.expires_at)
+    if limiter is not None:
+        limiter.failed(where, now)
+    return refusal
 
 
-async def _answer(verifier: TokenVerifier, request: _Request) -> None:
+def _token_result(answer: _Verified) -> str:
+    """The token check's result, for its metric."""
+    if isinstance(answer[0], str):  # a principal: (account_id, key_id, expires_at)
+        return "ok"
+    if answer[0] == _UNAVAILABLE:
+        return "store_unavailable"
+    if answer[0] == _RESOURCE_EXHAUSTED:
+        return "rate_limited"
+    return "invalid_token"
+
+
+async def _answer(
+    verifier: TokenVerifier, limiter: AuthFailureLimiter | None, request: _Request
+) -> None:
     answer = _SHUTTING_DOWN
     try:
-        answer = await _check(verifier, request.token)
+        answer = await _check(verifier, request.token, request.peer, limiter)
+        _metrics.token_check("relay", _token_result(answer))
     finally:
         # Cancelled (shutdown) too: the extension's thread waits for an answer.
         request.answer.set_result(answer)
 
 
 async def _serve_verifications(
-    verifier: TokenVerifier, requests: trio.MemoryReceiveChannel[_Request]
+    verifier: TokenVerifier,
+    limiter: AuthFailureLimiter | None,
+    requests: trio.MemoryReceiveChannel[_Request],
 ) -> None:
     """Answer the extension's token checks, each in a task of its own, until cancelled."""
     try:
         async with trio.open_nursery() as nursery:
             async for request in requests:
-                nursery.start_soon(_answer, verifier, request)
+                nursery.start_soon(_answer, verifier, limiter, request)
     finally:
         requests.close()
         # Asked before the channel closed, never taken: refused.
@@ -85,12 +143,12 @@ async def _serve_verifications(
 
 def _verify_from_threads(
     requests: trio.MemorySendChannel[_Request], trio_token: trio.lowlevel.TrioToken
-) -> Callable[[str], _Verified]:
-    """``verify(token)`` for the extension's threads: hands the token to
+) -> Callable[[str, str], _Verified]:
+    """``verify(token, peer)`` for the extension's threads: hands the token to
     :func:`_serve_verifications` and waits for its answer."""
 
-    def verify(token: str) -> _Verified:
-        request = _Request(token, Future())
+    def verify(token: str, peer: str) -> _Verified:
+        request = _Request(token, peer, Future())
         try:
             trio.from_thread.run_sync(requests.send_nowait, request, trio_token=trio_token)
         except (trio.RunFinishedError, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -119,6 +177,7 @@ async def serve_rust_relay(
     verifier: TokenVerifier | None,
     shutdown: trio.Event,
     *,
+    handle: RelayHandle | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the relay on ``settings.relay`` over ``database`` (a SQLite file or a PostgreSQL URL,
@@ -149,9 +208,13 @@ async def serve_rust_relay(
         tls_key=None if tls is None else tls.key,
     )
     server = await trio.to_thread.run_sync(start)
+    if handle is not None:
+        handle.attach(server)
     async with trio.open_nursery() as verifications:
         if verifier is not None:
-            verifications.start_soon(_serve_verifications, verifier, requests_out)
+            limit = settings.api.auth_failure_rate_limit
+            limiter = AuthFailureLimiter(limit) if limit else None
+            verifications.start_soon(_serve_verifications, verifier, limiter, requests_out)
         try:
             async with trio.open_nursery() as nursery:
                 if verifier is not None:

@@ -1,6 +1,6 @@
 """The Static client library: end-to-end encrypted (MLS, RFC 9420) channels for agents.
 
-Typical flow (SPEC §4)::
+Typical flow (docs/sdk.md; README.md, Using the SDK)::
 
     from static_sdk import StaticClient
 

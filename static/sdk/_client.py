@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import stat
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -121,6 +123,23 @@ def _check_timeout(name: str, value: object) -> float | None:
     return float(value)
 
 
+def _warn_if_open_to_others(data_dir: str) -> None:
+    """Warn when an existing ``data_dir`` lets other users in: it holds the agent's group
+    secrets and decrypted messages. (Its files are 0600 whatever the directory's mode, and a
+    directory the SDK creates is 0700.)"""
+    try:
+        mode = stat.S_IMODE(os.stat(data_dir).st_mode)
+    except OSError:
+        return
+    if mode & 0o077:
+        warnings.warn(
+            f"data_dir {data_dir!r} is open to other users (mode {mode:o}); it holds this "
+            "agent's group secrets and messages: chmod 700 it",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _check_bytes(name: str, value: object) -> bytes:
     if isinstance(value, bytes):
         return value
@@ -172,7 +191,9 @@ class StaticClient(_Closeable):
     :param identity: this agent's unique identity (bytes), the credential other members see.
     :param api_key: an API key (``sk_live_...``); the client exchanges it at
         ``POST {api_url}/v1/tokens`` for a short-lived token now, and refreshes the token
-        before it expires. Omit it for a relay started with ``--allow-anonymous``.
+        before it expires. Whitespace around it is ignored (a key read from a file keeps its
+        newline); no error message shows it. Omit it for a relay started with
+        ``--allow-anonymous``.
     :param api_url: the HTTP API's base URL; required with ``api_key``.
     :param connect_timeout: seconds a call keeps retrying while the relay has never answered
         this client (nothing listening, wrong port): it then fails with ``TransportError``.
@@ -185,7 +206,12 @@ class StaticClient(_Closeable):
         roots. A certificate not trusted fails with a final ``TransportError`` saying so.
     :raises AuthError: the key is refused, or ``api_key`` is given without ``api_url``.
     :raises TransportError: the API cannot be reached, or the endpoint is malformed.
-    :raises InternalError: ``data_dir`` is in use or belongs to another identity.
+    :raises InternalError: ``data_dir`` is in use, belongs to another identity, or its state is
+        damaged (``mls.sqlite3`` cut short or replaced, ``inbox.marks`` missing or damaged: the
+        message names the file).
+
+    ``data_dir`` is created with mode 0700 and its files 0600; an existing directory that
+    other users may enter gets a ``UserWarning``.
 
     The relay itself is connected lazily: creating a client never fails because the relay is
     down. The first call that needs it (``create_channel``, ``join_channel``, a send) fails
@@ -214,8 +240,6 @@ class StaticClient(_Closeable):
         provider: TokenSource | None = None
         first: tuple[str, float] | None = None
         if api_key is not None:
-            if not isinstance(api_key, str) or not api_key:
-                raise AuthError("api_key must be a non-empty string")
             if not api_url:
                 raise AuthError(
                     "api_key was given without api_url: the key is exchanged for a relay token "
@@ -223,6 +247,7 @@ class StaticClient(_Closeable):
                 )
             provider = TokenSource(api_url, api_key, ca_path)
             first = provider()
+        _warn_if_open_to_others(os.fspath(data_dir))
         self._native = _native.Client(
             endpoint,
             os.fspath(data_dir),
@@ -562,6 +587,18 @@ class Channel(_Closeable):
         :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
         """
         return await _first(AsyncSenderMessageIterator(self._native), self.name)
+
+    async def epoch_async(self) -> int:
+        """Async :meth:`epoch`."""
+        return await _in_thread(self.epoch)
+
+    async def epoch_authenticator_async(self) -> bytes:
+        """Async :meth:`epoch_authenticator`."""
+        return await _in_thread(self.epoch_authenticator)
+
+    async def pending_async(self) -> int:
+        """Async :meth:`pending`."""
+        return await _in_thread(self.pending)
 
     async def close_async(self) -> None:
         """Async :meth:`close`."""

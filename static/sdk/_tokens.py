@@ -15,6 +15,8 @@ from static._errors import AuthError, TransportError
 __all__ = ["CA_FILE_ENV", "TokenSource", "resolve_ca_file"]
 
 _TIMEOUT = 10.0
+#: The characters an API key may hold: printable ASCII without space.
+_KEY_CHARS = (0x21, 0x7E)
 
 #: The environment variable naming the CA file when ``StaticClient`` is given none.
 CA_FILE_ENV: Final = "STATIC_CA_FILE"
@@ -57,6 +59,18 @@ class TokenSource:
     """
 
     def __init__(self, api_url: str, api_key: str, ca_file: str | None = None) -> None:
+        if not isinstance(api_key, str):
+            raise AuthError(f"api_key must be a str, not {type(api_key).__name__}")
+        # A key read from a file keeps its newline: surrounding whitespace is no part of a key.
+        api_key = api_key.strip()
+        if not api_key:
+            raise AuthError("api_key must be a non-empty string")
+        if not all(_KEY_CHARS[0] <= ord(c) <= _KEY_CHARS[1] for c in api_key):
+            # Never shown: it is a secret, and probably a wrong value (two keys on a line...).
+            raise AuthError(
+                "api_key contains characters no API key has (whitespace or control "
+                "characters inside it, or non-ASCII); its value is not shown"
+            )
         self._url = api_url.rstrip("/") + "/v1/tokens"
         self._api_key = api_key
         self._context: ssl.SSLContext | None = None
@@ -65,6 +79,13 @@ class TokenSource:
                 self._context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ssl.SSLError) as exc:
                 raise TransportError(f"ca_file {ca_file}: cannot load it: {exc}") from None
+
+    def _redacted(self, text: str) -> str:
+        """``text`` without the key (an HTTP library may quote the header it refused)."""
+        return text.replace(self._api_key, "<api_key>")
+
+    def __repr__(self) -> str:
+        return f"TokenSource({self._url!r})"
 
     @property
     def url(self) -> str:
@@ -86,15 +107,16 @@ class TokenSource:
             ) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            text = _error_text(err)
+            text = self._redacted(_error_text(err))
             if err.code in (401, 403):
                 raise AuthError(f"the API refused the key at {self._url}: {text}") from None
             raise TransportError(f"POST {self._url} answered {err.code}: {text}") from None
         except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
-            tls = _tls_failure(self._url, reason)
+            cause = getattr(err, "reason", err)
+            tls = _tls_failure(self._url, cause)
             if tls is not None:
                 raise TransportError(tls) from None
+            reason = self._redacted(str(cause))
             raise TransportError(f"cannot reach the API at {self._url}: {reason}") from None
         try:
             body = json.loads(raw)

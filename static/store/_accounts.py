@@ -221,6 +221,16 @@ class AccountStore:
         )
         return changed == 1
 
+    async def probe_write(self, now_ms: int) -> None:
+        """One small write transaction (the API's row of ``static_health``, migration 0006):
+        ``/readyz`` is ready only if the store can *write*, not only answer a read."""
+        async with self._db.transaction() as tx:
+            await tx.execute(
+                "INSERT INTO static_health (part, checked_at) VALUES ('api', $1)"
+                " ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at",
+                now_ms,
+            )
+
     async def owner_of_secret(self, digest: bytes) -> KeyOwner | None:
         """The active key whose secret has SHA-256 ``digest``, with its account."""
         row = await self._db.fetchrow(_OWNER_BY_DIGEST, digest)

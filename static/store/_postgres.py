@@ -17,6 +17,7 @@ import trio
 import trio_asyncio
 import triopg
 
+from static import _metrics
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 
 __all__ = ["PostgresDatabase", "open_postgres"]
@@ -147,14 +148,16 @@ class PostgresDatabase(Database):
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Connection]:
-        async with self._pool.acquire() as conn:
-            try:
-                async with conn.transaction():
-                    yield _Statements(conn)
-            except asyncpg.IntegrityConstraintViolationError as exc:
-                raise IntegrityError(str(exc)) from exc
-            except (asyncpg.PostgresError, *_CONNECTION_ERRORS) as exc:
-                raise DatabaseError(str(exc)) from exc
+        with _metrics.store_commit():
+            async with self._pool.acquire() as conn:
+                try:
+                    async with conn.transaction():
+                        yield _Statements(conn)
+                except asyncpg.IntegrityConstraintViolationError as exc:
+                    raise IntegrityError(str(exc)) from exc
+                except (asyncpg.PostgresError, *_CONNECTION_ERRORS) as exc:
+                    _metrics.store_failure()
+                    raise DatabaseError(str(exc)) from exc
 
 
 @asynccontextmanager

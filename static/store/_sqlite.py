@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from static import _metrics
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 
 __all__ = ["SQLiteDatabase", "open_sqlite"]
@@ -265,17 +266,23 @@ class SQLiteDatabase(Database):
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[Connection]:
         async with self._writer.locked():
-            await self._writer.run(_execute("BEGIN IMMEDIATE", ()))
-            try:
-                yield _TransactionConnection(self._writer)
-            except BaseException:
-                # Shielded: a cancelled caller must still leave the connection out of the
-                # transaction, or the next writer would find it open.
-                with trio.CancelScope(shield=True):
-                    await self._writer.run(_execute("ROLLBACK", ()))
-                raise
-            with trio.CancelScope(shield=True):
-                await self._writer.run(_execute("COMMIT", ()))
+            with _metrics.store_commit():
+                try:
+                    await self._writer.run(_execute("BEGIN IMMEDIATE", ()))
+                    try:
+                        yield _TransactionConnection(self._writer)
+                    except BaseException:
+                        # Shielded: a cancelled caller must still leave the connection out
+                        # of the transaction, or the next writer would find it open.
+                        with trio.CancelScope(shield=True):
+                            await self._writer.run(_execute("ROLLBACK", ()))
+                        raise
+                    with trio.CancelScope(shield=True):
+                        await self._writer.run(_execute("COMMIT", ()))
+                except DatabaseError as exc:
+                    if not isinstance(exc, IntegrityError):
+                        _metrics.store_failure()
+                    raise
 
     def _close(self) -> None:
         self._writer_thread.stop()

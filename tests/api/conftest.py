@@ -12,7 +12,7 @@ from tests.support.postgres import PostgresCluster
 from tests.support.server import ServerProcess
 
 #: Tests on the shared server must not trip the limits (test_limits.py covers them).
-NO_LIMITS = ("--signup-rate", "off", "--key-rate", "off")
+NO_LIMITS = ("--signup-rate", "off", "--key-rate", "off", "--auth-failure-rate", "off")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)

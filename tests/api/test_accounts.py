@@ -1,4 +1,4 @@
-"""POST /v1/accounts and GET /v1/accounts/me (SPEC §4, §5, §7)."""
+"""POST /v1/accounts and GET /v1/accounts/me (docs/http-api.md: Errors, Accounts)."""
 
 from __future__ import annotations
 

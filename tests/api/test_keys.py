@@ -1,4 +1,4 @@
-"""POST /v1/keys, GET /v1/keys, DELETE /v1/keys/:id (SPEC §3, §4, §5, §7)."""
+"""POST /v1/keys, GET /v1/keys, DELETE /v1/keys/:id (docs/http-api.md: Errors, API keys)."""
 
 from __future__ import annotations
 

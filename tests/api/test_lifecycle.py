@@ -217,10 +217,12 @@ def test_a_storage_failure_is_a_json_503(
         db_execute(cluster.url(), f'DROP DATABASE "{name}" WITH (FORCE)')
         for response in [
             api.me(signed.key),
-            api.http.get("/healthz"),
             api.http.post("/v1/accounts", json={"email": unique_email()}),
         ]:
             assert_error(response, 503, "service unavailable")
+        # Live, not ready (docs/design.md "Observability").
+        assert api.http.get("/healthz").status_code == 200
+        assert_error(api.http.get("/readyz"), 503, "not ready: accounts store cannot write")
     finally:
         api.close()
     # And it still shuts down cleanly (the fixture asserts exit code 0).

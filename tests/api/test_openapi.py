@@ -5,8 +5,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from static._settings import ServerSettings
 from static.api import create_app
+from static.api._errors import BadRequest
+from static.api._validation import (
+    EMAIL_PATTERN,
+    MAX_EMAIL_CHARS,
+    MAX_NAME_CHARS,
+    NAME_PATTERN,
+    parse_new_account,
+    parse_new_key,
+)
 from static.auth import open_authority
 from static.store import open_database
 from tests.support.api import Api
@@ -66,3 +78,35 @@ async def test_every_served_route_is_documented(tmp_path: Path) -> None:
         response = await app.test_client().get("/v1/openapi.json")
         documented = _documented(await response.get_json())
     assert served == documented
+
+
+# The schema's patterns and the parser decide alike, on any string (surrogates aside: JSON
+# Schema has none, the parser refuses them).
+_TEXT = st.text(
+    st.characters(exclude_categories=["Cs"]) | st.sampled_from(" \t\n\x85\u3000@\x00\x7f"),
+    max_size=260,
+)
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(value=_TEXT)
+def test_the_email_schema_and_the_parser_agree(value: str) -> None:
+    by_schema = len(value) <= MAX_EMAIL_CHARS and re.search(EMAIL_PATTERN, value) is not None
+    try:
+        parse_new_account({"email": value})
+        by_parser = True
+    except BadRequest:
+        by_parser = False
+    assert by_schema == by_parser
+
+
+@settings(max_examples=500, deadline=None, database=None)
+@given(value=_TEXT)
+def test_the_name_schema_and_the_parser_agree(value: str) -> None:
+    by_schema = len(value) <= MAX_NAME_CHARS and re.search(NAME_PATTERN, value) is not None
+    try:
+        parse_new_key({"name": value})
+        by_parser = True
+    except BadRequest:
+        by_parser = False
+    assert by_schema == by_parser

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from datetime import UTC, datetime
 
 import pytest
 
-from static._settings import ApiSettings
+from static._settings import ApiSettings, RateLimit
+from static.api import AuthFailureLimiter
 from static.auth import (
     Authority,
     Principal,
+    SigningKey,
+    TokenClaims,
+    TokenRules,
     TokenVerifier,
     Unauthenticated,
     generate_api_key,
+    mint_token,
     open_authority,
 )
+from static.auth._tokens import TokenVerifierCore
+from static.relay._rust import _check
 from static.store import AccountStore, KeyOwner, NewKey, open_database
 
 
@@ -42,7 +51,7 @@ async def test_verify_token_and_revocation(database_url: str) -> None:
         assert principal.account_id == owner.account_id
         assert principal.key_id == owner.key_id
         assert principal.expires_at is not None
-        assert 0 < principal.expires_at - datetime.now(UTC).timestamp() <= 901
+        assert 0 < principal.expires_at - datetime.now(UTC).timestamp() <= 900
         assert await verifier.key_is_active(owner.key_id)
 
         store: AccountStore = authority.store
@@ -81,3 +90,60 @@ async def test_audience_is_enforced(database_url: str) -> None:
         async with open_authority(db, ApiSettings()) as relay_side:
             with pytest.raises(Unauthenticated, match="invalid or expired token"):
                 await relay_side.verify_token(token)
+
+
+class _Broken(TokenVerifierCore):
+    """A verifier with a bug: what the safety net is for (no known input reaches it now)."""
+
+    def _verify(self, token: str) -> TokenClaims:
+        raise TypeError("unsupported operand type(s) for +: 'str' and 'float'")
+
+
+def test_an_unexpected_error_refuses_the_token_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = SigningKey.generate()
+    rules = TokenRules(issuer="static", audience="static-relay", ttl_seconds=900)
+    token = mint_token(key, rules, account_id=str(uuid.uuid4()), key_id="k", now=time.time())
+    with (
+        caplog.at_level(logging.WARNING, logger="static.auth"),
+        pytest.raises(Unauthenticated, match="invalid or expired token"),
+    ):
+        _Broken([key], rules).verify(token)
+    (record,) = caplog.records
+    assert "TypeError" in record.getMessage()
+    assert key.kid in record.getMessage()  # the claimed kid, to find the token's issuer
+    assert token not in caplog.text and token.split(".")[2] not in caplog.text
+
+
+class _RaisingVerifier:
+    async def verify_token(self, token: str) -> Principal:
+        raise KeyError("exp")
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return False
+
+
+async def test_the_relay_callback_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="static.auth"):
+        assert await _check(_RaisingVerifier(), "a.b.c") == (16, "invalid or expired token")
+    assert "KeyError" in caplog.text
+
+
+class _Refusing:
+    async def verify_token(self, token: str) -> Principal:
+        raise Unauthenticated("invalid or expired token")
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return False
+
+
+async def test_relay_failures_count_per_address_ipv6_per_64() -> None:
+    limiter = AuthFailureLimiter(RateLimit(2, 60))
+    # The extension names peers ip:port, IPv6 without brackets.
+    for peer in ["2001:db8::1:5000", "2001:db8::2:6000"]:
+        assert (await _check(_Refusing(), "t", peer, limiter))[0] == 16
+    refused = await _check(_Refusing(), "t", "2001:db8::3:7000", limiter)
+    assert refused[0] == 8 and refused[2] == 30  # type: ignore[misc]
+    assert (await _check(_Refusing(), "t", "2001:db8:1::1:5000", limiter))[0] == 16
+    assert (await _check(_Refusing(), "t", "127.0.0.1:5000", limiter))[0] == 16

@@ -264,20 +264,28 @@ def test_the_sdk_reopens_its_legacy_channels(
 ) -> None:
     """The previous release's SDK data, reopened: each client sends on its channels (the log
     gets a PrivateMessage at epoch 0 from its account), rotates its keys (a legacy channel's
-    commit is fenced, not checked) and sends at the new epoch."""
+    commit is fenced, not checked) and sends at the new epoch. Its files are made private
+    (the directory, left as it is, gets a warning), its identity is recorded and its hand-out
+    marks converted, so from now on damage to them is detected (``tests/sdk/test_state.py``)."""
     api = Api(migrated.http_url)
     try:
         for who in "ab":
             data_dir = tmp_path / f"client-{who}"
             shutil.copytree(FIXTURE / f"client-{who}", data_dir)
+            data_dir.chmod(0o755)
             account = keys[who]["account"]
-            client = StaticClient(
-                migrated.relay_url,
-                str(data_dir),
-                f"agent-{who}".encode(),
-                api_key=keys[who]["api_key"],
-                api_url=migrated.http_url,
-            )
+            with pytest.warns(UserWarning, match="open to other users"):
+                client = StaticClient(
+                    migrated.relay_url,
+                    str(data_dir),
+                    f"agent-{who}".encode(),
+                    api_key=keys[who]["api_key"],
+                    api_url=migrated.http_url,
+                )
+            assert (data_dir / "inbox.marks").read_bytes()[:8] == b"STMARKS2"
+            assert (data_dir / "identity").read_text().startswith("static identity v1 ")
+            modes = {p.name: p.stat().st_mode & 0o777 for p in data_dir.iterdir()}
+            assert set(modes.values()) == {0o600}, modes
             try:
                 assert sorted(client.channels()) == sorted(CHANNELS[who])
                 relay = Relay(migrated.relay_url, api.token(keys[who]["api_key"]))

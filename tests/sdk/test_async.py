@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 
 import trio
 
-from static_sdk import Channel, StaticClient
+from static_sdk import Channel, SendHandle, StaticClient
 from tests.sdk.conftest import WAIT, Clients, channel_name
 from tests.support.server import ServerProcess
 
@@ -98,5 +99,51 @@ def test_asyncio_flow_and_cancellation(relay: ServerProcess, clients: Clients) -
             async for message in alices.messages_async():
                 assert message == b"back"
                 break
+
+    asyncio.run(main())
+
+
+#: Blocking calls that need no twin: properties, ``close`` (has ``close_async``), the
+#: iterators (their async forms are ``messages_async`` and ``messages_with_sender_async``),
+#: ``receive``/``receive_message`` (``receive_async``/``receive_message_async``) and
+#: ``SendHandle.done`` (never blocks).
+_NO_TWIN = {"messages", "messages_with_sender", "done"}
+
+
+def test_every_blocking_call_has_an_async_twin() -> None:
+    for cls in (StaticClient, Channel, SendHandle):
+        names = {n for n in vars(cls) if not n.startswith("_")}
+        for name in names:
+            if name.endswith("_async") or isinstance(vars(cls)[name], property | classmethod):
+                continue
+            if name in _NO_TWIN:
+                continue
+            assert f"{name}_async" in names, f"{cls.__name__}.{name} has no async twin"
+            assert inspect.iscoroutinefunction(getattr(cls, f"{name}_async")), name
+
+
+async def test_trio_state_queries(relay: ServerProcess, clients: Clients) -> None:
+    alices, bobs = await _pair(relay, clients)
+    await alices.send_async(b"one")
+    await alices.send_async(b"two")
+    with trio.fail_after(WAIT):
+        while await bobs.pending_async() < 2:  # noqa: ASYNC110 - the SDK's state, no event
+            await trio.sleep(0.02)
+    assert await bobs.pending_async() == bobs.pending() == 2
+    await bobs.rotate_keys_async()
+    with trio.fail_after(WAIT):
+        while await alices.epoch_async() != await bobs.epoch_async():  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    assert await alices.epoch_async() == bobs.epoch() == 2
+    authenticator = await alices.epoch_authenticator_async()
+    assert authenticator == await bobs.epoch_authenticator_async() == bobs.epoch_authenticator()
+
+
+def test_asyncio_state_queries(relay: ServerProcess, clients: Clients) -> None:
+    async def main() -> None:
+        alices, bobs = await _pair(relay, clients)
+        assert await alices.epoch_async() == 1
+        assert await bobs.pending_async() == 0
+        assert await alices.epoch_authenticator_async() == bobs.epoch_authenticator()
 
     asyncio.run(main())

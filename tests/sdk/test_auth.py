@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
+from static.sdk._tokens import TokenSource
 from static_sdk import AuthError, StaticClient, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.api import Api
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, free_port
 
 
 @pytest.fixture
@@ -111,3 +113,35 @@ def test_token_endpoint_is_not_the_relay(authed: ServerProcess, tmp_path: object
             api_key="sk_live_abc",
             api_url=authed.http_url + "/nothing-here",
         )
+
+
+def test_a_key_read_from_a_file_works_and_no_error_shows_a_key(
+    authed: ServerProcess, api: Api, clients: Clients, tmp_path: Path
+) -> None:
+    """A key read from a file keeps its newline: it is stripped, and the client works. A key
+    that is wrong inside, or one the API cannot be asked about, fails with an error that never
+    quotes it (nor does any repr)."""
+    account = api.signup()
+    (tmp_path / "key").write_text(account.key + "\n")
+    for read in [(tmp_path / "key").read_text(), f"  {account.key}\r\n", f"\t{account.key} "]:
+        client = clients(authed, b"alice", api_key=read, api_url=authed.http_url)
+        assert account.key not in repr(client)
+        client.create_channel(channel_name()).send(b"with a key from a file")
+        client.close()
+    secret = account.key
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    attempts: list[tuple[type[Exception], str, str]] = [
+        (AuthError, secret + "\nsk_live_second_key", authed.http_url),  # two keys, one value
+        (AuthError, secret[:20] + " " + secret[20:], authed.http_url),
+        (AuthError, secret + "\x00", authed.http_url),
+        (AuthError, secret + "é", authed.http_url),
+        (AuthError, "\n", authed.http_url),
+        (TransportError, secret + "\n", unreachable),
+        (AuthError, secret[:-1] + "x", authed.http_url),  # refused by the API
+    ]
+    for error, key, url in attempts:
+        with pytest.raises(error) as info:
+            StaticClient(authed.relay_url, tmp_path / "x", b"x", api_key=key, api_url=url)
+        shown = f"{info.value} {info.value!r} {info.value.__cause__!r} {info.value.__context__!r}"
+        assert secret not in shown and secret[8:24] not in shown, shown
+    assert secret not in repr(TokenSource(authed.http_url, secret))

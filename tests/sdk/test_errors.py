@@ -1,4 +1,4 @@
-"""Every row of the spec's client error table (SPEC §7), with its prefix, against a real server."""
+"""Every row of the client error table (docs/sdk.md, Errors), with its prefix, against a server."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,28 @@ def test_example_with_an_api_key(relay: ServerProcess, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "done"
+
+
+@pytest.mark.parametrize("example", ["blocking_agents.py", "trio_agents.py", "asyncio_agents.py"])
+def test_a_failing_example_exits_non_zero(tmp_path: Path, example: str) -> None:
+    """No relay listens there: the example fails, says why, and its exit code says so."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / example),
+            "--relay",
+            f"grpc://127.0.0.1:{port}",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**os.environ, "STATIC_SDK_CONNECT_TIMEOUT": "0.5"},
+    )
+    assert result.returncode != 0, result.stdout
+    assert "transport error: cannot reach the relay" in result.stderr
+    assert "done" not in result.stdout.splitlines()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import defaultdict
@@ -343,3 +344,27 @@ def test_connections_the_relay_closed_for_idleness_are_reopened(
     bobs.send(b"and another")
     assert alices.receive(WAIT) == b"and another"
     assert "server error" not in server.stderr()
+
+
+def test_a_channel_keeps_its_client_open(relay: ServerProcess, clients: Clients) -> None:
+    """``StaticClient(...).create_channel(name)`` without keeping the client: the channel, and
+    an iterator of it nobody else keeps, still work after a garbage collection; the client
+    closes once nothing uses it, releasing its data directory."""
+    data_dir = clients.tmp_path / "kept-by-its-channel"
+    channel = StaticClient(relay.relay_url, data_dir, b"alice").create_channel(channel_name())
+    bob = clients(relay, b"bob")
+    gc.collect()
+    welcome = channel.add_member(bob.generate_key_package())
+    bobs = bob.join_channel(channel.name, welcome)
+    channel.send(b"hello")
+    assert bobs.receive(WAIT) == b"hello"
+    messages = channel.messages()
+    del channel
+    gc.collect()
+    bobs.send(b"back")
+    assert next_within(messages) == b"back"
+    # The last reference gone, the directory is free again.
+    del messages
+    gc.collect()
+    reopened = clients(relay, b"alice", data_dir=data_dir)
+    assert reopened.channels() == [bobs.name]

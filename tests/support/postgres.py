@@ -99,6 +99,14 @@ class PostgresCluster:
         time.sleep(down_for)
         self._start_server()
 
+    def down(self) -> None:
+        """Stop the server (fast: every connection is cut), keeping its data for :meth:`up`."""
+        self._run([str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "fast", "-w", "stop"])
+
+    def up(self) -> None:
+        """Start the server again after :meth:`down`, on the same data and port."""
+        self._start_server()
+
     def stop(self) -> None:
         try:
             self._run(

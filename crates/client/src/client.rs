@@ -68,7 +68,7 @@ impl Client {
         let data_dir = data_dir.as_ref().to_owned();
         let engine = Arc::new(Engine::open(&data_dir, identity)?);
         // Opened under the engine's directory lock.
-        let marks = Marks::open(&data_dir)?;
+        let marks = Marks::open(&data_dir, &engine)?;
         // connect_lazy spawns onto the current runtime.
         let relay = {
             let _guard = runtime.enter();

@@ -1,6 +1,7 @@
 //! The commit protocol, owned by the channel's façade: make a commit (or proposal), publish it
 //! with the epoch fence, wait until the applier has merged its echo; on a lost race, drop it,
-//! let the winner be applied and make it again.
+//! let the winner be applied and make it again, the members that lost most first
+//! ([`CommitPace`]).
 
 use std::sync::Arc;
 
@@ -8,7 +9,7 @@ use crate::channel_core::ChannelCore;
 use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::retry::{CommitPace, Retry};
 use crate::transport::pb;
 use static_mls::engine::Engine;
 
@@ -25,14 +26,15 @@ enum Published {
 /// One channel's commits, one at a time.
 pub(crate) struct Committer {
     core: Arc<ChannelCore>,
-    lock: tokio::sync::Mutex<()>,
+    /// Held for a whole commit; holds the pace of our commits.
+    lock: tokio::sync::Mutex<CommitPace>,
 }
 
 impl Committer {
     pub(crate) fn new(core: Arc<ChannelCore>) -> Self {
         Self {
             core,
-            lock: tokio::sync::Mutex::new(()),
+            lock: tokio::sync::Mutex::new(CommitPace::default()),
         }
     }
 
@@ -41,8 +43,20 @@ impl Committer {
         let core = &self.core;
         core.check_usable()?;
         core.shared.reach().await?;
-        let _guard = self.lock.lock().await;
-        for _ in 0..COMMIT_ATTEMPTS {
+        let mut pace = self.lock.lock().await;
+        let mut contended = false;
+        if let Some(aside) = pace.step_aside() {
+            let epoch = core.progress.borrow().epoch;
+            contended = tokio::time::timeout(aside, core.wait_epoch(epoch + 1))
+                .await
+                .is_ok();
+        }
+        for losses in 0..COMMIT_ATTEMPTS {
+            let wait = pace.wait(u32::try_from(losses).unwrap_or(u32::MAX), contended);
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+            let started = std::time::Instant::now();
             let name = core.name.clone();
             let maker = Arc::clone(&make);
             let Some((commit, welcome)) =
@@ -53,11 +67,14 @@ impl Committer {
             match self.publish_handshake(commit, welcome.clone()).await {
                 Ok(Published::Accepted(seq)) => {
                     core.wait_applied(seq).await?;
+                    pace.record(started.elapsed());
+                    pace.won();
                     return Ok(welcome);
                 }
                 Ok(Published::Stale(epoch)) => {
                     self.clear_pending().await?;
                     core.wait_epoch(epoch).await?;
+                    pace.record(started.elapsed());
                 }
                 Err(e) => {
                     // Not in the log: drop it so the group can move on.

@@ -2,12 +2,13 @@
 //!
 //! Each variant names a cause (the MLS engine, the relay's refusal, an unreachable relay,
 //! credentials, a closed client or channel, ...); [`Error::kind`] folds them onto the rows of
-//! the spec's error table (SPEC §7), which the Python binding maps to its classes in one place.
+//! the error table (docs/sdk.md, Errors), which the Python binding maps to its classes in one
+//! place.
 //! `Display` begins with that row's prefix, as the spec requires.
 
 use tonic::Code;
 
-/// The rows of the spec's error table (SPEC §7): what picks the Python class and the prefix.
+/// The rows of the error table (docs/sdk.md, Errors): what picks the Python class and the prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     /// `invalid channel name:`

@@ -1,5 +1,6 @@
 //! The one retry policy of the client: what to do after a [`Refusal`], for every loop that
-//! talks to the relay (calls, the reader's subscription, the publisher's call, sends).
+//! talks to the relay (calls, the reader's subscription, the publisher's call, sends), and
+//! when to try again at a commit that lost its epoch to another member's ([`CommitPace`]).
 
 use std::time::{Duration, Instant};
 
@@ -11,6 +12,90 @@ pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);
 pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(2);
 /// A fresh token refused this many times in a row is final (the key is not accepted).
 const TOKEN_STRIKES: u32 = 2;
+
+/// How long after a commit of ours won its epoch the next one steps aside first (see
+/// [`CommitPace`]): a caller committing again at once (a loop of `rotate_keys`) may be racing
+/// members whose commits just lost to ours.
+const COMMIT_YIELD_AFTER: Duration = Duration::from_millis(500);
+/// Bounds of the estimate of a commit round (making a commit, publishing it, learning its
+/// fate and applying the winner), from which the waits are scaled: 5-20 ms measured on a
+/// release build on 2 busy cores, several times that on a debug build.
+const ROUND_FLOOR: Duration = Duration::from_millis(5);
+const ROUND_CEILING: Duration = Duration::from_millis(250);
+
+/// The pace of one channel's commits: when a commit of ours last won, and how long a round
+/// takes. Decides the waits before an attempt at a commit.
+///
+/// The relay takes the first commit it gets for an epoch (the fence), and contending members
+/// learn of a new epoch at about the same moment, so each race was a lottery: with 5 members
+/// rotating keys freely one lost 16 in a row in ~2.8% of its calls (0.8^16), and the member
+/// that had just won, first to know its own commit (merging it costs less than processing
+/// another's), won more than its share. So:
+/// - a commit of ours that won within [`COMMIT_YIELD_AFTER`] makes the next one step aside
+///   until another member's commit moves the epoch, for at most two rounds
+///   ([`CommitPace::step_aside`]): the members that lost to it go first;
+/// - then, and after each loss, a random wait within a window of 4 rounds (after stepping aside
+///   for a commit that came) halving with each loss ([`CommitPace::wait`]): the members that
+///   lost most go first (after k losses, before one with none with odds 1 - 2^-(k+1));
+/// - no wait at all outside a contention (a member committing alone, or after a quiet spell),
+///   beyond the two rounds of stepping aside for a commit right after one of its own.
+///
+/// The windows follow the measured round, so the order holds on a slow machine too.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct CommitPace {
+    last_win: Option<Instant>,
+    round: Option<Duration>,
+}
+
+impl CommitPace {
+    fn round(&self) -> Duration {
+        self.round
+            .unwrap_or(ROUND_FLOOR)
+            .clamp(ROUND_FLOOR, ROUND_CEILING)
+    }
+
+    /// An attempt took `took`, from making the commit to applying the epoch's winner.
+    pub(crate) fn record(&mut self, took: Duration) {
+        self.round = Some(match self.round {
+            Some(round) => (round * 3 + took) / 4,
+            None => took,
+        });
+    }
+
+    /// A commit of ours won its epoch.
+    pub(crate) fn won(&mut self) {
+        self.last_win = Some(Instant::now());
+    }
+
+    /// How long to wait, at most, for another member's commit before our first attempt: two
+    /// rounds right after a win of ours, else none.
+    pub(crate) fn step_aside(&self) -> Option<Duration> {
+        self.last_win
+            .filter(|at| at.elapsed() < COMMIT_YIELD_AFTER)
+            .map(|_| self.round() * 2)
+    }
+
+    /// How long to wait before an attempt after `losses` lost ones, `contended` if another
+    /// member's commit came while we stepped aside.
+    pub(crate) fn wait(&self, losses: u32, contended: bool) -> Duration {
+        if losses == 0 && !contended {
+            return Duration::ZERO;
+        }
+        let window = self.round() * 4 / 2u32.saturating_pow(losses.min(16));
+        window.mul_f64(random_unit())
+    }
+}
+
+/// A random number in [0, 1) (not for secrets: the standard library seeds its hasher keys
+/// randomly per process, and each `RandomState` gets new ones).
+fn random_unit() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    // The top 53 bits, as a fraction of 2^53.
+    (bits >> 11) as f64 / (1u64 << 53) as f64
+}
 
 /// What a loop does next after a refusal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,6 +233,41 @@ mod tests {
         assert_eq!(retry.step(&refused), Step::GiveUp);
         retry.answered();
         assert_eq!(retry.step(&refused), Step::Refresh);
+    }
+
+    #[test]
+    fn the_members_that_lost_most_wait_least_before_a_commit() {
+        let mut pace = CommitPace::default();
+        // Alone, or first after a quiet spell: at once, no stepping aside.
+        assert_eq!(pace.wait(0, false), Duration::ZERO);
+        assert_eq!(pace.step_aside(), None);
+        pace.record(Duration::from_millis(20));
+        pace.won();
+        // Right after a win: two rounds aside at most.
+        assert_eq!(pace.step_aside(), Some(Duration::from_millis(40)));
+        let samples = |losses, contended| -> Vec<Duration> {
+            (0..2000).map(|_| pace.wait(losses, contended)).collect()
+        };
+        let window = Duration::from_millis(80);
+        let fresh = samples(0, true);
+        assert!(fresh.iter().all(|w| *w < window));
+        // Random: spread over the window, not one value.
+        assert!(fresh.iter().any(|w| *w < window / 4));
+        assert!(fresh.iter().any(|w| *w > window * 3 / 4));
+        for losses in 1..6u32 {
+            let loser = samples(losses, false);
+            assert!(loser.iter().all(|w| *w < window / 2u32.pow(losses)));
+            // Against a member without a loss, the loser goes first with odds
+            // 1 - 2^-(losses+1): 3/4 after one loss, 63/64 after five.
+            let first = loser.iter().zip(&fresh).filter(|(l, f)| l < f).count();
+            let expected = 2000.0 * (1.0 - 0.5f64.powi(losses as i32 + 1));
+            assert!((first as f64 - expected).abs() < 120.0, "{losses}: {first}");
+        }
+        // The windows follow the measured round, within bounds.
+        for _ in 0..50 {
+            pace.record(Duration::from_secs(5));
+        }
+        assert_eq!(pace.step_aside(), Some(ROUND_CEILING * 2));
     }
 
     #[test]

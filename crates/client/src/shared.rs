@@ -146,7 +146,8 @@ impl Shared {
         if let Some(inbox) = inboxes.get(name) {
             return Ok(Arc::clone(inbox));
         }
-        let slot = engine.inbox_slot(name)?;
+        // A new channel's first mark is written before its slot is recorded.
+        let slot = engine.inbox_slot(name, |slot| self.marks.init(slot))?;
         let handed = self.marks.read(slot)?;
         engine.inbox_prune(name, handed)?;
         let inbox = Arc::new(Mutex::new(Inbox {

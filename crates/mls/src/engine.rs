@@ -755,7 +755,7 @@ impl Engine {
         }
         let db = Db::open(&data_dir)?;
         let crypto = StaticCrypto::default();
-        let (signer, groups, fresh_epochs_needed) = db.transaction(|conn| -> Result<_> {
+        let opened = db.transaction(|conn| -> Result<_> {
             let provider = Provider::new(&crypto, conn);
             let signer =
                 match store::read_identity(conn)? {
@@ -810,7 +810,23 @@ impl Engine {
             store::write_session(conn, boot_id.as_deref(), false)?;
             let fresh_epochs_needed = store::any_fresh_epoch_needed(conn)?;
             Ok((signer, groups, fresh_epochs_needed))
+        });
+        // A state SQLite finds damaged, or that lost what it must hold, names its file.
+        let (signer, groups, fresh_epochs_needed) = opened.map_err(|e| match e {
+            Error::Store(e) if e.is_damage() => StoreError::Damaged {
+                path: db.path.clone(),
+                detail: e.to_string(),
+            }
+            .into(),
+            e @ (Error::Open(OpenError::MissingSignatureKey)
+            | Error::Internal(InternalError::MissingGroupState { .. })) => StoreError::Damaged {
+                path: db.path.clone(),
+                detail: e.detail(),
+            }
+            .into(),
+            e => e,
         })?;
+        store::record_identity(&data_dir, identity, signer.public())?;
         let credential = CredentialWithKey {
             credential: BasicCredential::new(identity.to_vec()).into(),
             signature_key: signer.public().into(),
@@ -1398,10 +1414,28 @@ impl Engine {
         Ok(store::inbox_count_after(&db.conn, channel, after_id)?)
     }
 
-    /// The channel's slot in the client's hand-out marks file.
-    pub fn inbox_slot(&self, channel: &str) -> Result<u64> {
+    /// The channel's slot in the client's hand-out marks file; `init` writes a new slot's
+    /// first mark before the slot is recorded (see [`store::inbox_slot`]).
+    pub fn inbox_slot(
+        &self,
+        channel: &str,
+        init: impl FnOnce(u64) -> std::result::Result<(), StoreError>,
+    ) -> Result<u64> {
         let db = lock(&self.db);
-        db.transaction(|conn| Ok(store::inbox_slot(conn, channel)?))
+        db.transaction(|conn| Ok(store::inbox_slot(conn, channel, init)?))
+    }
+
+    /// How many slots the client's hand-out marks file has, and the file's recorded id (see
+    /// [`store::inbox_marks`]).
+    pub fn inbox_marks(&self) -> Result<(u64, Option<Vec<u8>>)> {
+        let db = lock(&self.db);
+        db.transaction(|conn| Ok(store::inbox_marks(conn)?))
+    }
+
+    /// Records the id of the client's hand-out marks file.
+    pub fn record_inbox_marks(&self, file_id: &[u8]) -> Result<()> {
+        let db = lock(&self.db);
+        db.transaction(|conn| Ok(store::record_inbox_marks(conn, file_id)?))
     }
 
     fn after_processing(&self, channel: &str, removed: bool, epoch_changed: bool) {

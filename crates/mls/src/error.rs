@@ -15,7 +15,7 @@ use openmls::prelude::Ciphersuite;
 use crate::engine::{CIPHERSUITE, MAX_INPUT_LEN};
 use crate::store::StoreError;
 
-/// Which subsystem failed, by the spec's error table (SPEC §7): it picks the prefix of the
+/// Which subsystem failed, by the error table (docs/sdk.md, Errors): it picks the prefix of the
 /// message and the Python class. The network's kinds (transport, auth) are `static-client`'s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {

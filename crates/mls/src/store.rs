@@ -36,6 +36,15 @@
 //! * **One process at a time.** The directory is locked with an exclusive `flock`-style file
 //!   lock (`<data_dir>/lock`, held for the life of the engine); a second opener, in this process
 //!   or another, gets a clear `runtime error:` instead of a corrupt state.
+//! * **Private, and checked at opening.** The directory is created 0700 and every file in it
+//!   0600 (SQLite gives the `-wal` and `-shm` files the database file's mode, so that one is
+//!   created first). A damaged database must never pass for a fresh one, which would silently
+//!   make a new identity: before SQLite opens it, its header is checked (magic, and a length
+//!   at least the page count it records, when no write-ahead log is pending), and the identity
+//!   is recorded beside it ([`IDENTITY_FILE`]) once created, so a database that lost it (cut
+//!   to nothing, replaced, deleted) is refused. Both checks cost a few reads whatever the size
+//!   (`PRAGMA quick_check` reads every page). SQLite's own corruption errors met while
+//!   opening name the file too ([`StoreError::Damaged`]).
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -51,6 +60,12 @@ use rusqlite::{Connection, OptionalExtension};
 pub const DB_FILE: &str = "mls.sqlite3";
 /// File name of the lock file inside the data directory.
 pub const LOCK_FILE: &str = "lock";
+/// File name of the record of the identity inside the data directory (its identity and
+/// signature public key, in hex), written once the identity is stored.
+pub const IDENTITY_FILE: &str = "identity";
+/// Mode of the data directory, and of every file in it: its owner's only.
+pub const DIR_MODE: u32 = 0o700;
+pub const FILE_MODE: u32 = 0o600;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -76,6 +91,38 @@ pub enum StoreError {
         stored: String,
         requested: String,
     },
+    #[error(
+        "{} is damaged: {detail}; restore the data directory from a backup (all its files \
+         together), or use a new one (a new identity, to be added to its channels again)",
+        path.display()
+    )]
+    Damaged { path: PathBuf, detail: String },
+}
+
+impl StoreError {
+    /// Whether SQLite found the database damaged (not a database, malformed pages).
+    pub fn is_damage(&self) -> bool {
+        matches!(
+            self,
+            Self::Sqlite(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(
+                    e.code,
+                    rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt
+                )
+        )
+    }
+
+    /// [`StoreError::Damaged`] for the database at `path` if SQLite found it damaged.
+    pub fn naming_damage(self, path: &Path) -> Self {
+        if self.is_damage() {
+            Self::Damaged {
+                path: path.to_owned(),
+                detail: self.to_string(),
+            }
+        } else {
+            self
+        }
+    }
 }
 
 /// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
@@ -347,18 +394,171 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
     }
 }
 
+/// Creates `dir` (and its missing parents) with [`DIR_MODE`]; an existing one is left as it is
+/// (the SDK warns when others may read it).
+fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(DIR_MODE)
+        .create(dir)
+        .map_err(io(dir))
+}
+
+/// Opens (creating if needed) a file of the data directory for reading and writing, with
+/// [`FILE_MODE`] (also an existing file of an older version, made with the umask's mode).
+pub fn private_file(path: &Path) -> Result<File, StoreError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(FILE_MODE)
+        .open(path)
+        .map_err(io(path))?;
+    let mode = file.metadata().map_err(io(path))?.permissions().mode();
+    if mode & 0o777 != FILE_MODE {
+        file.set_permissions(std::fs::Permissions::from_mode(FILE_MODE))
+            .map_err(io(path))?;
+    }
+    Ok(file)
+}
+
+/// SQLite's file header: its magic and length (it records the page size at 16, the change
+/// counter at 24, the page count at 28 and the change the page count is valid for at 92).
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+const SQLITE_HEADER_LEN: usize = 100;
+
+/// Cheap checks of the database file before SQLite opens it (see the module docs), and the
+/// mode of its files: an empty or missing file is a new database (the identity record tells
+/// whether it may be); a file that is not a database, or shorter than the pages its header
+/// counts while no write-ahead log holds newer pages, is damaged.
+fn check_database_file(path: &Path) -> Result<(), StoreError> {
+    use std::io::Read;
+    let damaged = |detail: String| StoreError::Damaged {
+        path: path.to_owned(),
+        detail,
+    };
+    let wal = wal_len(&wal_path(path));
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if wal > 0 {
+                return Err(damaged(
+                    "it is missing, but its write-ahead log (-wal) is there".into(),
+                ));
+            }
+            // Made with our mode: SQLite gives its -wal and -shm files the same.
+            drop(private_file(path)?);
+            return Ok(());
+        }
+        Err(e) => return Err(io(path)(e)),
+    };
+    let len = file.metadata().map_err(io(path))?.len();
+    for suffix in ["", "-wal", "-shm"] {
+        let own = PathBuf::from(format!("{}{suffix}", path.display()));
+        if own.exists() {
+            drop(private_file(&own)?);
+        }
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let mut header = [0u8; SQLITE_HEADER_LEN];
+    if file.read_exact(&mut header).is_err() || &header[..16] != SQLITE_MAGIC {
+        return Err(damaged("it is not a SQLite database".into()));
+    }
+    let be32 = |at: usize| {
+        u32::from_be_bytes([header[at], header[at + 1], header[at + 2], header[at + 3]])
+    };
+    let page_size = match u16::from_be_bytes([header[16], header[17]]) {
+        1 => 65_536,
+        n => u64::from(n),
+    };
+    let expected = u64::from(be32(28)).saturating_mul(page_size);
+    // The page count is valid only if written by the same change as the counter (SQLite's
+    // rule); a pending log may hold pages a crashed checkpoint had not copied yet.
+    if be32(24) == be32(92) && wal == 0 && len < expected {
+        return Err(damaged(format!(
+            "it was cut short: {len} bytes of the {expected} its header counts"
+        )));
+    }
+    Ok(())
+}
+
+/// The record of an identity in [`IDENTITY_FILE`].
+fn identity_record(identity: &[u8], public: &[u8]) -> String {
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!("static identity v1 {} {}\n", hex(identity), hex(public))
+}
+
+/// A database holding no identity, or another one, where [`IDENTITY_FILE`] records that one
+/// was created is damaged or replaced: refused, rather than silently becoming a new identity.
+fn check_identity_file(
+    data_dir: &Path,
+    db_path: &Path,
+    stored: Option<IdentityRow>,
+) -> Result<(), StoreError> {
+    let record_path = data_dir.join(IDENTITY_FILE);
+    let recorded = match std::fs::read_to_string(&record_path) {
+        Ok(text) => text,
+        // Never recorded: a new directory, or one of a version before the record.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(&record_path)(e)),
+    };
+    let detail = match stored {
+        None => format!(
+            "it holds no identity, but {} records that one was made here: the database was \
+             cut short, replaced or deleted",
+            record_path.display()
+        ),
+        Some((identity, public)) if identity_record(&identity, &public) != recorded => format!(
+            "it holds another identity than {} records: it was replaced",
+            record_path.display()
+        ),
+        Some(_) => return Ok(()),
+    };
+    Err(StoreError::Damaged {
+        path: db_path.to_owned(),
+        detail,
+    })
+}
+
+/// Records the identity the database holds (see [`check_identity_file`]) unless it is
+/// recorded already: once it is made, and in a directory of an older version. Written to a
+/// temporary file, synced and renamed, so a crash leaves it whole or absent (then written at
+/// the next opening).
+pub fn record_identity(data_dir: &Path, identity: &[u8], public: &[u8]) -> Result<(), StoreError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = data_dir.join(IDENTITY_FILE);
+    if path.exists() {
+        return Ok(());
+    }
+    let temporary = data_dir.join(format!("{IDENTITY_FILE}.tmp"));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(FILE_MODE)
+        .open(&temporary)
+        .map_err(io(&temporary))?;
+    file.write_all(identity_record(identity, public).as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(io(&temporary))?;
+    std::fs::rename(&temporary, &path).map_err(io(&path))?;
+    File::open(data_dir)
+        .and_then(|dir| dir.sync_all())
+        .map_err(io(data_dir))
+}
+
 impl Db {
     /// Opens (creating if needed) the store under `data_dir` and takes its lock.
     pub fn open(data_dir: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(data_dir).map_err(io(data_dir))?;
+        create_private_dir(data_dir)?;
         let lock_path = data_dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .map_err(io(&lock_path))?;
+        let lock = private_file(&lock_path)?;
         match lock.try_lock() {
             Ok(()) => {}
             Err(std::fs::TryLockError::WouldBlock) => {
@@ -367,6 +567,11 @@ impl Db {
             Err(std::fs::TryLockError::Error(e)) => return Err(io(&lock_path)(e)),
         }
         let path = data_dir.join(DB_FILE);
+        check_database_file(&path)?;
+        Self::open_checked(data_dir, path.clone(), lock).map_err(|e| e.naming_damage(&path))
+    }
+
+    fn open_checked(data_dir: &Path, path: PathBuf, lock: File) -> Result<Self, StoreError> {
         let mut conn = Connection::open(&path)?;
         conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
@@ -453,6 +658,7 @@ impl Db {
                 conn.execute_batch(ddl)?;
             }
         }
+        check_identity_file(data_dir, &path, read_identity(&conn)?)?;
         // After the schema exists: the checkpointer's connection needs the database in WAL mode.
         let checkpointer = Checkpointer::start(&path)?;
         Ok(Self {
@@ -831,26 +1037,76 @@ pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result
     Ok(to_u64(n))
 }
 
+const INBOX_SLOTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS static_inbox_slots (
+         name TEXT PRIMARY KEY,
+         slot INTEGER NOT NULL UNIQUE
+     );
+     -- The hand-out marks file's own id, as the client recorded it (see `static-client`):
+     -- from then on the file must be there, with that id, and a mark for every slot.
+     CREATE TABLE IF NOT EXISTS static_inbox_marks (
+         id INTEGER PRIMARY KEY CHECK (id = 0),
+         file_id BLOB NOT NULL
+     );";
+
 /// The channel's slot in the hand-out marks file (see `static-client`), assigned on first use
-/// and kept for good.
-pub fn inbox_slot(conn: &Connection, name: &str) -> Result<u64, StoreError> {
-    conn.execute_batch(
-        "CREATE TABLE IF NOT EXISTS static_inbox_slots (
-             name TEXT PRIMARY KEY,
-             slot INTEGER NOT NULL UNIQUE
-         );",
-    )?;
-    conn.execute(
-        "INSERT OR IGNORE INTO static_inbox_slots (name, slot)
-         VALUES (?1, (SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots))",
-        [name],
-    )?;
+/// and kept for good. A new slot is given to `init` (which writes its first mark) before it is
+/// recorded, so every recorded slot has a mark: a slot of the file without one is damage.
+pub fn inbox_slot(
+    conn: &Connection,
+    name: &str,
+    init: impl FnOnce(u64) -> Result<(), StoreError>,
+) -> Result<u64, StoreError> {
+    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    let known: Option<i64> = conn
+        .query_row(
+            "SELECT slot FROM static_inbox_slots WHERE name = ?1",
+            [name],
+            |row| row.get(0),
+        )
+        .optional()?;
+    if let Some(slot) = known {
+        return Ok(to_u64(slot));
+    }
     let slot: i64 = conn.query_row(
-        "SELECT slot FROM static_inbox_slots WHERE name = ?1",
-        [name],
+        "SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots",
+        [],
         |row| row.get(0),
     )?;
+    init(to_u64(slot))?;
+    conn.execute(
+        "INSERT INTO static_inbox_slots (name, slot) VALUES (?1, ?2)",
+        (name, slot),
+    )?;
     Ok(to_u64(slot))
+}
+
+/// How many slots the hand-out marks file has (see [`inbox_slot`]), and the file's id if the
+/// client recorded one ([`record_inbox_marks`]).
+pub fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreError> {
+    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    let slots: i64 = conn.query_row(
+        "SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots",
+        [],
+        |row| row.get(0),
+    )?;
+    let file_id = conn
+        .query_row(
+            "SELECT file_id FROM static_inbox_marks WHERE id = 0",
+            [],
+            |row| row.get(0),
+        )
+        .optional()?;
+    Ok((to_u64(slots), file_id))
+}
+
+/// Records the id of the hand-out marks file (see [`inbox_marks`]).
+pub fn record_inbox_marks(conn: &Connection, file_id: &[u8]) -> Result<(), StoreError> {
+    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    conn.execute(
+        "INSERT OR REPLACE INTO static_inbox_marks (id, file_id) VALUES (0, ?1)",
+        [file_id],
+    )?;
+    Ok(())
 }
 
 /// The names with messages in the inbox (a channel we were removed from may still have some).
@@ -1034,5 +1290,100 @@ mod tests {
             );
         }
         assert_eq!(count(&db), 1);
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_directory_and_its_files_are_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().join("new/data");
+        let engine = crate::Engine::open(&data_dir, b"alice").unwrap();
+        engine.create_group("a/b/c").unwrap();
+        assert_eq!(mode(&data_dir), DIR_MODE);
+        for name in [
+            DB_FILE,
+            "mls.sqlite3-wal",
+            "mls.sqlite3-shm",
+            LOCK_FILE,
+            IDENTITY_FILE,
+        ] {
+            assert_eq!(mode(&data_dir.join(name)), FILE_MODE, "{name}");
+        }
+        drop(engine);
+        // Files an older version made with the umask's mode are made private at opening.
+        use std::os::unix::fs::PermissionsExt;
+        for name in [DB_FILE, LOCK_FILE] {
+            std::fs::set_permissions(data_dir.join(name), std::fs::Permissions::from_mode(0o644))
+                .unwrap();
+        }
+        drop(crate::Engine::open(&data_dir, b"alice").unwrap());
+        for name in [DB_FILE, LOCK_FILE] {
+            assert_eq!(mode(&data_dir.join(name)), FILE_MODE, "{name}");
+        }
+    }
+
+    /// What opening `data_dir` says, as a string (or "opened").
+    fn opening(data_dir: &Path) -> String {
+        match crate::Engine::open(data_dir, b"alice") {
+            Ok(_) => "opened".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_damaged_database_is_refused_never_a_new_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path();
+        let engine = crate::Engine::open(data_dir, b"alice").unwrap();
+        for i in 0..20 {
+            engine.create_group(&format!("a/b/c{i}")).unwrap();
+        }
+        drop(engine);
+        let db = data_dir.join(DB_FILE);
+        let good = std::fs::read(&db).unwrap();
+        assert!(good.len() > 8 * 4096, "{}", good.len());
+        assert!(!data_dir.join("mls.sqlite3-wal").exists() || wal_len(&wal_path(&db)) == 0);
+        let cases: [(&str, Option<Vec<u8>>); 5] = [
+            ("holds no identity", Some(Vec::new())),
+            ("cut short", Some(good[..good.len() / 2].to_vec())),
+            ("cut short", Some(good[..4096].to_vec())),
+            ("not a SQLite database", Some(vec![7u8; good.len()])),
+            ("holds no identity", None),
+        ];
+        for (what, bytes) in cases {
+            match bytes {
+                Some(bytes) => std::fs::write(&db, bytes).unwrap(),
+                None => std::fs::remove_file(&db).unwrap(),
+            }
+            let said = opening(data_dir);
+            assert!(said.starts_with("runtime error: "), "{said}");
+            assert!(
+                said.contains(&format!("{} is damaged", db.display())),
+                "{said}"
+            );
+            assert!(said.contains(what), "{what}: {said}");
+            // Still refused: nothing was made in its place.
+            let again = opening(data_dir);
+            assert!(again.contains(what), "{what}: {again}");
+            let _ = std::fs::remove_file(wal_path(&db));
+            let _ = std::fs::remove_file(format!("{}-shm", db.display()));
+        }
+        std::fs::write(&db, &good).unwrap();
+        assert_eq!(opening(data_dir), "opened");
+    }
+
+    #[test]
+    fn a_directory_of_an_older_version_gets_its_identity_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(crate::Engine::open(dir.path(), b"alice").unwrap());
+        std::fs::remove_file(dir.path().join(IDENTITY_FILE)).unwrap();
+        assert_eq!(opening(dir.path()), "opened");
+        assert!(dir.path().join(IDENTITY_FILE).exists());
+        std::fs::remove_file(dir.path().join(DB_FILE)).unwrap();
+        assert!(opening(dir.path()).contains("holds no identity"));
     }
 }

@@ -8,6 +8,7 @@
 
 mod error;
 mod exit;
+mod logging;
 mod relay;
 
 use std::path::PathBuf;
@@ -420,7 +421,10 @@ impl Client {
     fn create_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
         let inner = Arc::clone(&self.inner);
         let channel = native(exit::without_gil(py, move || inner.create_channel(name)))?;
-        Ok(Channel { inner: channel })
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
     }
 
     fn join_channel(&self, py: Python<'_>, name: &str, welcome: &[u8]) -> PyResult<Channel> {
@@ -428,13 +432,19 @@ impl Client {
         let channel = native(exit::without_gil(py, move || {
             inner.join_channel(name, welcome)
         }))?;
-        Ok(Channel { inner: channel })
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
     }
 
     fn open_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
         let inner = Arc::clone(&self.inner);
         let channel = native(exit::without_gil(py, move || inner.open_channel(name)))?;
-        Ok(Channel { inner: channel })
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
     }
 
     /// Stops all background work and releases the data directory.
@@ -514,6 +524,9 @@ fn next_tuple(py: Python<'_>, next: Next, detailed: bool) -> PyResult<(u8, Optio
 #[pyclass(frozen, module = "static._native")]
 struct Channel {
     inner: Arc<CoreChannel>,
+    /// Keeps the client open while the channel (or one of its iterators) lives, even when
+    /// the program kept no reference to the client: dropping the last one closes it.
+    _client: Arc<CoreClient>,
 }
 
 #[pymethods]
@@ -819,6 +832,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_bench_rust_encrypt_decrypt, m)?)?;
     m.add_function(wrap_pyfunction!(_bench_ed25519_sign_verify_ns, m)?)?;
     relay::register(m)?;
+    logging::register(m)?;
     exit::register(m)?;
     Ok(())
 }

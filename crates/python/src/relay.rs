@@ -1,11 +1,12 @@
 //! `static._native.RelayServer`: the relay's data plane (`static-relay`) in the `static serve`
 //! process, on a tokio runtime of its own. Python keeps what is not per message: it passes a
-//! `verify(token)` callable (called once per call, from a blocking thread of that runtime, with
-//! the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and decides when
-//! to stop (`shutdown`). Errors at start are `OSError`s (a setting out of its bounds a
-//! `ValueError`, and so is a TLS certificate or key that cannot serve); nothing else raises.
-//! `relay_settings()` is the table of tunable settings; `check_tls_files(cert, key)` checks a
-//! certificate and key as the relay would load them (for `static serve`'s startup checks).
+//! `verify(token, peer)` callable (called once per call, from a blocking thread of that
+//! runtime, with the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and
+//! decides when to stop (`shutdown`). Errors at start are `OSError`s (a setting out of its
+//! bounds a `ValueError`, and so is a TLS certificate or key that cannot serve); nothing else
+//! raises. `relay_settings()` is the table of tunable settings; `check_tls_files(cert, key)`
+//! checks a certificate and key as the relay would load them (for `static serve`'s startup
+//! checks).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -22,12 +23,14 @@ use static_relay::settings::Kind;
 use static_relay::{Database, Principal, RelayConfig, RelayError, Verify};
 
 /// gRPC codes a `verify` callable may refuse with.
+const RESOURCE_EXHAUSTED: u32 = 8;
 const UNAVAILABLE: u32 = 14;
 const UNAUTHENTICATED: u32 = 16;
 
-/// The Python `verify(token)`: returns `(account_id, key_id, expires_at | None)`, or
-/// `(code, message)` to refuse (UNAUTHENTICATED or UNAVAILABLE). Raising is a bug: printed,
-/// and the call gets INTERNAL.
+/// The Python `verify(token, peer)` (`peer`: the caller's `ip:port`): returns `(account_id,
+/// key_id, expires_at | None)`, or `(code, message)` to refuse (UNAUTHENTICATED or
+/// UNAVAILABLE), or `(RESOURCE_EXHAUSTED, message, retry_after_seconds)` (too many failures
+/// from that address). Raising is a bug: printed, and the call gets INTERNAL.
 struct PyVerifier {
     callable: Arc<Py<PyAny>>,
 }
@@ -36,12 +39,13 @@ impl Verify for PyVerifier {
     fn verify(
         &self,
         token: String,
+        peer: String,
     ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
         let callable = Arc::clone(&self.callable);
         Box::pin(async move {
             // A blocking thread: the callable waits for the trio thread (the store lookup).
             tokio::task::spawn_blocking(move || {
-                crate::exit::with_gil_unless_exiting(|py| call_verify(py, &callable, token))
+                crate::exit::with_gil_unless_exiting(|py| call_verify(py, &callable, token, peer))
                     .unwrap_or_else(|| {
                         Err(RelayError::Unavailable(
                             "the server is shutting down".into(),
@@ -58,21 +62,32 @@ fn call_verify(
     py: Python<'_>,
     callable: &Py<PyAny>,
     token: String,
+    peer: String,
 ) -> Result<Principal, RelayError> {
-    let answer = callable.call1(py, (token,)).map_err(|err| {
+    let answer = callable.call1(py, (token, peer)).map_err(|err| {
         err.print(py);
         RelayError::Internal
     })?;
     if let Ok((account_id, key_id, expires_at)) =
         answer.extract::<(String, String, Option<f64>)>(py)
     {
+        // Checked: an expiry past what SystemTime holds (an `exp` of 1e20) panicked here.
+        // Unrepresentable (negative, NaN, too far) is no deadline, as None is.
         let expires_at = expires_at
-            .filter(|at| at.is_finite() && *at >= 0.0)
-            .map(|at| UNIX_EPOCH + Duration::from_secs_f64(at));
+            .and_then(|at| Duration::try_from_secs_f64(at).ok())
+            .and_then(|left| UNIX_EPOCH.checked_add(left));
         return Ok(Principal {
             account_id,
             key_id,
             expires_at,
+        });
+    }
+    if let Ok((RESOURCE_EXHAUSTED, message, retry_after_seconds)) =
+        answer.extract::<(u32, String, u64)>(py)
+    {
+        return Err(RelayError::ResourceExhausted {
+            message,
+            retry_after_ms: retry_after_seconds.saturating_mul(1000),
         });
     }
     match answer.extract::<(u32, String)>(py) {
@@ -169,6 +184,23 @@ impl RelayServer {
     #[getter]
     fn port(&self) -> u16 {
         self.port
+    }
+
+    /// None while the relay serves and its store can write, else why not (its gRPC health
+    /// status). Without the GIL: a runtime thread may be logging (see `logging`).
+    fn health(&self, py: Python<'_>) -> Option<String> {
+        exit::without_gil(py, || {
+            self.with_server(|s| s.health().err())
+                .unwrap_or_else(|| Some("relay is stopped".to_owned()))
+        })
+    }
+
+    /// The relay's metrics, Prometheus text format (without the GIL, as `health`).
+    fn metrics(&self, py: Python<'_>) -> String {
+        exit::without_gil(py, || {
+            self.with_server(static_relay::RelayServer::metrics_text)
+                .unwrap_or_default()
+        })
     }
 
     /// The API keys behind live streams.

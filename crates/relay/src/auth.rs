@@ -31,9 +31,14 @@ pub struct Principal {
 }
 
 /// Checks a bearer token: signature, audience, expiry and that the key behind it is active.
-/// Refusals are [`RelayError::Unauthenticated`] (or `Unavailable` when the store is down).
+/// Refusals are [`RelayError::Unauthenticated`] (or `Unavailable` when the store is down, or
+/// `ResourceExhausted` when `peer`, the caller's `ip:port`, failed too often lately).
 pub trait Verify: Send + Sync + 'static {
-    fn verify(&self, token: String) -> Pin<Box<dyn Future<Output = Result<Principal>> + Send>>;
+    fn verify(
+        &self,
+        token: String,
+        peer: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Principal>> + Send>>;
 }
 
 /// An authenticated (or, with `--allow-anonymous`, anonymous) caller.
@@ -130,7 +135,7 @@ impl Authenticator {
                 "this relay has no token verifier: tokens cannot be checked",
             ));
         };
-        let principal = verifier.verify(token).await?;
+        let principal = verifier.verify(token, peer.to_owned()).await?;
         if let Some(expires_at) = principal.expires_at {
             if expires_at <= SystemTime::now() {
                 return Err(unauthenticated("token expired"));

@@ -8,18 +8,23 @@
 //! checked as a member would) are pure; `members` is who may reach a channel (bound leaves);
 //! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O,
 //! one module per database; `memory` gives freed memory back to the OS;
-//! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls` terminates TLS); `settings` is its configuration, one table of knobs; `auth` is
+//! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
+//! terminates TLS); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
+//! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 // Denied, not forbidden: `memory` calls glibc's malloc_trim (one audited FFI call).
 #![deny(unsafe_code)]
 
+mod access;
 pub mod auth;
 pub mod error;
 pub mod framing;
 pub mod group;
+pub mod health;
 pub mod log;
 pub mod members;
 mod memory;
+pub mod metrics;
 pub mod retention;
 pub mod rules;
 mod server;

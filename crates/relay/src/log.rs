@@ -43,6 +43,7 @@ use crate::error::{RelayError, Result};
 use crate::framing::MessageHeader;
 use crate::group::GroupState;
 use crate::members::{GroupChange, Membership, Reach};
+use crate::metrics;
 use crate::retention::{now_ms, Policy, PruneStep};
 use crate::rules::{check_fence, epoch_after};
 use crate::store::{
@@ -164,6 +165,10 @@ pub struct Channel {
     /// has been idle.
     used: AtomicU64,
     cache: Arc<Cache>,
+    /// When the publish of the entry [`Channel::head_submitted_seq`] was submitted here
+    /// ([`metrics::now_ns`], 0 unknown): what a live delivery's latency is measured from.
+    head_submitted: AtomicU64,
+    head_submitted_seq: AtomicU64,
 }
 
 impl Channel {
@@ -181,6 +186,8 @@ impl Channel {
             head_tx: watch::Sender::new(row.head_seq),
             used: AtomicU64::new(cache.now()),
             cache: Arc::clone(cache),
+            head_submitted: AtomicU64::new(0),
+            head_submitted_seq: AtomicU64::new(0),
         }
     }
 
@@ -228,6 +235,13 @@ impl Channel {
     }
 
     /// The channel's current (committed) epoch.
+    /// When the publish of entry `seq` was submitted to this relay ([`metrics::now_ns`]), if
+    /// it is the latest this relay appended (not another relay's, nor an older one).
+    pub fn submitted_ns(&self, seq: u64) -> Option<u64> {
+        let ns = self.head_submitted.load(Ordering::Acquire);
+        (ns != 0 && self.head_submitted_seq.load(Ordering::Acquire) == seq).then_some(ns)
+    }
+
     pub fn epoch(&self) -> u64 {
         self.epoch.load(Ordering::Acquire)
     }
@@ -761,7 +775,7 @@ impl ChannelLog {
     ) -> Result<Arc<Channel>> {
         let org = name.split('/').next().unwrap_or(name);
         let stored = state.to_bytes().map_err(|e| {
-            eprintln!("relay: internal error: a group state could not be encoded: {e}");
+            ::log::error!(target: "static.relay", "internal error: a group state could not be encoded: {e}");
             RelayError::Internal
         })?;
         let _loading = self.inner.registry.loading();
@@ -1227,6 +1241,13 @@ impl ChannelLog {
         self.run_job(job, rx).await
     }
 
+    /// A readiness probe: one small write transaction by the log's writer (between two group
+    /// commits), so that a store that cannot write is seen (the gRPC health service).
+    pub(crate) async fn probe(&self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.run_job(Job::Probe { tx }, rx).await
+    }
+
     /// Sets the channel's retention policy.
     pub(crate) async fn set_retention(&self, channel: &Channel, policy: Policy) -> Result<()> {
         let (tx, rx) = oneshot::channel();
@@ -1288,6 +1309,7 @@ fn publish_jobs(items: Vec<(Arc<Channel>, Checked)>) -> (Vec<Job>, Vec<Outcome>)
                 Job::Publish(Publish {
                     channel,
                     checked,
+                    submitted: metrics::now_ns(),
                     tx,
                 }),
                 rx,
@@ -1305,6 +1327,8 @@ pub(crate) fn shutting_down() -> RelayError {
 pub(crate) struct Publish {
     pub channel: Arc<Channel>,
     pub checked: Checked,
+    /// When it was submitted ([`metrics::now_ns`]): publish-to-ack and -delivery start here.
+    submitted: u64,
     tx: oneshot::Sender<Result<Accepted>>,
 }
 
@@ -1333,6 +1357,10 @@ enum Job {
         policy: Policy,
         tx: oneshot::Sender<Result<()>>,
     },
+    /// A readiness probe: one small write (see [`ChannelLog::probe`]).
+    Probe {
+        tx: oneshot::Sender<Result<()>>,
+    },
 }
 
 struct CreateJob {
@@ -1357,7 +1385,7 @@ impl Job {
             Job::Bind { tx, .. } => {
                 let _ = tx.send(Err(shutting_down()));
             }
-            Job::Prune { tx, .. } | Job::SetRetention { tx, .. } => {
+            Job::Prune { tx, .. } | Job::SetRetention { tx, .. } | Job::Probe { tx } => {
                 let _ = tx.send(Err(shutting_down()));
             }
             Job::ExpireWelcomes { tx, .. } => {
@@ -1570,6 +1598,9 @@ impl Writer {
                 } => {
                     let _ = tx.send(self.store.set_retention(channel_id, &policy));
                 }
+                Job::Probe { tx } => {
+                    let _ = tx.send(self.store.probe(now_ms()));
+                }
                 Job::Publish(_) => {}
             }
         }
@@ -1600,9 +1631,22 @@ impl Writer {
 
     /// One group commit of `batch` (emptied): decide and store, publish to memory, answer.
     fn publish(&mut self, batch: &mut Vec<Publish>) {
-        let plan = match self.store.append(batch, self.window) {
+        let metrics = metrics::metrics();
+        let started = Instant::now();
+        let appended = self.store.append(batch, self.window);
+        metrics
+            .store_commit
+            .observe(started.elapsed().as_secs_f64());
+        let plan = match appended {
             Ok(plan) => plan,
             Err(err) => {
+                // Once per failed group commit (each publisher's call is refused as well).
+                metrics.store_failures.inc();
+                ::log::error!(
+                    target: "static.relay",
+                    "store failure: a group commit of {} publishes failed: {err}",
+                    batch.len()
+                );
                 // Nothing was stored and memory is untouched.
                 for p in batch.drain(..) {
                     let _ = p.tx.send(Err(err.clone()));
@@ -1620,19 +1664,36 @@ impl Writer {
         for (p, decision) in batch.drain(..).zip(plan.decisions) {
             let answer = match decision {
                 Decision::Append {
-                    seq, channel_epoch, ..
-                } => Ok(Accepted {
                     seq,
-                    epoch: channel_epoch,
-                    duplicate: false,
-                }),
-                Decision::Duplicate { seq, channel_epoch } => Ok(Accepted {
-                    seq,
-                    epoch: channel_epoch,
-                    duplicate: true,
-                }),
+                    channel_epoch,
+                    starts_epoch,
+                } => {
+                    let kind = if starts_epoch {
+                        metrics.commits.inc();
+                        "commit"
+                    } else {
+                        "application"
+                    };
+                    metrics.published.with_label_values(&[kind]).inc();
+                    Ok(Accepted {
+                        seq,
+                        epoch: channel_epoch,
+                        duplicate: false,
+                    })
+                }
+                Decision::Duplicate { seq, channel_epoch } => {
+                    metrics.published.with_label_values(&["duplicate"]).inc();
+                    Ok(Accepted {
+                        seq,
+                        epoch: channel_epoch,
+                        duplicate: true,
+                    })
+                }
                 Decision::Refused(err) => Err(err),
             };
+            metrics
+                .publish_to_ack
+                .observe(metrics::since_ns(p.submitted).as_secs_f64());
             let _ = p.tx.send(answer);
         }
         for channel in changed {
@@ -1656,6 +1717,10 @@ fn committed(batch: &[Publish], plan: &Plan) {
                 account: Arc::clone(&p.checked.account),
             });
             p.channel.cache().cached(&p.channel, seq);
+            p.channel
+                .head_submitted
+                .store(p.submitted, Ordering::Release);
+            p.channel.head_submitted_seq.store(seq, Ordering::Release);
             if let GroupCheck::Valid(Some(change)) = &p.checked.group {
                 // Before the epoch moves (below): whoever sees the new epoch finds the group
                 // that goes with it.
@@ -1789,6 +1854,7 @@ pub(crate) fn test_publish(channel: &Arc<Channel>, checked: Checked) -> Publish 
     Publish {
         channel: Arc::clone(channel),
         checked,
+        submitted: metrics::now_ns(),
         tx,
     }
 }

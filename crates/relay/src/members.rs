@@ -30,7 +30,7 @@ pub struct GroupChange {
 impl GroupChange {
     pub fn new(next: GroupState, removed: Vec<u32>, added: Vec<u32>) -> Result<GroupChange> {
         let state = next.to_bytes().map_err(|e| {
-            eprintln!("relay: internal error: a group state could not be encoded: {e}");
+            ::log::error!(target: "static.relay", "internal error: a group state could not be encoded: {e}");
             RelayError::Internal
         })?;
         Ok(GroupChange {

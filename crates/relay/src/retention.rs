@@ -159,7 +159,7 @@ pub(crate) async fn run(
             result = pass(&log, &settings) => {
                 if let Err(e) = result {
                     // The next pass tries again; a closing log ends the task above.
-                    eprintln!("relay: pruning failed: {e}");
+                    ::log::error!(target: "static.relay", "store failure: pruning failed: {e}");
                 }
             }
         }

@@ -35,10 +35,14 @@ use tokio_rustls::TlsAcceptor;
 use tonic::body::Body;
 use tonic::codegen::Service as _;
 use tonic::Status;
+use tonic_health::pb::health_server;
 
+use crate::access::CallRecord;
 use crate::auth::{Authenticator, Verify};
 use crate::error::{RelayError, Result};
+use crate::health::{self, Health};
 use crate::log::{ChannelLog, LogSettings};
+use crate::metrics::{self, metrics};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
 use crate::rules::TokenBucket;
@@ -87,9 +91,11 @@ pub struct RelayServer {
     acceptor: Option<JoinHandle<JoinSet<()>>>,
     graceful_timeout: Duration,
     retention: RetentionSettings,
-    /// The pruner task, and what stops it.
+    /// The pruner task, and what stops it (and the health probes).
     pruner: Option<JoinHandle<()>>,
     stop_pruner: watch::Sender<bool>,
+    health: Arc<Health>,
+    prober: Option<JoinHandle<()>>,
 }
 
 impl RelayServer {
@@ -112,6 +118,9 @@ impl RelayServer {
             idle_unload: config.idle_unload,
         })
         .await?;
+        // The first probe before anything is served: SERVING only once the store wrote.
+        let health = Health::new().await;
+        health.probe(&log).await;
         let auth = Authenticator::new(verifier, config.allow_anonymous);
         let drain = Drain::new();
         let retention = RetentionSettings::from(&config);
@@ -156,10 +165,17 @@ impl RelayServer {
             tls: config.tls.clone().map(TlsAcceptor::from),
             tls_handshake_timeout: config.tls_handshake_timeout,
             handshakes_failed: Mutex::new(RateLimitedLog::new("TLS handshakes failed")),
+            health: health.service(),
         });
         let (phase, watching) = watch::channel(Phase::Serving);
         let acceptor = tokio::spawn(accept(listeners, shared, watching));
         let (stop_pruner, stopping) = watch::channel(false);
+        let prober = tokio::spawn(health::run(
+            Arc::clone(&health),
+            log.clone(),
+            config.health_interval,
+            stopping.clone(),
+        ));
         let pruner = tokio::spawn(retention::run(log.clone(), retention.clone(), stopping));
         Ok(RelayServer {
             local_addr,
@@ -173,6 +189,8 @@ impl RelayServer {
             retention,
             pruner: Some(pruner),
             stop_pruner,
+            health,
+            prober: Some(prober),
         })
     }
 
@@ -191,6 +209,22 @@ impl RelayServer {
         retention::pass(&self.log, &self.retention).await
     }
 
+    /// Ok while the relay serves and its store can write, else why not (its gRPC health
+    /// status; `/readyz`).
+    pub fn health(&self) -> std::result::Result<(), String> {
+        self.health.status()
+    }
+
+    /// The relay's metrics in Prometheus's text format (the gauges read now).
+    pub fn metrics_text(&self) -> String {
+        let m = metrics();
+        m.channels_loaded
+            .set(i64::try_from(self.log.loaded_channels()).unwrap_or(i64::MAX));
+        m.cached_bytes
+            .set(i64::try_from(self.log.cached_bytes()).unwrap_or(i64::MAX));
+        metrics::render()
+    }
+
     /// The API keys behind live streams (for the revocation checks).
     pub fn live_keys(&self) -> Vec<String> {
         self.auth.live_keys()
@@ -206,12 +240,13 @@ impl RelayServer {
     /// shutting down", let in-flight calls finish within `graceful_timeout`, close every
     /// connection, commit what was submitted, close the store.
     pub async fn shutdown(mut self) {
+        self.health.drain().await;
         self.phase.send_replace(Phase::Draining);
         let connections = match self.acceptor.take() {
             Some(acceptor) => match acceptor.await {
                 Ok(connections) => Some(connections),
                 Err(e) => {
-                    eprintln!("relay: the accept loop failed: {e}");
+                    ::log::error!(target: "static.relay", "the accept loop failed: {e}");
                     None
                 }
             },
@@ -237,6 +272,9 @@ impl RelayServer {
         if let Some(pruner) = self.pruner.take() {
             let _ = pruner.await;
         }
+        if let Some(prober) = self.prober.take() {
+            let _ = prober.await;
+        }
         self.log.close().await;
     }
 }
@@ -249,6 +287,9 @@ impl Drop for RelayServer {
         }
         if let Some(pruner) = self.pruner.take() {
             pruner.abort();
+        }
+        if let Some(prober) = self.prober.take() {
+            prober.abort();
         }
     }
 }
@@ -331,6 +372,8 @@ struct Shared {
     tls: Option<TlsAcceptor>,
     tls_handshake_timeout: Duration,
     handshakes_failed: Mutex<RateLimitedLog>,
+    /// The gRPC health service (no token, not refused while draining: it says NOT_SERVING).
+    health: health_server::HealthServer<tonic_health::server::HealthService>,
 }
 
 /// The connections being served: how many, and from which addresses.
@@ -362,6 +405,7 @@ impl Shared {
         }
         *held += 1;
         admission.total += 1;
+        metrics().connections.inc();
         Some(Admitted {
             shared: Arc::clone(self),
             address,
@@ -377,6 +421,7 @@ impl Drop for Admitted {
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         admission.total = admission.total.saturating_sub(1);
+        metrics().connections.dec();
         if let Some(held) = admission.per_address.get_mut(&self.address) {
             *held = held.saturating_sub(1);
             if *held == 0 {
@@ -426,7 +471,7 @@ impl RateLimitedLog {
         } else {
             format!(" ({} times since the last report)", self.unsaid)
         };
-        eprintln!("relay: {}: {detail}{times}", self.what);
+        ::log::warn!(target: "static.relay", "{}: {detail}{times}", self.what);
         self.last = Some(now);
         self.unsaid = 0;
     }
@@ -447,7 +492,7 @@ async fn accept(
             Some(done) = connections.join_next(), if !connections.is_empty() => {
                 if let Err(e) = done {
                     if e.is_panic() {
-                        eprintln!("relay: a connection's task panicked: {e}");
+                        ::log::error!(target: "static.relay", "a connection's task panicked: {e}");
                     }
                 }
             }
@@ -497,7 +542,7 @@ async fn serve(
 ) {
     // Small answers must leave at once (the latency target), not wait for Nagle.
     if let Err(e) = stream.set_nodelay(true) {
-        eprintln!("relay: TCP_NODELAY on {peer}: {e}");
+        ::log::warn!(target: "static.relay", "TCP_NODELAY on {peer}: {e}");
     }
     let Some(acceptor) = admitted.shared.tls.clone() else {
         return serve_http(stream, peer, admitted, phase).await;
@@ -596,8 +641,9 @@ async fn serve_http<S>(
     };
     if flooded {
         // Dropping the connection closes its socket and ends its calls.
-        eprintln!(
-            "relay: closing {}: too many stream resets",
+        ::log::warn!(
+            target: "static.relay",
+            "closing {}: too many stream resets",
             connection.peer.0
         );
     }
@@ -749,18 +795,36 @@ impl hyper::service::Service<http::Request<Incoming>> for CallGate {
     type Future = ResponseFuture;
 
     fn call(&self, mut request: http::Request<Incoming>) -> ResponseFuture {
+        let method = metrics::method_label(request.uri().path());
+        let record = CallRecord::new(method, Arc::clone(&self.connection.peer.0));
+        if method.starts_with("Health/") {
+            // Health calls need no token, hold no call slot (a Watch must not hold the drain
+            // up) and are answered while draining (NOT_SERVING).
+            let mut health = self.shared.health.clone();
+            return Box::pin(async move {
+                let response = match health.call(request).await {
+                    Ok(response) => response,
+                    Err(never) => match never {},
+                };
+                Ok(counted(response, None, record))
+            });
+        }
         if self.shared.drain.started() {
-            return refuse(&service::shutting_down());
+            return refuse(&service::shutting_down(), record);
         }
         let Some(slot) = CallSlot::open(&self.shared, &self.connection) else {
-            return refuse(&RelayError::resource_exhausted(format!(
-                "too many concurrent streams on this connection (limit {})",
-                self.shared.max_streams
-            )));
+            return refuse(
+                &RelayError::resource_exhausted(format!(
+                    "too many concurrent streams on this connection (limit {})",
+                    self.shared.max_streams
+                )),
+                record,
+            );
         };
         request
             .extensions_mut()
             .insert(self.connection.peer.clone());
+        request.extensions_mut().insert(record.who());
         let mut grpc = self.shared.grpc.clone();
         let limit = self.shared.transport_limit;
         Box::pin(async move {
@@ -769,20 +833,33 @@ impl hyper::service::Service<http::Request<Incoming>> for CallGate {
                 Err(never) => match never {},
             };
             let response = reworded(response, limit);
-            Ok(response.map(|body| CountedBody {
-                inner: body,
-                slot: Some(slot),
-            }))
+            Ok(counted(response, Some(slot), record))
         })
     }
 }
 
-fn refuse(error: &RelayError) -> ResponseFuture {
-    let response = error.to_status().into_http::<Body>();
-    Box::pin(std::future::ready(Ok(response.map(|body| CountedBody {
+/// The response with its call counted (`slot`) and recorded (`record`) until it is done; a
+/// trailers-only answer (a refusal) is recorded at once.
+fn counted(
+    response: http::Response<Body>,
+    slot: Option<CallSlot>,
+    mut record: CallRecord,
+) -> http::Response<CountedBody> {
+    let record = if record.finish_with(response.headers()) {
+        None
+    } else {
+        Some(record)
+    };
+    response.map(|body| CountedBody {
         inner: body,
-        slot: None,
-    }))))
+        slot,
+        record,
+    })
+}
+
+fn refuse(error: &RelayError, record: CallRecord) -> ResponseFuture {
+    let response = error.to_status().into_http::<Body>();
+    Box::pin(std::future::ready(Ok(counted(response, None, record))))
 }
 
 /// A trailers-only answer tonic made by itself while reading the request (too large, not
@@ -802,6 +879,8 @@ fn reworded(response: http::Response<Body>, limit: usize) -> http::Response<Body
 struct CountedBody {
     inner: Body,
     slot: Option<CallSlot>,
+    /// Until the call's status is seen (its trailers).
+    record: Option<CallRecord>,
 }
 
 impl CountedBody {
@@ -823,7 +902,12 @@ impl HttpBody for CountedBody {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.finish(),
-            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => self.finish(),
+            Poll::Ready(Some(Ok(frame))) if frame.is_trailers() => {
+                if let (Some(record), Some(trailers)) = (&mut self.record, frame.trailers_ref()) {
+                    record.finish_with(trailers);
+                }
+                self.finish();
+            }
             _ => {}
         }
         polled

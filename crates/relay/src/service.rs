@@ -21,12 +21,14 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Extensions, Request, Response, Status, Streaming};
 
+use crate::access::{CallInfo, ACCESS_LOG};
 use crate::auth::{Authenticator, Caller, StreamGuard};
 use crate::error::{RelayError, Result};
 use crate::framing::{self, ContentType};
 use crate::group::{GroupError, GroupState, Handshake};
 use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, Outcome, WelcomeKey};
 use crate::members::{GroupChange, Reach};
+use crate::metrics;
 use crate::pb;
 use crate::retention::{Policy, MAX_AGE_SECONDS};
 use crate::rules::{self, TokenBucket};
@@ -154,7 +156,7 @@ pub(crate) fn transport_error(status: &Status, limit: usize) -> Option<RelayErro
 
 /// A bug: logged here, the caller sees only "internal error".
 fn internal(what: &str) -> RelayError {
-    eprintln!("relay: internal error: {what}");
+    ::log::error!(target: "static.relay", "internal error: {what}");
     RelayError::Internal
 }
 
@@ -216,7 +218,12 @@ impl Inner {
         let peer = extensions
             .get::<Peer>()
             .map_or_else(|| Arc::from("unknown"), |p| Arc::clone(&p.0));
-        self.auth.authenticate(metadata, &peer).await
+        let caller = self.auth.authenticate(metadata, &peer).await?;
+        // For the access log: who the call is, once known.
+        if let Some(who) = extensions.get::<Arc<CallInfo>>() {
+            who.set(&caller.account, caller.key_id.as_ref());
+        }
+        Ok(caller)
     }
 
     async fn channel(&self, account: &str, name: &str) -> Result<Arc<Channel>> {
@@ -525,6 +532,9 @@ impl Inner {
                 biased;
                 () = self.settle_head(&mut queue), if !queue.is_empty() => {
                     let Some(head) = queue.pop_front() else { continue };
+                    if let Ok(slots) = &head {
+                        note_item_refusals(&caller, slots);
+                    }
                     let failed = head.is_err();
                     if tx.send(head.map(batch_response)).await.is_err() || failed {
                         return;
@@ -716,6 +726,7 @@ impl Inner {
                         return None;
                     }
                 }
+                delivered_live(channel, cursor);
                 // Entries count as traffic: no keep-alive for that interval.
                 idle.as_mut().reset(tokio::time::Instant::now() + interval);
                 continue;
@@ -771,6 +782,19 @@ enum Slot {
     Decided(pb::PublishResult),
 }
 
+/// A page up to `sent` went to a subscriber: when that is the channel's head, published to
+/// this relay, it was a live delivery, timed from that publish (one observation per page).
+pub(crate) fn delivered_live(channel: &Channel, sent: u64) {
+    if sent != channel.head_seq() {
+        return;
+    }
+    if let Some(submitted) = channel.submitted_ns(sent) {
+        metrics::metrics()
+            .publish_to_delivery
+            .observe(metrics::since_ns(submitted).as_secs_f64());
+    }
+}
+
 /// The refusal of a caller whose account has no bound leaf in the channel.
 fn not_a_member(channel: &str) -> RelayError {
     RelayError::PermissionDenied(format!(
@@ -784,7 +808,7 @@ fn group_refusal(e: GroupError) -> RelayError {
     if e.is_permission_denied() {
         RelayError::PermissionDenied(e.to_string())
     } else if e.is_internal() {
-        eprintln!("relay: internal error: {e}");
+        ::log::error!(target: "static.relay", "internal error: {e}");
         RelayError::Internal
     } else {
         RelayError::InvalidArgument(e.to_string())
@@ -836,6 +860,37 @@ fn requested_policy(policy: Option<pb::RetentionPolicy>) -> Result<Policy> {
 }
 
 /// What Publish would have answered, as one result of a batch.
+/// Counts and logs (once each, with the account and key id) the refused items of a batch: its
+/// call ends OK, so the access log would not show them.
+fn note_item_refusals(caller: &Caller, slots: &[Slot]) {
+    use pb::publish_result::Outcome as Decision;
+    for slot in slots {
+        if let Slot::Decided(pb::PublishResult {
+            outcome: Some(Decision::Refused(refusal)),
+        }) = slot
+        {
+            note_refusal(caller, "PublishBatches item", refusal);
+        }
+    }
+}
+
+/// One refusal inside a call that goes on (a batch item, a SubscribeMany follow ended).
+pub(crate) fn note_refusal(caller: &Caller, what: &str, refusal: &pb::Refusal) {
+    let code = Code::from_i32(i32::try_from(refusal.code).unwrap_or(2));
+    let label = metrics::code_label(code);
+    metrics::metrics()
+        .refusals
+        .with_label_values(&[label])
+        .inc();
+    ::log::info!(
+        target: ACCESS_LOG,
+        "{what} {label} account={} key={} message={}",
+        if caller.account.is_empty() { "anonymous" } else { &caller.account },
+        caller.key_id.as_deref().unwrap_or("-"),
+        refusal.message.chars().take(200).collect::<String>(),
+    );
+}
+
 fn publish_result(result: Result<Accepted>) -> pb::PublishResult {
     use pb::publish_result::Outcome as Decision;
     let outcome = match result {
@@ -881,6 +936,7 @@ fn keep_alive(head_seq: u64) -> pb::SubscribeResponse {
 }
 
 fn wire_entry(entry: Entry) -> pb::Entry {
+    metrics::metrics().delivered.inc();
     pb::Entry {
         seq: entry.seq,
         epoch: entry.epoch,

@@ -215,6 +215,11 @@ settings! {
         keepalive_interval: Duration = Duration::from_secs(2),
             "--relay-keepalive", 0.05, 300.0,
             "keep-alive interval of relay subscriptions, in seconds";
+        /// How often the gRPC health service's status is refreshed by a write to the store
+        /// (one small transaction of the log's writer: ~0.1-1 ms, so every 5 s is nothing).
+        health_interval: Duration = Duration::from_secs(5),
+            "--relay-health-interval", 0.1, 3600.0,
+            "seconds between the relay's store write probes (its gRPC health status)";
         /// Concurrent streams (calls) per connection; more get RESOURCE_EXHAUSTED.
         max_streams_per_connection: u32 = 100,
             "--relay-max-streams", 1.0, 10_000.0,

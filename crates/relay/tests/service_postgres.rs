@@ -17,10 +17,11 @@ use tonic::Code;
 
 use service_support::*;
 
-const SCHEMA: [&str; 3] = [
+const SCHEMA: [&str; 4] = [
     include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
     include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
     include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0007_relay_health.sql"),
 ];
 
 /// A PostgreSQL cluster of the test's own, stopped when dropped.

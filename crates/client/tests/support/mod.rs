@@ -64,6 +64,7 @@ impl Relay {
             include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
+            include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
         ] {
             connection.execute_batch(schema).unwrap();
         }
@@ -522,6 +523,7 @@ impl Verify for AuthorityVerify {
     fn verify(
         &self,
         token: String,
+        _peer: String,
     ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
         let account = self.0.valid.lock().unwrap().get(&token).cloned();
         if account.is_none() {

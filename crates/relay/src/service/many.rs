@@ -25,8 +25,8 @@ use tokio::time::{Instant, Sleep};
 use tonic::{Status, Streaming};
 
 use super::{
-    batches, channel_name, consecutive, drained, not_a_member, shutting_down, Inner, READ_PAGE,
-    SUBSCRIBE_BATCH_ENTRIES,
+    batches, channel_name, consecutive, delivered_live, drained, not_a_member, note_refusal,
+    shutting_down, Inner, READ_PAGE, SUBSCRIBE_BATCH_ENTRIES,
 };
 use crate::auth::Caller;
 use crate::error::{RelayError, Result};
@@ -396,6 +396,7 @@ impl Many {
                 let item = Item::Entries(pb::Entries { entries });
                 self.send(Arc::clone(&name), item).await?;
             }
+            delivered_live(&channel, sent);
             // No request was read meanwhile: the follow is the one this turn started with.
             if let Some(follow) = self.follows.get_mut(&name) {
                 follow.cursor = sent;
@@ -413,6 +414,9 @@ impl Many {
     }
 
     async fn send(&mut self, channel: Arc<str>, item: Item) -> Result<(), Stop> {
+        if let Item::Ended(refusal) = &item {
+            note_refusal(&self.caller, "SubscribeMany follow", refusal);
+        }
         let response = pb::SubscribeManyResponse {
             channel: channel.to_string(),
             item: Some(item),

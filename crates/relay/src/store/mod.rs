@@ -174,6 +174,9 @@ pub(crate) trait LogWriter: Send {
 
     /// Sets a channel's retention policy.
     fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()>;
+    /// A readiness probe: one small write transaction (this relay's row of `relay_health`,
+    /// stamped `now_ms`), so that a store that cannot write is seen.
+    fn probe(&mut self, now_ms: i64) -> Result<()>;
 }
 
 /// The readers' side of a store: shared, async.

@@ -111,6 +111,9 @@ const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = $1 AND s
 /// Proposals of past epochs: only a commit of their own epoch may reference them.
 const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = $1 \
      AND epoch < (SELECT epoch FROM relay_channels WHERE id = $1)";
+/// The readiness probe's write (`static/store/migrations/0007_relay_health.sql`).
+const PROBE: &str = "INSERT INTO relay_health (part, checked_at) VALUES ('relay', $1) \
+     ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at";
 const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = $2, \
      retention_max_entries = $3, retention_max_bytes = $4 WHERE id = $1";
 const RETENTION_ROWS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
@@ -413,6 +416,14 @@ impl LogWriter for PgWriter {
                 conn.client
                     .execute(SET_RETENTION, &[&channel_id, &age, &entries, &bytes]),
             )
+            .map(|_| ())
+            .map_err(store_error)
+    }
+
+    fn probe(&mut self, now_ms: i64) -> Result<()> {
+        let (runtime, conn) = self.connected()?;
+        runtime
+            .block_on(conn.client.execute(PROBE, &[&now_ms]))
             .map(|_| ())
             .map_err(store_error)
     }
@@ -1282,7 +1293,7 @@ async fn listen(
                 Err(err) => describe(&err),
                 Ok(()) => "the connection closed".to_owned(),
             };
-            eprintln!("relay: lost PostgreSQL ({why}); reconnecting");
+            ::log::error!(target: "static.relay", "store failure: lost PostgreSQL ({why}); reconnecting");
         }
         tokio::time::sleep(LISTEN_RETRY).await;
     }
@@ -1333,7 +1344,7 @@ async fn listen_once(
         let _ = ready.send(Ok(()));
     }
     if std::mem::replace(down, false) {
-        eprintln!("relay: PostgreSQL is back");
+        ::log::info!(target: "static.relay", "PostgreSQL is back");
     }
     while let Some(payload) = received.recv().await {
         let mut fields = payload.split(' ').map(str::parse::<u64>);

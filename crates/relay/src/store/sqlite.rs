@@ -79,6 +79,9 @@ const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = ?1 AND s
 /// Proposals of past epochs: only a commit of their own epoch may reference them.
 const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = ?1 \
      AND epoch < (SELECT epoch FROM relay_channels WHERE id = ?1)";
+/// The readiness probe's write (`static/store/migrations/0007_relay_health.sql`).
+const PROBE: &str = "INSERT INTO relay_health (part, checked_at) VALUES ('relay', ?1) \
+     ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at";
 const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = ?2, \
      retention_max_entries = ?3, retention_max_bytes = ?4 WHERE id = ?1";
 const RETENTION_COLUMNS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
@@ -736,6 +739,15 @@ impl LogWriter for SqliteWriter {
         Ok(())
     }
 
+    fn probe(&mut self, now_ms: i64) -> Result<()> {
+        self.conn
+            .prepare_cached(PROBE)
+            .and_then(|mut stmt| stmt.execute(params![now_ms]))
+            .map_err(RelayError::store)?;
+        self.count_commit(0);
+        Ok(())
+    }
+
     fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
         let mut looked_up = false;
         // Retries of older generations (the unique index only refuses the current one's).
@@ -1062,6 +1074,7 @@ mod tests {
         include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
+        include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
     );
 
     fn pragma(conn: &Connection, name: &str) -> String {

@@ -49,6 +49,7 @@ pub const SCHEMA: &[&str] = &[
     include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
+    include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
 ];
 
 /// A relay serving a database of its own.
@@ -430,6 +431,7 @@ impl Verify for FakeVerify {
     fn verify(
         &self,
         token: String,
+        _peer: String,
     ) -> Pin<Box<dyn Future<Output = Result<Principal, RelayError>> + Send>> {
         Box::pin(async move {
             let parts: Vec<&str> = token.split('.').collect();
