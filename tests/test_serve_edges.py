@@ -130,14 +130,15 @@ def test_an_existing_data_dir_others_can_read_gets_a_warning(tmp_path: Path) -> 
     assert _mode(data) == 0o755  # warned about, not changed
 
 
-def test_an_http_port_taken_is_named_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("port", ["--http", "--metrics"])
+def test_a_port_taken_is_named_in_one_line(tmp_path: Path, port: str) -> None:
     # The relay's: tests/test_serve.py.
-    port = "--http"
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         ports = {"--http": "127.0.0.1:0", "--relay": "127.0.0.1:0", port: address}
+        ports.setdefault("--metrics", "127.0.0.1:0")
         result = _serve("--data-dir", str(tmp_path), *(x for kv in ports.items() for x in kv))
     assert result.returncode == 1, result.stderr
     assert _errors(result.stderr) == [
