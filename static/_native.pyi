@@ -127,11 +127,13 @@ class Client:
         initial_token: tuple[str, float] | None = None,
         connect_timeout: float | None = None,
         retry_timeout: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         """``connect_timeout``: how long calls retry before the relay first answered;
         ``retry_timeout``: how long they retry a relay that answered before (None: the
         environment's ``STATIC_SDK_CONNECT_TIMEOUT`` / ``STATIC_SDK_RETRY_TIMEOUT``, else 1 s and
-        30 s)."""
+        30 s). ``ca_file``: PEM CA certificates an ``https://`` relay must chain to (None: the
+        system's roots)."""
     @property
     def identity(self) -> bytes: ...
     @property
@@ -227,7 +229,8 @@ class RelayServer:
     ``settings`` sets tunable settings by name (see :func:`relay_settings`), the others keep
     their defaults. Construction raises ``OSError`` when the relay cannot start (address in use,
     database unreachable or without the relay's tables), ``ValueError`` for a setting unknown or
-    out of its bounds.
+    out of its bounds, or a TLS certificate or key that cannot serve (``tls_cert`` and
+    ``tls_key``: PEM files, both or neither; with them the port serves TLS only).
     """
 
     def __init__(
@@ -243,6 +246,8 @@ class RelayServer:
         | None,
         allow_anonymous: bool,
         settings: Mapping[str, float],
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None: ...
     @property
     def port(self) -> int: ...
@@ -263,6 +268,10 @@ def init_logging(level: int) -> None:
     """Send the relay's log records at ``level`` (a :mod:`logging` level number) and above to
     Python's :mod:`logging` (loggers ``static.relay``, ``static.relay.access``); again to move
     the level."""
+
+def check_tls_files(cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> None:
+    """``ValueError`` naming the file at fault unless the PEM certificate chain ``cert`` and the
+    private key ``key`` can serve TLS on the relay's port (as :class:`RelayServer` loads them)."""
 
 def relay_settings() -> list[tuple[str, str, str, float, float, float, str]]:
     """The relay's tunable settings, its one table: ``(name, flag, kind, default, low, high,

@@ -6,7 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Address", "ApiSettings", "LogSettings", "RateLimit", "RelaySettings", "ServerSettings"]
+__all__ = [
+    "Address",
+    "ApiSettings",
+    "LogSettings",
+    "RateLimit",
+    "RelaySettings",
+    "ServerSettings",
+    "TlsSettings",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,10 @@ class ApiSettings:
     #: startup, ``static.cli``).
     max_connections: int = 1_000
     max_connections_per_address: int = 256
+    #: With TLS, seconds a connection may take to complete its handshake; one that never does
+    #: holds its place in the caps above only this long (the relay's own is its
+    #: ``tls_handshake_timeout`` tunable; the same reasoning sets both to 10 s).
+    tls_handshake_timeout_seconds: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +131,14 @@ class LogSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsSettings:
+    """The PEM certificate chain (leaf first) and private key both ports serve TLS with."""
+
+    cert: Path
+    key: Path
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
     """Everything ``static serve`` needs."""
 
@@ -132,6 +152,8 @@ class ServerSettings:
     #: Where ``GET /metrics`` is served alone (``--metrics``); None: on the HTTP port.
     metrics: Address | None = None
     log: LogSettings = field(default_factory=LogSettings)
+    #: TLS on both ports (``--tls-cert``/``--tls-key``); None serves plaintext.
+    tls: TlsSettings | None = None
 
     @property
     def resolved_database_url(self) -> str:

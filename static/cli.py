@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import signal
+import ssl
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Final
 
 import trio
 
+import static
 from static._settings import (
     MAX_TOKEN_TTL_SECONDS,
     Address,
@@ -25,6 +27,7 @@ from static._settings import (
     RateLimit,
     RelaySettings,
     ServerSettings,
+    TlsSettings,
 )
 from static.store import database_location
 
@@ -106,6 +109,7 @@ def _relay_options() -> list[_RelayOption]:
 def _parser() -> argparse.ArgumentParser:
     defaults = ServerSettings()
     parser = argparse.ArgumentParser(prog="static", description="Static: API and relay server")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {static.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
         "serve",
@@ -148,6 +152,18 @@ def _parser() -> argparse.ArgumentParser:
         default=_env("STATIC_ALLOW_ANONYMOUS", "").lower() in _TRUE,
         help="accept relay calls without a token [STATIC_ALLOW_ANONYMOUS]",
     )
+    for flag, env, text in (
+        ("--tls-cert", "STATIC_TLS_CERT", "PEM certificate chain (leaf first)"),
+        ("--tls-key", "STATIC_TLS_KEY", "PEM private key of that certificate"),
+    ):
+        serve.add_argument(
+            flag,
+            type=Path,
+            default=os.environ.get(env) or None,
+            metavar="FILE",
+            help=f"{text}: both ports serve TLS (HTTP/1.1 and h2 on the API); give both "
+            f"--tls-cert and --tls-key, or neither [{env}]",
+        )
     for option in _relay_options():
         given = os.environ.get(option.env)
         if given is not None:
@@ -271,11 +287,37 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
         ),
         metrics=args.metrics,
         log=LogSettings(level=args.log_level, format=args.log_format),
+        tls=_tls(args.tls_cert, args.tls_key),
     )
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused
     # here, as a configuration error, not once the HTTP API is already up.
     database_location(settings.resolved_database_url)
     return settings
+
+
+def _tls(cert: Path | str | None, key: Path | str | None) -> TlsSettings | None:
+    """The TLS files, checked now as both ports will load them: a bad one is a configuration
+    error naming the file, not a failure at the first handshake."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    from static._native import check_tls_files
+
+    tls = TlsSettings(Path(cert), Path(key))
+    try:
+        check_tls_files(tls.cert, tls.key)  # the relay's rustls; says which file
+    except ValueError as exc:
+        raise ValueError(f"cannot serve TLS: {exc}") from None
+    try:
+        # The HTTP API's: Python's ssl (OpenSSL), which might refuse what rustls took.
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls.cert, tls.key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(
+            f"--tls-cert {tls.cert} and --tls-key {tls.key}: the HTTP API cannot serve TLS "
+            f"with them: {exc}"
+        ) from None
+    return tls
 
 
 def _dest(flag: str) -> str:
@@ -372,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from static._datadir import DatabaseInUse
     from static.store import DatabaseError
 
     # Threads that call back into Python need the GIL: the SQLite store's worker threads (to
@@ -382,20 +425,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     # collector's sight, a full collection no longer stalls every connection for ~10 ms.
     gc.collect()
     gc.freeze()
+    # Owner-only files and directories (0600/0700) for all this process creates: the database
+    # (the JWT signing key, API key hashes) and what SQLite makes beside it (-wal, -shm), from
+    # Python and from the relay alike; chmod at each creation would miss SQLite's own.
+    os.umask(0o077)
     try:
         trio.run(_run, settings)
+    except DatabaseInUse as exc:
+        print(f"static serve: {exc}", file=sys.stderr)
+        return 2
     except (OSError, DatabaseError) as exc:
-        print(f"static: {exc}", file=sys.stderr)
+        print(f"static serve: {exc}", file=sys.stderr)
         return 1
     except BaseExceptionGroup as group:
         # Raised inside the server's nurseries (a port taken, a database unreachable): the same
         # one line per cause, unless something else (a bug) is in the group too.
-        expected, rest = group.split((OSError, DatabaseError))
+        expected, rest = group.split((OSError, DatabaseError, DatabaseInUse))
         if expected is None or rest is not None:
             raise
-        for cause in _leaves(expected):
-            print(f"static: {cause}", file=sys.stderr)
-        return 1
+        causes = _leaves(expected)
+        for cause in causes:
+            print(f"static serve: {cause}", file=sys.stderr)
+        return 2 if any(isinstance(cause, DatabaseInUse) for cause in causes) else 1
     return 0
 
 

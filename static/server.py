@@ -12,6 +12,7 @@ from functools import partial
 
 import trio
 
+from static._datadir import hold_database, prepare_data_dir
 from static._settings import ServerSettings
 from static.api import serve_http, serve_metrics
 from static.auth import open_authority
@@ -42,10 +43,12 @@ async def serve(
     The :class:`~static.auth.Authority` (``authority``) is built once here and shared: the HTTP
     API mints and checks credentials with it, and the relay verifies JWTs through it (it is
     the concrete :class:`~static.auth.TokenVerifier`). It outlives the servers in the nursery,
-    so its last flush of key use runs after they drained.
+    so its last flush of key use runs after they drained. A SQLite database stays locked
+    meanwhile (:func:`~static._datadir.hold_database`: another server on it is refused).
     """
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(settings.data_dir)
     async with (
+        hold_database(settings.resolved_database_url),
         open_database(settings.resolved_database_url) as db,
         open_authority(db, settings.api) as authority,
         trio.open_nursery() as nursery,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any
 
@@ -40,6 +41,13 @@ def hypercorn_config(settings: ServerSettings) -> Config:
     # Bounds the damage of HTTP/2 rapid reset on one connection (docs/design.md §7).
     config.keep_alive_max_requests = 1000
     config.backlog = 1024
+    if settings.tls is not None:
+        # HTTP/1.1 and h2 through ALPN (hypercorn's default protocols), TLS 1.2+.
+        config.certfile = str(settings.tls.cert)
+        config.keyfile = str(settings.tls.key)
+        # A peer that never completes its handshake holds its connection cap only this long
+        # (the caps are taken before the handshake, in ``_contain_connection_errors``).
+        config.ssl_handshake_timeout = settings.api.tls_handshake_timeout_seconds
     return config
 
 
@@ -157,8 +165,22 @@ async def serve_app(
     async with trio.open_nursery() as nursery:
         # hypercorn is stopped through its shutdown trigger, never by cancellation
         # (docs/design.md §7).
-        binds: list[str] = await nursery.start(_hypercorn, app, config, shutdown)
+        try:
+            binds: list[str] = await nursery.start(_hypercorn, app, config, shutdown)
+        except* OSError as failed:
+            # Before it listened: the bind. hypercorn says only "[Errno 98] Address already
+            # in use", not where.
+            raise _cannot_listen(config, failed) from None
         task_status.started(binds[0])
+
+
+def _cannot_listen(config: Config, failed: BaseExceptionGroup[OSError]) -> OSError:
+    """``cannot listen on HOST:PORT: why``, for the first failure in ``failed``."""
+    error: BaseException = failed
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    why = os.strerror(error.errno).lower() if isinstance(error, OSError) and error.errno else error
+    return OSError(f"cannot listen on {', '.join(config.bind)}: {why}")
 
 
 async def _hypercorn(

@@ -181,13 +181,15 @@ async def serve_rust_relay(
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the relay on ``settings.relay`` over ``database`` (a SQLite file or a PostgreSQL URL,
-    already migrated) until ``shutdown`` is set; report ``grpc://HOST:PORT``.
+    already migrated) until ``shutdown`` is set; report ``grpc://HOST:PORT`` (``https://HOST:PORT``
+    with ``settings.tls``: the relay terminates TLS itself, rustls).
 
     Binds only the configured host, without SO_REUSEPORT. On shutdown: stop accepting, end live
     subscriptions (UNAVAILABLE), let in-flight calls finish within the graceful timeout, close
     every connection, commit what was submitted.
     """
     relay = settings.relay_settings
+    tls = settings.tls
     requests_in, requests_out = trio.open_memory_channel[_Request](math.inf)
     verify = (
         None
@@ -202,6 +204,8 @@ async def serve_rust_relay(
         verify=verify,
         allow_anonymous=relay.allow_anonymous,
         settings=dict(relay.tunables),
+        tls_cert=None if tls is None else tls.cert,
+        tls_key=None if tls is None else tls.key,
     )
     server = await trio.to_thread.run_sync(start)
     if handle is not None:
@@ -217,7 +221,8 @@ async def serve_rust_relay(
                     nursery.start_soon(
                         _revocation_checks, server, verifier, relay.revocation_check_seconds
                     )
-                task_status.started(f"grpc://{Address(settings.relay.host, server.port)}")
+                scheme = "grpc" if tls is None else "https"
+                task_status.started(f"{scheme}://{Address(settings.relay.host, server.port)}")
                 await shutdown.wait()
                 nursery.cancel_scope.cancel()
         finally:

@@ -25,7 +25,7 @@ import anyio.to_thread
 from static import _native
 from static._channel_name import validate_channel_name
 from static._errors import AuthError
-from static.sdk._tokens import TokenSource
+from static.sdk._tokens import TokenSource, resolve_ca_file
 
 __all__ = [
     "MAX_PAYLOAD",
@@ -184,7 +184,7 @@ class StaticClient(_Closeable):
     """One agent's connection to the relay and its MLS state under ``data_dir``.
 
     :param endpoint: the relay's URL: ``grpc://host:port``, ``http://host:port``,
-        ``https://host:port`` (TLS with the system's roots) or ``host:port``.
+        ``https://host:port`` (TLS: the system's roots, or ``ca_file``) or ``host:port``.
     :param data_dir: a directory holding this agent's MLS state (created if missing; keep it:
         without it the agent can no longer decrypt its channels). One open client per
         directory at a time.
@@ -200,6 +200,10 @@ class StaticClient(_Closeable):
         Default ``STATIC_SDK_CONNECT_TIMEOUT`` from the environment, else 1.
     :param retry_timeout: seconds a call keeps retrying a relay that answered before (it is
         restarting, or the network dropped). Default ``STATIC_SDK_RETRY_TIMEOUT``, else 30.
+    :param ca_file: a PEM file of CA certificates (a private CA): ``https://`` relays and the
+        ``https://`` API must present a certificate chaining to one of them (instead of the
+        system's roots). Default ``STATIC_CA_FILE`` from the environment, else the system's
+        roots. A certificate not trusted fails with a final ``TransportError`` saying so.
     :raises AuthError: the key is refused, or ``api_key`` is given without ``api_url``.
     :raises TransportError: the API cannot be reached, or the endpoint is malformed.
     :raises InternalError: ``data_dir`` is in use, belongs to another identity, or its state is
@@ -225,8 +229,10 @@ class StaticClient(_Closeable):
         *,
         connect_timeout: float | None = None,
         retry_timeout: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         identity = _check_bytes("identity", identity)
+        ca_path = resolve_ca_file(ca_file)
         connect_timeout = _check_timeout("connect_timeout", connect_timeout)
         retry_timeout = _check_timeout("retry_timeout", retry_timeout)
         if not isinstance(endpoint, str):
@@ -239,7 +245,7 @@ class StaticClient(_Closeable):
                     "api_key was given without api_url: the key is exchanged for a relay token "
                     "at POST {api_url}/v1/tokens, so api_url (the HTTP API's URL) is required"
                 )
-            provider = TokenSource(api_url, api_key)
+            provider = TokenSource(api_url, api_key, ca_path)
             first = provider()
         _warn_if_open_to_others(os.fspath(data_dir))
         self._native = _native.Client(
@@ -250,6 +256,7 @@ class StaticClient(_Closeable):
             first,
             connect_timeout,
             retry_timeout,
+            ca_path,
         )
         self._endpoint = endpoint
 
@@ -264,6 +271,7 @@ class StaticClient(_Closeable):
         *,
         connect_timeout: float | None = None,
         retry_timeout: float | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> StaticClient:
         """Like the constructor, without blocking the event loop (the token exchange and the
         opening of the state run in a worker thread)."""
@@ -276,6 +284,7 @@ class StaticClient(_Closeable):
             api_url,
             connect_timeout=connect_timeout,
             retry_timeout=retry_timeout,
+            ca_file=ca_file,
         )
 
     @property

@@ -4,16 +4,50 @@ depend on the server's packages)."""
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import urllib.error
 import urllib.request
+from typing import Final
 
 from static._errors import AuthError, TransportError
 
-__all__ = ["TokenSource"]
+__all__ = ["CA_FILE_ENV", "TokenSource", "resolve_ca_file"]
 
 _TIMEOUT = 10.0
 #: The characters an API key may hold: printable ASCII without space.
 _KEY_CHARS = (0x21, 0x7E)
+
+#: The environment variable naming the CA file when ``StaticClient`` is given none.
+CA_FILE_ENV: Final = "STATIC_CA_FILE"
+_PRIVATE_CA_HINT: Final = f"for a private CA, pass its certificate as ca_file= (or {CA_FILE_ENV})"
+
+
+def resolve_ca_file(ca_file: str | os.PathLike[str] | None) -> str | None:
+    """The CA file (PEM) the SDK's TLS trusts, for the relay and the HTTP API alike:
+    ``ca_file``, else ``$STATIC_CA_FILE``, else None (the system's roots)."""
+    if ca_file is None:
+        return os.environ.get(CA_FILE_ENV) or None
+    path = os.fspath(ca_file)
+    if not isinstance(path, str):
+        raise TypeError("ca_file must be a str or a path, not bytes")
+    return path
+
+
+def _tls_failure(url: str, reason: object) -> str | None:
+    """What went wrong in a TLS handshake with the API, said for a person; None when
+    ``reason`` is not a TLS failure."""
+    if isinstance(reason, ssl.SSLCertVerificationError):
+        return (
+            f"the API's TLS certificate at {url} was not trusted "
+            f"({reason.verify_message}); {_PRIVATE_CA_HINT}"
+        )
+    if isinstance(reason, ssl.SSLError):
+        return (
+            f"the TLS handshake with the API at {url} failed ({reason.reason or reason}); is "
+            "it serving TLS there? (use http:// for a plaintext API)"
+        )
+    return None
 
 
 class TokenSource:
@@ -24,7 +58,7 @@ class TokenSource:
     client treats the first as final and retries the second.
     """
 
-    def __init__(self, api_url: str, api_key: str) -> None:
+    def __init__(self, api_url: str, api_key: str, ca_file: str | None = None) -> None:
         if not isinstance(api_key, str):
             raise AuthError(f"api_key must be a str, not {type(api_key).__name__}")
         # A key read from a file keeps its newline: surrounding whitespace is no part of a key.
@@ -39,6 +73,12 @@ class TokenSource:
             )
         self._url = api_url.rstrip("/") + "/v1/tokens"
         self._api_key = api_key
+        self._context: ssl.SSLContext | None = None
+        if ca_file is not None:
+            try:
+                self._context = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise TransportError(f"ca_file {ca_file}: cannot load it: {exc}") from None
 
     def _redacted(self, text: str) -> str:
         """``text`` without the key (an HTTP library may quote the header it refused)."""
@@ -62,7 +102,9 @@ class TokenSource:
             },
         )
         try:
-            with urllib.request.urlopen(request, timeout=_TIMEOUT) as response:
+            with urllib.request.urlopen(
+                request, timeout=_TIMEOUT, context=self._context
+            ) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             text = self._redacted(_error_text(err))
@@ -70,7 +112,11 @@ class TokenSource:
                 raise AuthError(f"the API refused the key at {self._url}: {text}") from None
             raise TransportError(f"POST {self._url} answered {err.code}: {text}") from None
         except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = self._redacted(str(getattr(err, "reason", err)))
+            cause = getattr(err, "reason", err)
+            tls = _tls_failure(self._url, cause)
+            if tls is not None:
+                raise TransportError(tls) from None
+            reason = self._redacted(str(cause))
             raise TransportError(f"cannot reach the API at {self._url}: {reason}") from None
         try:
             body = json.loads(raw)

@@ -54,7 +54,8 @@ class ServerProcess:
         self._stderr_path = data_dir / "server.stderr"
 
     def start(self, timeout: float = 30.0) -> ServerProcess:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only, as the server makes it: it warns about a data dir others can read.
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         args = [
             self.python,
             "-m",

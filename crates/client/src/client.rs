@@ -52,7 +52,7 @@ impl Client {
         initial_token: Option<Token>,
         options: ClientOptions,
     ) -> Result<Self> {
-        let endpoint = transport::endpoint(endpoint)?;
+        let endpoint = transport::endpoint(endpoint, options.ca_file.as_deref())?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             // One worker: the connection, the subscriptions and the publisher are light async
             // work, and on one thread they hand over to each other without waking another

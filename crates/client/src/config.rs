@@ -1,6 +1,7 @@
 //! The client's settings and limits, each defined once: what callers may set
 //! ([`ClientOptions`]) and the fixed bounds the parts share.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Largest payload [`Channel::send`](crate::Channel::send) accepts: the relay's 1 MiB message
@@ -29,13 +30,17 @@ pub(crate) const COMMIT_ATTEMPTS: usize = 16;
 /// Times a message is encrypted again for a stale epoch before its send fails.
 pub(crate) const REENCRYPTIONS: usize = 3;
 
-/// How patient a [`Client`](crate::Client) is with its relay.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How patient a [`Client`](crate::Client) is with its relay, and whom its TLS trusts.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
     /// How long calls try to reach a relay that never answered this client.
     pub connect_timeout: Duration,
     /// How long calls retry a relay that answered before.
     pub retry_timeout: Duration,
+    /// PEM CA certificates an `https://` relay's certificate must chain to (a private CA);
+    /// None trusts the system's roots. Not read from the environment here: the Python layer
+    /// resolves `STATIC_CA_FILE`, as it also makes the HTTP API's calls with it.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for ClientOptions {
@@ -43,6 +48,7 @@ impl Default for ClientOptions {
         Self {
             connect_timeout: CONNECT_TIMEOUT,
             retry_timeout: RETRY_TIMEOUT,
+            ca_file: None,
         }
     }
 }
@@ -63,6 +69,7 @@ impl ClientOptions {
             connect_timeout: seconds("STATIC_SDK_CONNECT_TIMEOUT")
                 .unwrap_or(defaults.connect_timeout),
             retry_timeout: seconds("STATIC_SDK_RETRY_TIMEOUT").unwrap_or(defaults.retry_timeout),
+            ca_file: defaults.ca_file,
         }
     }
 }

@@ -65,6 +65,12 @@ impl Refusal {
 
     /// A failed call's status (its trailers carry the current epoch and the wait).
     pub fn from_status(status: &Status) -> Self {
+        if let Some(message) = crate::transport::tls_failure(status) {
+            return Self::Final {
+                code: status.code(),
+                message,
+            };
+        }
         let trailer = |name: &str| -> Option<u64> {
             status
                 .metadata()

@@ -18,7 +18,7 @@ use crate::refusal::Refusal;
 use crate::retry::{Retry, Step};
 use crate::sync::lock;
 use crate::tokens::Tokens;
-use crate::transport::{pb, RelayClient};
+use crate::transport::{self, pb, RelayClient};
 use static_mls::engine::Engine;
 
 pub(crate) struct Shared {
@@ -211,6 +211,11 @@ impl Shared {
                         Ok(Ok(_)) => None,
                         Ok(Err(status)) => match Refusal::from_status(&status) {
                             transient @ Refusal::Transient { .. } => Some(transient),
+                            // Not an answer: our TLS handshake failed, for good.
+                            refusal if transport::tls_failure(&status).is_some() => {
+                                let call = format!("connecting to {}", self.endpoint);
+                                return Err(refusal.into_error(&call));
+                            }
                             // Any other answer comes from the relay.
                             _ => None,
                         },

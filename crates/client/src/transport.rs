@@ -1,9 +1,13 @@
 //! The relay's gRPC client (tonic, generated from `proto/relay.proto` by `static-proto`): the
-//! endpoint a URL names, the lazily connecting client, and the bound on one call.
+//! endpoint a URL names (with the roots its TLS trusts), the lazily connecting client, what
+//! a TLS failure means, and the bound on one call.
 
+use std::path::Path;
 use std::time::Duration;
 
-use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::Status;
 
 use crate::config::CALL_TIMEOUT;
@@ -18,8 +22,9 @@ pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
 
 pub use static_proto::{CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 
-/// Turns `http://h:p`, `https://h:p` (TLS), `grpc://h:p` or `h:p` into a tonic endpoint.
-pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
+/// Turns `http://h:p`, `https://h:p` (TLS), `grpc://h:p` or `h:p` into a tonic endpoint. TLS
+/// trusts the PEM certificates in `ca_file` when given (a private CA), else the system's roots.
+pub fn endpoint(url: &str, ca_file: Option<&Path>) -> Result<Endpoint, Error> {
     let url = url.trim();
     let (uri, tls) = if let Some(rest) = url.strip_prefix("https://") {
         (format!("https://{rest}"), true)
@@ -51,15 +56,59 @@ pub fn endpoint(url: &str) -> Result<Endpoint, Error> {
         )));
     }
     if tls {
-        endpoint = endpoint
-            .tls_config(
-                ClientTlsConfig::new()
-                    .with_native_roots()
-                    .timeout(Duration::from_secs(5)),
-            )
-            .map_err(bad)?;
+        let config = ClientTlsConfig::new().timeout(Duration::from_secs(5));
+        let config = match ca_file {
+            Some(path) => config.ca_certificate(read_ca_file(path)?),
+            None => config.with_native_roots(),
+        };
+        endpoint = endpoint.tls_config(config).map_err(bad)?;
     }
     Ok(endpoint)
+}
+
+/// The CA certificates in the PEM file at `path`, checked now: a file that is missing or holds
+/// no certificate fails here, by name, not as every handshake's "not trusted".
+fn read_ca_file(path: &Path) -> Result<Certificate, Error> {
+    let invalid = |why: String| Error::Invalid(format!("ca_file {}: {why}", path.display()));
+    let pem = std::fs::read(path).map_err(|e| invalid(format!("cannot read it: {e}")))?;
+    let certificates = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(format!("not a PEM file: {e}")))?;
+    if certificates.is_empty() {
+        return Err(invalid(
+            "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into(),
+        ));
+    }
+    Ok(Certificate::from_pem(pem))
+}
+
+/// What went wrong in the TLS handshake behind `status`, said for a person, when that is why
+/// the call failed: a certificate not trusted, or a server that does not speak TLS. Retrying
+/// cannot help, so such a failure is final (`Refusal::from_status`).
+pub(crate) fn tls_failure(status: &Status) -> Option<String> {
+    let mut source = std::error::Error::source(status);
+    while let Some(e) = source {
+        // tokio-rustls reports rustls's error inside an io::Error, whose `source` skips it.
+        let tls = e.downcast_ref::<rustls::Error>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if let Some(tls) = tls {
+            return Some(match tls {
+                rustls::Error::InvalidCertificate(why) => format!(
+                    "the relay's TLS certificate was not trusted ({why}); for a private CA, \
+                     pass its certificate as ca_file= (or STATIC_CA_FILE)"
+                ),
+                other => format!(
+                    "the TLS handshake with the relay failed ({other}); is the relay serving \
+                     TLS there? (use http:// or grpc:// for a plaintext relay)"
+                ),
+            });
+        }
+        source = e.source();
+    }
+    None
 }
 
 /// A lazily connecting client: the connection is made (and remade) on use.

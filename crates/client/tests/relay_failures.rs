@@ -276,6 +276,7 @@ fn unreachable_relay_fails_within_the_connect_timeout() {
     let options = ClientOptions {
         connect_timeout,
         retry_timeout: Duration::from_secs(30),
+        ca_file: None,
     };
     let agent = Agent::with(&format!("http://127.0.0.1:{port}"), "alice", None, options);
     let started = Instant::now();

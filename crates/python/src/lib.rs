@@ -361,7 +361,7 @@ impl Client {
     #[new]
     #[pyo3(signature = (
         endpoint, data_dir, identity, token_provider=None, initial_token=None,
-        connect_timeout=None, retry_timeout=None,
+        connect_timeout=None, retry_timeout=None, ca_file=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -373,8 +373,10 @@ impl Client {
         initial_token: Option<(String, f64)>,
         connect_timeout: Option<f64>,
         retry_timeout: Option<f64>,
+        ca_file: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut options = ClientOptions::from_env();
+        options.ca_file = ca_file;
         if let Some(seconds) = connect_timeout {
             options.connect_timeout = seconds_arg("connect_timeout", seconds)?;
         }

@@ -3,11 +3,14 @@
 //! `verify(token, peer)` callable (called once per call, from a blocking thread of that
 //! runtime, with the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and
 //! decides when to stop (`shutdown`). Errors at start are `OSError`s (a setting out of its
-//! bounds a `ValueError`); nothing else raises. `relay_settings()` is the table of tunable
-//! settings.
+//! bounds a `ValueError`, and so is a TLS certificate or key that cannot serve); nothing else
+//! raises. `relay_settings()` is the table of tunable settings; `check_tls_files(cert, key)`
+//! checks a certificate and key as the relay would load them (for `static serve`'s startup
+//! checks).
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, UNIX_EPOCH};
@@ -119,7 +122,10 @@ impl RelayServer {
 #[pymethods]
 impl RelayServer {
     #[new]
-    #[pyo3(signature = (*, host, port, database, verify, allow_anonymous, settings))]
+    #[pyo3(signature = (
+        *, host, port, database, verify, allow_anonymous, settings, tls_cert=None, tls_key=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         host: String,
@@ -128,6 +134,8 @@ impl RelayServer {
         verify: Option<Py<PyAny>>,
         allow_anonymous: bool,
         settings: HashMap<String, f64>,
+        tls_cert: Option<PathBuf>,
+        tls_key: Option<PathBuf>,
     ) -> PyResult<Self> {
         let mut config = RelayConfig::new(Database::parse(&database));
         config.host = host;
@@ -138,6 +146,15 @@ impl RelayServer {
                 .set(&name, value)
                 .map_err(|e| PyValueError::new_err(e.to_string()))?;
         }
+        config.tls = match (tls_cert, tls_key) {
+            (Some(cert), Some(key)) => Some(tls_config(&cert, &key)?),
+            (None, None) => None,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "tls_cert and tls_key go together: give both or neither",
+                ))
+            }
+        };
         let verifier = verify.map(|callable| {
             Arc::new(PyVerifier {
                 callable: Arc::new(callable),
@@ -151,7 +168,11 @@ impl RelayServer {
         let server = exit::without_gil(py, || {
             runtime.block_on(static_relay::RelayServer::start(config, verifier))
         })
-        .map_err(|e| PyOSError::new_err(format!("cannot start the relay: {e}")))?;
+        .map_err(|e| match e {
+            // Says which address already: "cannot listen on HOST:PORT: why".
+            RelayError::Listen(why) => PyOSError::new_err(why),
+            e => PyOSError::new_err(format!("cannot start the relay: {e}")),
+        })?;
         let port = server.local_addr().port();
         Ok(Self {
             running: Mutex::new(Some(Running { runtime, server })),
@@ -212,6 +233,17 @@ impl RelayServer {
     }
 }
 
+fn tls_config(cert: &Path, key: &Path) -> PyResult<Arc<static_relay::tls::ServerConfig>> {
+    static_relay::tls::server_config(cert, key).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// `ValueError` naming the file at fault unless the PEM certificate chain at `cert` and the
+/// private key at `key` can serve TLS on the relay's port.
+#[pyfunction]
+fn check_tls_files(cert: PathBuf, key: PathBuf) -> PyResult<()> {
+    tls_config(&cert, &key).map(drop)
+}
+
 /// The relay's tunable settings, the one table `static serve` builds its flags from:
 /// `[(name, flag, kind, default, low, high, help)]`, kind `"count"`, `"real"` or `"seconds"`,
 /// high `inf` for no bound.
@@ -242,5 +274,6 @@ fn relay_settings() -> Vec<(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RelayServer>()?;
     m.add_function(wrap_pyfunction!(relay_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(check_tls_files, m)?)?;
     Ok(())
 }

@@ -49,6 +49,10 @@ pub enum RelayError {
     Unavailable(String),
     #[error("{0}")]
     Unimplemented(String),
+    /// The port cannot be bound ("cannot listen on HOST:PORT: why"): at startup only, never
+    /// sent to a client; `static serve` prints it as it is.
+    #[error("{0}")]
+    Listen(String),
     /// A bug: logged where it happens; the caller sees only "internal error".
     #[error("internal error")]
     Internal,
@@ -77,7 +81,7 @@ impl RelayError {
             RelayError::StaleEpoch { .. } => Code::FailedPrecondition,
             RelayError::Pruned { .. } => Code::OutOfRange,
             RelayError::Unauthenticated(_) => Code::Unauthenticated,
-            RelayError::Unavailable(_) => Code::Unavailable,
+            RelayError::Unavailable(_) | RelayError::Listen(_) => Code::Unavailable,
             RelayError::Unimplemented(_) => Code::Unimplemented,
             RelayError::Internal => Code::Internal,
         }

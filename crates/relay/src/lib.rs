@@ -8,8 +8,9 @@
 //! checked as a member would) are pure; `members` is who may reach a channel (bound leaves);
 //! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O,
 //! one module per database; `memory` gives freed memory back to the OS;
-//! `service` is the gRPC methods over the log; `server` binds, serves and drains; `access`
-//! (the access log), `metrics` (Prometheus) and `health` (the gRPC health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
+//! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
+//! terminates TLS); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
+//! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams; `error` maps every refusal to a status once.
 // Denied, not forbidden: `memory` calls glibc's malloc_trim (one audited FFI call).
 #![deny(unsafe_code)]
@@ -30,6 +31,7 @@ mod server;
 mod service;
 pub mod settings;
 mod store;
+pub mod tls;
 
 pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
@@ -39,3 +41,4 @@ pub use retention::{PassReport, Policy, RetentionSettings};
 pub use server::RelayServer;
 pub use settings::{RelayConfig, Setting, SettingError};
 pub use store::Database;
+pub use tls::TlsError;

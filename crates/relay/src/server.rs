@@ -8,6 +8,9 @@
 //! bounds on the connections themselves: a connection that holds no call for
 //! `idle_timeout` (silent, preface only, or done) is closed, and connections are capped
 //! overall and per client address (a refused one is closed as soon as it is accepted).
+//! With TLS (`RelayConfig::tls`), the handshake runs in the connection's task, after its
+//! admission: a peer that never completes it holds its place in the caps only until
+//! `tls_handshake_timeout`, and one that speaks plaintext fails at its first bytes.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -24,9 +27,11 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify};
 use tokio::task::{JoinHandle, JoinSet};
+use tokio_rustls::TlsAcceptor;
 use tonic::body::Body;
 use tonic::codegen::Service as _;
 use tonic::Status;
@@ -157,6 +162,9 @@ impl RelayServer {
             admission: Mutex::new(Admission::default()),
             max_connections: config.max_connections,
             max_per_address: config.max_connections_per_address,
+            tls: config.tls.clone().map(TlsAcceptor::from),
+            tls_handshake_timeout: config.tls_handshake_timeout,
+            handshakes_failed: Mutex::new(RateLimitedLog::new("TLS handshakes failed")),
             health: health.service(),
         });
         let (phase, watching) = watch::channel(Phase::Serving);
@@ -287,17 +295,45 @@ impl Drop for RelayServer {
 }
 
 fn cannot_listen(config: &RelayConfig, err: &dyn std::fmt::Display) -> RelayError {
-    RelayError::Unavailable(format!(
-        "cannot listen on {}:{}: {err}",
-        config.host, config.port
+    RelayError::Listen(format!(
+        "cannot listen on {}: {}",
+        host_port(&config.host, config.port),
+        plain(&err.to_string())
     ))
+}
+
+/// `host:port`, `[v6]:port` for an IPv6 address (as `static serve` writes addresses).
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// An OS error as a person reads it: "address already in use", not "Address already in use
+/// (os error 98)".
+fn plain(text: &str) -> String {
+    let text = text
+        .rfind(" (os error ")
+        .map_or(text, |at| &text[..at])
+        .trim();
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => String::new(),
+    }
 }
 
 /// Listeners on every address of `host` (one port for all), nothing else: no SO_REUSEPORT,
 /// so a second relay cannot share the port.
 async fn bind(host: &str, port: u16) -> Result<Vec<TcpListener>> {
     let failed = |e: &dyn std::fmt::Display| {
-        RelayError::Unavailable(format!("cannot listen on {host}:{port}: {e}"))
+        RelayError::Listen(format!(
+            "cannot listen on {}: {}",
+            host_port(host, port),
+            plain(&e.to_string())
+        ))
     };
     let mut addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
         .await
@@ -332,6 +368,10 @@ struct Shared {
     admission: Mutex<Admission>,
     max_connections: usize,
     max_per_address: usize,
+    /// TLS on the port, or None for plaintext.
+    tls: Option<TlsAcceptor>,
+    tls_handshake_timeout: Duration,
+    handshakes_failed: Mutex<RateLimitedLog>,
     /// The gRPC health service (no token, not refused while draining: it says NOT_SERVING).
     health: health_server::HealthServer<tonic_health::server::HealthService>,
 }
@@ -493,19 +533,52 @@ async fn accept_any(listeners: &[TcpListener]) -> std::io::Result<(TcpStream, So
     .await
 }
 
-/// One connection, until the peer leaves, it floods resets, it holds no call for the idle
-/// timeout, or the relay closes it.
+/// One connection: its TLS handshake first when the port has TLS, then HTTP/2.
 async fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     admitted: Admitted,
     mut phase: watch::Receiver<Phase>,
 ) {
-    let shared = Arc::clone(&admitted.shared);
     // Small answers must leave at once (the latency target), not wait for Nagle.
     if let Err(e) = stream.set_nodelay(true) {
         ::log::warn!(target: "static.relay", "TCP_NODELAY on {peer}: {e}");
     }
+    let Some(acceptor) = admitted.shared.tls.clone() else {
+        return serve_http(stream, peer, admitted, phase).await;
+    };
+    let timeout = admitted.shared.tls_handshake_timeout;
+    let handshake = tokio::select! {
+        done = tokio::time::timeout(timeout, acceptor.accept(stream)) => done,
+        // A connection still shaking hands holds no call: it goes with the drain.
+        () = reached(&mut phase, Phase::Draining) => return,
+    };
+    let failure = match handshake {
+        Ok(Ok(tls)) => return serve_http(tls, peer, admitted, phase).await,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => format!("no handshake within {timeout:?}"),
+    };
+    // Dropping the stream closes it. Rate-limited: plaintext or stalled peers must not
+    // flood the log.
+    admitted
+        .shared
+        .handshakes_failed
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .note(&format_args!("the last from {}: {failure}", peer.ip()));
+}
+
+/// One connection's HTTP/2, until the peer leaves, it floods resets, it holds no call for the
+/// idle timeout, or the relay closes it.
+async fn serve_http<S>(
+    stream: S,
+    peer: SocketAddr,
+    admitted: Admitted,
+    mut phase: watch::Receiver<Phase>,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let shared = Arc::clone(&admitted.shared);
     let connection = Arc::new(Connection {
         peer: Peer(Arc::from(format!("{}:{}", peer.ip(), peer.port()))),
         active: AtomicU32::new(0),
@@ -861,6 +934,16 @@ impl Drop for CountedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bind_errors_name_the_address_in_plain_words() {
+        assert_eq!(
+            plain("Address already in use (os error 98)"),
+            "address already in use"
+        );
+        assert_eq!(host_port("::1", 80), "[::1]:80");
+        assert_eq!(host_port("127.0.0.1", 80), "127.0.0.1:80");
+    }
 
     #[test]
     fn an_ipv6_client_counts_by_its_64() {

@@ -171,6 +171,7 @@ pub fn options() -> ClientOptions {
     ClientOptions {
         connect_timeout: Duration::from_secs(5),
         retry_timeout: Duration::from_secs(20),
+        ca_file: None,
     }
 }
 
@@ -203,7 +204,7 @@ impl Agent {
             name.as_bytes(),
             tokens.clone(),
             None,
-            options,
+            options.clone(),
         )
         .unwrap_or_else(|e| panic!("{name}: Client::open failed: {e}"));
         Agent {
@@ -232,7 +233,7 @@ impl Agent {
             self.name.as_bytes(),
             self.tokens.clone(),
             None,
-            self.options,
+            self.options.clone(),
         )
         .unwrap_or_else(|e| panic!("{}: Client::open failed: {e}", self.name));
         self.client = Some(client);
