@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, serve_once
 
 
 def test_serves_health_and_exits_cleanly_on_sigterm(server: ServerProcess) -> None:
@@ -89,24 +89,9 @@ def test_a_database_the_relay_cannot_open_is_a_config_error(
 ) -> None:
     # The relay opens the store's database itself: a SQLite database in memory would be another
     # (empty) one there. Refused before anything listens, like any other bad argument.
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "static",
-            "serve",
-            "--database",
-            database,
-            "--data-dir",
-            str(tmp_path),
-            "--http",
-            "127.0.0.1:0",
-            "--relay",
-            "127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    result = serve_once(
+        *("--database", database, "--data-dir", str(tmp_path)),
+        *("--http", "127.0.0.1:0", "--relay", "127.0.0.1:0"),
     )
     assert result.returncode == 2
     assert result.stdout == ""

@@ -15,16 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import ServerProcess
-
-
-def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "static", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.support.server import ServerProcess, serve_once
 
 
 def _errors(stderr: str) -> list[str]:
@@ -53,7 +44,7 @@ def test_a_second_server_on_the_same_sqlite_database_refuses_to_start(
     running: ServerProcess, tmp_path: Path
 ) -> None:
     database = running.data_dir / "static.db"
-    result = _serve(
+    result = serve_once(
         "--data-dir", str(running.data_dir), "--http", "127.0.0.1:0", "--relay", "127.0.0.1:0"
     )
     assert result.returncode == 2, result.stderr
@@ -62,7 +53,7 @@ def test_a_second_server_on_the_same_sqlite_database_refuses_to_start(
     assert line.startswith("static serve: the database ") and str(database) in line, line
     assert "in use by another static serve" in line, line
     # The same file named from another data dir is the same database.
-    result = _serve(
+    result = serve_once(
         "--data-dir",
         str(tmp_path / "elsewhere"),
         "--database",
@@ -139,7 +130,7 @@ def test_a_port_taken_is_named_in_one_line(tmp_path: Path, port: str) -> None:
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         ports = {"--http": "127.0.0.1:0", "--relay": "127.0.0.1:0", port: address}
         ports.setdefault("--metrics", "127.0.0.1:0")
-        result = _serve("--data-dir", str(tmp_path), *(x for kv in ports.items() for x in kv))
+        result = serve_once("--data-dir", str(tmp_path), *(x for kv in ports.items() for x in kv))
     assert result.returncode == 1, result.stderr
     assert _errors(result.stderr) == [
         f"static serve: cannot listen on {address}: address already in use"

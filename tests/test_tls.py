@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +19,7 @@ import trustme
 
 from static_sdk import StaticClient, TransportError
 from tests.sdk.conftest import channel_name, next_within
-from tests.support.server import ServerProcess
+from tests.support.server import ServerProcess, serve_once
 
 #: What the SDK says when it does not trust the certificate (the relay's and the API's words).
 NOT_TRUSTED = "TLS certificate"
@@ -317,23 +315,9 @@ def test_bad_tls_files_are_a_config_error_naming_the_file(
         "garbage": garbage,
         "other_key": other.key,
     }
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "static",
-            "serve",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--http",
-            "127.0.0.1:0",
-            "--relay",
-            "127.0.0.1:0",
-            *(arg.format(**names) for arg in args),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    result = serve_once(
+        *("--data-dir", str(tmp_path / "data"), "--http", "127.0.0.1:0"),
+        *("--relay", "127.0.0.1:0", *(arg.format(**names) for arg in args)),
     )
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""

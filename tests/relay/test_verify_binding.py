@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from static._native import RelayServer
+from static.store import relay_database, sqlite_url
 from tests.relay.client import Relay, status_of
 from tests.support.server import ServerProcess
 
@@ -25,7 +26,7 @@ def test_an_unrepresentable_expiry_is_no_deadline(tmp_path: Path, expires_at: fl
     relay = RelayServer(
         host="127.0.0.1",
         port=0,
-        database=str(db),
+        database=relay_database(sqlite_url(str(db))),
         verify=lambda token, peer: (account, key, expires_at),
         allow_anonymous=False,
         settings={},

@@ -6,13 +6,8 @@ delivered or its loss is reported."""
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import selectors
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +17,7 @@ import pytest
 
 from static_sdk import TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support.process import LineProcess
 from tests.support.server import ServerProcess, restartable_args
 
 #: Messages of the kill test, and how many times the sender is killed on the way.
@@ -29,38 +25,13 @@ TOTAL = 20_000
 KILLS = 6
 
 
-class _Sender:
+class _Sender(LineProcess):
     """tests/sdk/pipelined_agent.py in a subprocess, its stdout read line by line."""
 
     def __init__(self, relay: str, data_dir: Path, name: str, total: int) -> None:
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "tests.sdk.pipelined_agent"),
-                *(relay, str(data_dir), "alice", name, str(total)),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            cwd=Path(__file__).resolve().parents[2],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        super().__init__(
+            "tests.sdk.pipelined_agent", relay, str(data_dir), "alice", name, str(total), stdin=True
         )
-        assert self.proc.stdout is not None
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
-        self.buffer = b""
-
-    def line(self, timeout: float = WAIT) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the sender said nothing within {timeout} s")
-            if self.selector.select(0.1):
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    raise AssertionError(f"the sender ended (exit {self.proc.wait(WAIT)})")
-                self.buffer += chunk
-        raw, self.buffer = self.buffer.split(b"\n", 1)
-        return raw.decode()
 
     def go_on(self) -> None:
         """Lets it send the next 500 messages."""
@@ -68,14 +39,8 @@ class _Sender:
         self.proc.stdin.write(b"\n")
         self.proc.stdin.flush()
 
-    def end(self, kill: bool) -> None:
-        if kill:
-            self.proc.send_signal(signal.SIGKILL)
-        code = self.proc.wait(WAIT)
-        self.selector.close()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
+    def stop(self, kill: bool) -> None:
+        code = self.end(kill=kill, timeout=WAIT)
         assert kill or code == 0, f"the sender exited with {code}"
 
 
@@ -105,23 +70,23 @@ def test_a_sender_killed_again_and_again_sends_each_message_once(
     for _ in range(KILLS):
         sender = _Sender(relay.relay_url, alice_dir, name, TOTAL)
         try:
-            ready = sender.line()
+            ready = sender.line(WAIT)
             starts.append(int(ready.split()[1]))
             # Killed 1-3 progress points (500 messages apart) on, a random moment after it
             # was let go on: in the middle of queueing, encrypting and publishing.
             for _ in range(rng.randint(1, 3)):
-                assert sender.line().startswith("at"), f"no progress (seed {seed})"
+                assert sender.line(WAIT).startswith("at"), f"no progress (seed {seed})"
                 sender.go_on()
             time.sleep(rng.uniform(0, 0.02))
         finally:
-            sender.end(kill=True)
+            sender.stop(kill=True)
     last = _Sender(relay.relay_url, alice_dir, name, TOTAL)
     try:
-        starts.append(int(last.line().split()[1]))
-        while last.line() != "done":
+        starts.append(int(last.line(WAIT).split()[1]))
+        while last.line(WAIT) != "done":
             last.go_on()
     finally:
-        last.end(kill=False)
+        last.stop(kill=False)
     assert all_in.wait(WAIT), f"received {len(received)} of {TOTAL} (seed {seed}, runs {starts})"
     expected = [b"%06d" % i for i in range(TOTAL)]
     first_wrong = next(

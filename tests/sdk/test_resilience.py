@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import selectors
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +14,7 @@ import pytest
 
 from tests.conftest import BACKENDS
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support.process import LineProcess
 from tests.support.server import ServerProcess, restartable_args
 
 
@@ -68,48 +64,16 @@ def test_relay_restart_mid_stream_loses_nothing(
     assert alices.receive(WAIT) == b"back"
 
 
-class Agent:
+class Agent(LineProcess):
     """tests/sdk/agent.py in a subprocess, its stdout read line by line."""
 
     def __init__(self, relay: str, data_dir: Path, name: str, work: Path, stop_after: int):
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.sdk.agent",
-                relay,
-                str(data_dir),
-                "bob",
-                name,
-                str(work),
-                str(stop_after),
-            ],
-            stdout=subprocess.PIPE,
-            cwd=Path(__file__).resolve().parents[2],
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        super().__init__(
+            "tests.sdk.agent", relay, str(data_dir), "bob", name, str(work), str(stop_after)
         )
-        assert self.proc.stdout is not None
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.proc.stdout, selectors.EVENT_READ)
-        self.buffer = b""
-
-    def line(self, timeout: float = WAIT) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"agent said nothing (exit {self.proc.poll()})")
-            if self.selector.select(0.1):
-                self.buffer += os.read(self.proc.stdout.fileno(), 65536)
-        raw, self.buffer = self.buffer.split(b"\n", 1)
-        return raw.decode()
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(WAIT)
-        self.selector.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self.end(kill=True, timeout=WAIT)
 
 
 def test_client_process_killed_and_restarted(
@@ -128,11 +92,11 @@ def test_client_process_killed_and_restarted(
         welcome = channel.add_member((tmp_path / "kp").read_bytes())
         (tmp_path / "welcome.tmp").write_bytes(welcome)
         (tmp_path / "welcome.tmp").rename(tmp_path / "welcome")
-        assert agent.line() == "ready"
+        assert agent.line(WAIT) == "ready"
         for i in range(10):
             channel.send(b"m%d" % i)
-        assert [agent.line() for _ in range(10)] == [f"m{i}" for i in range(10)]
-        assert agent.line() == "idle"
+        assert [agent.line(WAIT) for _ in range(10)] == [f"m{i}" for i in range(10)]
+        assert agent.line(WAIT) == "idle"
         # The agent no longer reads, but its client applies the log in the background; it is
         # killed while doing so (a commit among the messages).
         for i in range(10, 20):
@@ -147,10 +111,10 @@ def test_client_process_killed_and_restarted(
         channel.send(b"m%d" % i)
     restarted = Agent(relay.relay_url, data_dir, name, tmp_path, stop_after=20)
     try:
-        assert restarted.line() == "ready"
-        got = [restarted.line() for _ in range(20)]
+        assert restarted.line(WAIT) == "ready"
+        got = [restarted.line(WAIT) for _ in range(20)]
         assert got == [f"m{i}" for i in range(10, 30)]
-        assert restarted.line() == "idle"
+        assert restarted.line(WAIT) == "idle"
     finally:
         restarted.kill()
     # And the restarted agent's group state is consistent with Alice's.

@@ -16,6 +16,16 @@ from pathlib import Path
 __all__ = ["ServerProcess", "free_port", "restartable_args"]
 
 
+def serve_once(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``static serve ARGS`` run to its end (a refused configuration), its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "static", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (picked by the OS, then released)."""
     with socket.socket() as sock:
