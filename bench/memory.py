@@ -43,6 +43,7 @@ import grpc
 
 from static import _native
 from tests.relay._generated import relay_pb2 as pb
+from tests.relay.mls_vectors import sized_application
 from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
@@ -53,24 +54,6 @@ PUBLISHERS = 4
 #: The relay's idle time when ``--idle`` is not given (its default).
 DEFAULT_IDLE = 60.0
 _OPTIONS = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_send_message_length", 64 * MIB)]
-
-
-def _vec(data: bytes) -> bytes:
-    n = len(data)
-    if n < 64:
-        return bytes([n]) + data
-    if n < 16384:
-        return (n | 0x4000).to_bytes(2, "big") + data
-    return (n | 0x8000_0000).to_bytes(4, "big") + data
-
-
-def app_message(channel: str, body: bytes, size: int) -> bytes:
-    """An MLS private message (application, epoch 0) of ``size`` bytes carrying ``body`` first
-    (distinct bodies: the relay takes equal messages for retries)."""
-    head = (1).to_bytes(2, "big") + (2).to_bytes(2, "big") + _vec(channel.encode())
-    head += (0).to_bytes(8, "big") + b"\x01" + _vec(b"") + _vec(b"sender")
-    filler = size - len(head) - 4 - len(body)
-    return head + _vec(body + b"\0" * max(0, filler))
 
 
 def _rss(pid: int) -> int:
@@ -123,7 +106,7 @@ def publish(target: str, name: str, count: int, size: int) -> int:
                 yield pb.PublishBatchRequest(
                     requests=[
                         pb.PublishRequest(
-                            channel=name, message=app_message(name, f"m{i}".encode(), size)
+                            channel=name, message=sized_application(name, f"m{i}".encode(), size)
                         )
                         for i in range(start, min(count, start + BATCH))
                     ]

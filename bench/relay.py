@@ -55,34 +55,15 @@ from typing import Any
 
 import grpc
 
-from static import _native
 from tests.relay._generated import relay_pb2 as pb
+from tests.relay.client import anonymous_create_request
+from tests.relay.mls_vectors import sized_application
 from tests.support.postgres import durable_database
 from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
 PAYLOAD = 1024
 _OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
-
-
-# -- MLS framing (a private message whose ciphertext is the payload) ---------------------------
-
-
-def _vec(data: bytes) -> bytes:
-    n = len(data)
-    if n < 64:
-        return bytes([n]) + data
-    if n < 16384:
-        return (n | 0x4000).to_bytes(2, "big") + data
-    return (n | 0x8000_0000).to_bytes(4, "big") + data
-
-
-def app_message(channel: str, body: bytes) -> bytes:
-    """A 1 KiB MLS private message (application, epoch 0) carrying ``body`` first."""
-    head = (1).to_bytes(2, "big") + (2).to_bytes(2, "big") + _vec(channel.encode())
-    head += (0).to_bytes(8, "big") + b"\x01" + _vec(b"") + _vec(b"sender")
-    filler = PAYLOAD - len(head) - 4 - len(body)
-    return head + _vec(body + b"\0" * max(0, filler))
 
 
 # -- clients -----------------------------------------------------------------------------------
@@ -121,21 +102,7 @@ class Client:
     def create_channel(self, channel: str) -> None:
         """Creates ``channel`` from a real MLS group (the relay builds the channel's public
         group state from the creator's GroupInfo and binds its leaf to the anonymous account)."""
-        with tempfile.TemporaryDirectory(prefix="bench-creator-") as directory:
-            engine = _native.Engine(directory, b"bench-creator")
-            try:
-                engine.create_group(channel)
-                group_info, ratchet_tree = engine.public_state(channel)
-                leaf, signature = engine.leaf_binding(channel, "")
-            finally:
-                engine.close()
-        request = pb.CreateChannelRequest(
-            channel=channel,
-            group_info=group_info,
-            ratchet_tree=ratchet_tree,
-            binding=pb.LeafBinding(leaf_index=leaf, signature=signature),
-        )
-        self.create(request, timeout=10)
+        self.create(anonymous_create_request(channel), timeout=10)
 
 
 def _subscriber(target: str, channel: str, count: int, ready: Any, out: Any, stamped: bool) -> None:
@@ -190,7 +157,7 @@ def _requests(channel: str, count: int, rate: float | None = None) -> Iterator[p
             if delay > 0:
                 time.sleep(delay)
         body = b"STAMP" + str(time.monotonic_ns()).encode().rjust(20, b"0") + str(i).encode()
-        yield pb.PublishRequest(channel=channel, message=app_message(channel, body))
+        yield pb.PublishRequest(channel=channel, message=sized_application(channel, body, PAYLOAD))
 
 
 def _batched_subscriber(
@@ -274,7 +241,9 @@ def _pipelined(channel: str, start: int, count: int, size: int) -> Iterator[pb.P
     for first in range(start, start + count, size):
         yield pb.PublishBatchRequest(
             requests=[
-                pb.PublishRequest(channel=channel, message=app_message(channel, b"m%d" % i))
+                pb.PublishRequest(
+                    channel=channel, message=sized_application(channel, b"m%d" % i, PAYLOAD)
+                )
                 for i in range(first, min(first + size, start + count))
             ]
         )
@@ -432,7 +401,9 @@ async def _one_by_one(target: str, channel: str, count: int, gap: float) -> list
         for i in range(count):
             sent = time.monotonic_ns()
             body = b"STAMP" + str(sent).encode().rjust(20, b"0") + str(i).encode()
-            item = pb.PublishRequest(channel=channel, message=app_message(channel, body))
+            item = pb.PublishRequest(
+                channel=channel, message=sized_application(channel, body, PAYLOAD)
+            )
             await call.write(pb.PublishBatchRequest(requests=[item]))
             await call.read()
             acks.append((time.monotonic_ns() - sent) / 1e6)

@@ -39,30 +39,14 @@ from collections.abc import Iterator
 
 import grpc
 
-from static import _native
 from static.store import relay_database, sqlite_url
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay._generated import relay_pb2_grpc as pb_grpc
+from tests.relay.client import anonymous_create_request
+from tests.relay.mls_vectors import sized_application
 from tests.support.server import ServerProcess
 
 PAYLOAD = 1024
-
-
-def _vec(data: bytes) -> bytes:
-    n = len(data)
-    if n < 64:
-        return bytes([n]) + data
-    if n < 16384:
-        return (n | 0x4000).to_bytes(2, "big") + data
-    return (n | 0x8000_0000).to_bytes(4, "big") + data
-
-
-def app_message(channel: str, body: bytes) -> bytes:
-    """A 1 KiB MLS private message (application, epoch 0) carrying ``body`` first."""
-    head = (1).to_bytes(2, "big") + (2).to_bytes(2, "big") + _vec(channel.encode())
-    head += (0).to_bytes(8, "big") + b"\x01" + _vec(b"") + _vec(b"sender")
-    filler = PAYLOAD - len(head) - 4 - len(body)
-    return head + _vec(body + b"\0" * max(0, filler))
 
 
 def stub(target: str) -> pb_grpc.RelayStub:
@@ -72,19 +56,7 @@ def stub(target: str) -> pb_grpc.RelayStub:
 
 def create_channel(relay: pb_grpc.RelayStub, channel: str) -> None:
     """Creates ``channel`` from a real MLS group, bound to the anonymous account."""
-    with tempfile.TemporaryDirectory(prefix="bench-creator-") as directory:
-        engine = _native.Engine(directory, b"bench-creator")
-        try:
-            engine.create_group(channel)
-            group_info, ratchet_tree = engine.public_state(channel)
-            leaf, signature = engine.leaf_binding(channel, "")
-        finally:
-            engine.close()
-    binding = pb.LeafBinding(leaf_index=leaf, signature=signature)
-    request = pb.CreateChannelRequest(
-        channel=channel, group_info=group_info, ratchet_tree=ratchet_tree, binding=binding
-    )
-    relay.CreateChannel(request, timeout=10)
+    relay.CreateChannel(anonymous_create_request(channel), timeout=10)
 
 
 def fill(relay: pb_grpc.RelayStub, channel: str, count: int, size: int = 256) -> None:
@@ -94,7 +66,9 @@ def fill(relay: pb_grpc.RelayStub, channel: str, count: int, size: int = 256) ->
         for start in range(0, count, size):
             yield pb.PublishBatchRequest(
                 requests=[
-                    pb.PublishRequest(channel=channel, message=app_message(channel, b"%d" % i))
+                    pb.PublishRequest(
+                        channel=channel, message=sized_application(channel, b"%d" % i, PAYLOAD)
+                    )
                     for i in range(start, min(count, start + size))
                 ]
             )
@@ -143,7 +117,7 @@ def publish_latencies(
     out = []
     i = 0
     while time.monotonic() < until and not stop[0]:
-        message = app_message(channel, b"probe %d" % i)
+        message = sized_application(channel, b"probe %d" % i, PAYLOAD)
         started = time.perf_counter()
         relay.Publish(pb.PublishRequest(channel=channel, message=message), timeout=10)
         out.append((time.perf_counter() - started) * 1000)

@@ -75,6 +75,7 @@ from static import _native
 from static.store import relay_database, sqlite_url
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay.client import Relay
+from tests.relay.mls_vectors import sized_application
 from tests.support.server import ServerProcess
 
 _T = TypeVar("_T")
@@ -341,25 +342,6 @@ class Server:
         self.stop()
 
 
-def _vec(data: bytes) -> bytes:
-    n = len(data)
-    if n < 64:
-        return bytes([n]) + data
-    if n < 16384:
-        return (n | 0x4000).to_bytes(2, "big") + data
-    return (n | 0x8000_0000).to_bytes(4, "big") + data
-
-
-def app_message(channel: str, n: int) -> bytes:
-    """A 1 KiB MLS PrivateMessage (application, epoch 0) whose ciphertext starts with ``n``:
-    the relay reads only the framing (as bench/relay.py's), and distinct ``n`` give distinct
-    idempotency keys (SHA-256 of the message)."""
-    head = (1).to_bytes(2, "big") + (2).to_bytes(2, "big") + _vec(channel.encode())
-    head += (0).to_bytes(8, "big") + b"\x01" + _vec(b"") + _vec(b"sender")
-    body = n.to_bytes(8, "big")
-    return head + _vec(body + bytes(max(0, PAYLOAD - len(head) - 4 - len(body))))
-
-
 class Creator:
     """Creates channels on a relay from real MLS groups of one engine (its groups at epoch 0,
     its leaf bound to the anonymous account), as the relay requires."""
@@ -411,7 +393,10 @@ def publish(
             size = min(BATCH, start + count - n)
             yield pb.PublishBatchRequest(
                 requests=[
-                    pb.PublishRequest(channel=channel, message=app_message(channel, n + i))
+                    pb.PublishRequest(
+                        channel=channel,
+                        message=sized_application(channel, (n + i).to_bytes(8, "big"), PAYLOAD),
+                    )
                     for i in range(size)
                 ]
             )
@@ -1085,7 +1070,7 @@ def _unary_publishes(relay: Relay, count: int, start: int) -> list[float]:
     """Latencies (ms) of ``count`` unary publishes one at a time."""
     spans = []
     for i in range(count):
-        message = app_message(CHANNEL, start + i)
+        message = sized_application(CHANNEL, (start + i).to_bytes(8, "big"), PAYLOAD)
         started = time.perf_counter()
         relay.publish(CHANNEL, message)
         spans.append((time.perf_counter() - started) * 1000)

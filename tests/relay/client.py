@@ -495,3 +495,23 @@ class Group:
         self.members.remove(removed)
         self.last_commit, self.last_committer = commit, by
         return answer
+
+
+def anonymous_create_request(channel: str) -> Any:
+    """A CreateChannelRequest for ``channel`` from a throwaway real MLS group, its creator's leaf
+    bound to the anonymous account (the benchmarks' channels: the relay builds the channel's
+    public group state from the GroupInfo)."""
+    with tempfile.TemporaryDirectory(prefix="bench-creator-") as directory:
+        engine = Engine(directory, b"bench-creator")
+        try:
+            engine.create_group(channel)
+            group_info, ratchet_tree = engine.public_state(channel)
+            leaf, signature = engine.leaf_binding(channel, "")
+        finally:
+            engine.close()
+    return pb.CreateChannelRequest(
+        channel=channel,
+        group_info=group_info,
+        ratchet_tree=ratchet_tree,
+        binding=pb.LeafBinding(leaf_index=leaf, signature=signature),
+    )

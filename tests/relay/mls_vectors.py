@@ -118,3 +118,12 @@ def key_package_ref(message: bytes) -> bytes:
     assert message[:4] == _preamble(KEY_PACKAGE), "not a key package"
     label = b"MLS 1.0 KeyPackage Reference"
     return hashlib.sha256(vec(label) + vec(message[4:])).digest()
+
+
+def sized_application(channel: str, body: bytes, size: int = 1024) -> bytes:
+    """An application PrivateMessage (epoch 0) of about ``size`` bytes whose ciphertext starts
+    with ``body``: the benchmarks' traffic (distinct bodies give distinct idempotency keys, the
+    SHA-256 of the message)."""
+    bare = private_message(channel, 0, APPLICATION, body)
+    # The ciphertext's length prefix grows from 1 to 2 bytes on the way (to 4 past 16 KiB).
+    return private_message(channel, 0, APPLICATION, body + bytes(max(0, size - len(bare) - 2)))

@@ -1175,24 +1175,35 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_wal_is_cut_back_once_a_checkpoint_lets_it_restart() {
+    /// A store in a new directory with a table `big` of blobs, and the path of its WAL.
+    fn db_with_big_table() -> (tempfile::TempDir, Db, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let db = Db::open(dir.path()).unwrap();
         let wal = dir.path().join(format!("{DB_FILE}-wal"));
-        // A few MiB of commits between two checkpoints...
         db.light_transaction(|conn| {
             conn.execute_batch("CREATE TABLE big (data BLOB)")?;
             Ok::<_, StoreError>(())
         })
         .unwrap();
-        for _ in 0..4 {
+        (dir, db, wal)
+    }
+
+    /// `count` commits of one zeroed blob of `bytes` each.
+    fn insert_blobs(db: &Db, count: u32, bytes: usize) {
+        for _ in 0..count {
             db.light_transaction(|conn| {
-                conn.execute("INSERT INTO big (data) VALUES (zeroblob(1048576))", [])?;
+                conn.execute("INSERT INTO big (data) VALUES (zeroblob(?1))", [bytes])?;
                 Ok::<_, StoreError>(())
             })
             .unwrap();
         }
+    }
+
+    #[test]
+    fn the_wal_is_cut_back_once_a_checkpoint_lets_it_restart() {
+        let (_dir, db, wal) = db_with_big_table();
+        // A few MiB of commits between two checkpoints...
+        insert_blobs(&db, 4, 1024 * 1024);
         let grown = std::fs::metadata(&wal).unwrap().len();
         assert!(grown > 4 * 1024 * 1024, "{grown}");
         // ...then a checkpoint like the background one (PASSIVE), and the next commit, which
@@ -1208,23 +1219,10 @@ mod tests {
 
     #[test]
     fn a_wal_grown_past_the_limit_is_truncated_in_the_next_pause() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = Db::open(dir.path()).unwrap();
-        let wal = dir.path().join(format!("{DB_FILE}-wal"));
-        db.light_transaction(|conn| {
-            conn.execute_batch("CREATE TABLE big (data BLOB)")?;
-            Ok::<_, StoreError>(())
-        })
-        .unwrap();
+        let (_dir, db, wal) = db_with_big_table();
         // Enough commits for a background checkpoint, growing the WAL past the limit, then a
         // pause.
-        for _ in 0..CHECKPOINT_EVERY {
-            db.light_transaction(|conn| {
-                conn.execute("INSERT INTO big (data) VALUES (zeroblob(65536))", [])?;
-                Ok::<_, StoreError>(())
-            })
-            .unwrap();
-        }
+        insert_blobs(&db, CHECKPOINT_EVERY, 65536);
         assert!(wal_len(&wal) > JOURNAL_SIZE_LIMIT_BYTES);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while db.checkpointer.truncations() == 0 {

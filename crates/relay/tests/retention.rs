@@ -278,21 +278,8 @@ async fn a_welcome_holds_the_log_until_it_is_used() {
     let bob = Member::with_token("bob", "bobco.k1");
     alice.create(&mut client, CHANNEL).await;
     chat(&mut client, &alice, 5, 10).await;
-    let added = alice
-        .engine
-        .add_member(CHANNEL, &bob.key_package())
-        .unwrap();
-    let with_welcome = pb::PublishRequest {
-        welcome: added.welcome.clone().into(),
-        ..request(CHANNEL, added.commit.into())
-    };
-    let commit = client
-        .publish(alice.request(with_welcome))
-        .await
-        .unwrap()
-        .into_inner();
+    let (commit, _, welcome) = alice.add_unjoined(&mut client, CHANNEL, &[&bob]).await;
     assert_eq!(commit.seq, 6);
-    alice.engine.merge_pending_commit(CHANNEL).unwrap();
     chat(&mut client, &alice, 5, 10).await;
     set_retention(&mut client, &alice, policy(None, Some(1), None))
         .await
@@ -310,7 +297,7 @@ async fn a_welcome_holds_the_log_until_it_is_used() {
     assert_eq!(prune(&relay).await.entries, 0);
 
     // Bob joins from it, binds, reads from his epoch: all there.
-    bob.join(&mut client, CHANNEL, &added.welcome).await;
+    bob.join(&mut client, CHANNEL, &welcome).await;
     let from_epoch = pb::SubscribeRequest {
         channel: CHANNEL.to_owned(),
         start: Some(pb::subscribe_request::Start::FromEpoch(1)),
@@ -324,12 +311,7 @@ async fn a_welcome_holds_the_log_until_it_is_used() {
     tokio::time::sleep(Duration::from_millis(5)).await;
     let report = prune(&relay).await;
     assert_eq!((report.welcomes, report.entries), (1, 4));
-    let digest = pb::fetch_welcome_request::Key::WelcomeSha256(sha256(&added.welcome).into());
-    let gone = alice
-        .fetch_welcome(&mut client, CHANNEL, digest)
-        .await
-        .unwrap_err();
-    assert_eq!(gone.code(), Code::NotFound);
+    assert_welcome_gone(&mut client, &alice, &welcome).await;
 
     // The group goes on over its pruned past: a commit, messages, a new member.
     let (answer, _) = alice.commit(&mut client, CHANNEL).await;
@@ -355,6 +337,16 @@ async fn bobs_commit(client: &mut RelayClient<Channel>, member: &Member, after: 
     stream.wait_for(1).await[0].message.clone()
 }
 
+/// `welcome` is no longer fetched by its digest: it expired.
+async fn assert_welcome_gone(client: &mut RelayClient<Channel>, member: &Member, welcome: &[u8]) {
+    let digest = pb::fetch_welcome_request::Key::WelcomeSha256(sha256(welcome).into());
+    let gone = member
+        .fetch_welcome(client, CHANNEL, digest)
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound);
+}
+
 fn sha256(bytes: &[u8]) -> Vec<u8> {
     use sha2::Digest as _;
     sha2::Sha256::digest(bytes).to_vec()
@@ -368,16 +360,7 @@ async fn welcomes_expire_after_their_ttl() {
     let alice = Member::with_token("alice", "acme.k1");
     let bob = Member::with_token("bob", "bobco.k1");
     alice.create(&mut client, CHANNEL).await;
-    let added = alice
-        .engine
-        .add_member(CHANNEL, &bob.key_package())
-        .unwrap();
-    let with_welcome = pb::PublishRequest {
-        welcome: added.welcome.clone().into(),
-        ..request(CHANNEL, added.commit.into())
-    };
-    client.publish(alice.request(with_welcome)).await.unwrap();
-    alice.engine.merge_pending_commit(CHANNEL).unwrap();
+    let (_, _, welcome) = alice.add_unjoined(&mut client, CHANNEL, &[&bob]).await;
     chat(&mut client, &alice, 4, 10).await;
     set_retention(&mut client, &alice, policy(None, Some(1), None))
         .await
@@ -387,12 +370,7 @@ async fn welcomes_expire_after_their_ttl() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let report = prune(&relay).await;
     assert_eq!((report.welcomes, report.entries), (1, 3));
-    let digest = pb::fetch_welcome_request::Key::WelcomeSha256(sha256(&added.welcome).into());
-    let gone = alice
-        .fetch_welcome(&mut client, CHANNEL, digest)
-        .await
-        .unwrap_err();
-    assert_eq!(gone.code(), Code::NotFound);
+    assert_welcome_gone(&mut client, &alice, &welcome).await;
 }
 
 /// Within the idempotency window nothing is pruned, so a retry gets its original seq; with no

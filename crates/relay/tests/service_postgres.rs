@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use static_relay::{pb, Database};
+use static_relay::{pb, Database, RelayConfig};
 use tempfile::TempDir;
 use tonic::Code;
 
@@ -204,14 +204,17 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 
 /// Two relays on one database, checking tokens, keep-alives far apart (only entries wake the
 /// streams).
-async fn two_relays(url: &str) -> (Relay, Relay) {
+async fn two_relays(url: &str, configure: impl Fn(&mut RelayConfig)) -> (Relay, Relay) {
     let mut relays = Vec::new();
     for _ in 0..2 {
         let dir = tempfile::tempdir().unwrap();
         let relay = Relay::on_database(
             Database::parse(url),
             dir,
-            |c| c.keepalive_interval = Duration::from_secs(60),
+            |c| {
+                c.keepalive_interval = Duration::from_secs(60);
+                configure(c);
+            },
             Some(Arc::new(FakeVerify)),
         )
         .await;
@@ -221,6 +224,35 @@ async fn two_relays(url: &str) -> (Relay, Relay) {
     (relays.pop().unwrap(), b)
 }
 
+/// Two relays on one new database of the cluster, kept (the cluster too) for as long as this is.
+struct TwoRelays {
+    a: Relay,
+    b: Relay,
+    _cluster: Cluster,
+}
+
+type Client = pb::relay_client::RelayClient<tonic::transport::Channel>;
+
+/// [`TwoRelays`] on the database `name`, with `configure`d relays, a client of each, and alice
+/// and bob (not in any channel yet); None without PostgreSQL.
+async fn two_relays_on(
+    name: &str,
+    configure: impl Fn(&mut RelayConfig),
+) -> Option<(TwoRelays, Client, Client, Member, Member)> {
+    let cluster = Cluster::start()?;
+    let url = cluster.database(name).await;
+    let (a, b) = two_relays(&url, configure).await;
+    let (on_a, on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    let relays = TwoRelays {
+        a,
+        b,
+        _cluster: cluster,
+    };
+    Some((relays, on_a, on_b, alice, bob))
+}
+
 /// Bob binds through relay A and reads through relay B (B reloads the bindings before it
 /// refuses). Alice removes him through A: his streams on B get the entries up to that commit
 /// (so his client learns of the removal) and then end with PERMISSION_DENIED. B learns the
@@ -228,14 +260,10 @@ async fn two_relays(url: &str) -> (Relay, Relay) {
 /// its old group and ended his streams before the commit, which he then never saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
-    let Some(cluster) = Cluster::start() else {
+    let Some((_relays, mut on_a, mut on_b, alice, bob)) = two_relays_on("removal", |_| {}).await
+    else {
         return;
     };
-    let url = cluster.database("removal").await;
-    let (a, b) = two_relays(&url).await;
-    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
-    let alice = Member::with_token("alice", "acme.k1");
-    let bob = Member::with_token("bob", "bobco.k1");
     group_of(&mut on_a, CHANNEL, &[&alice, &bob]).await;
 
     let mut bobs = bob.subscribe(&mut on_b, CHANNEL, 0).await.unwrap();
@@ -280,14 +308,10 @@ async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
 /// proposed on B is committed by reference on A; a forged commit is refused on both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_on_one_database_share_the_membership() {
-    let Some(cluster) = Cluster::start() else {
+    let Some((_relays, mut on_a, mut on_b, alice, bob)) = two_relays_on("shared", |_| {}).await
+    else {
         return;
     };
-    let url = cluster.database("shared").await;
-    let (a, b) = two_relays(&url).await;
-    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
-    let alice = Member::with_token("alice", "acme.k1");
-    let bob = Member::with_token("bob", "bobco.k1");
     alice.create(&mut on_a, CHANNEL).await;
     let evil = Member::with_token("mallory", "evil.k1");
     let refused = evil
@@ -306,17 +330,8 @@ async fn relays_on_one_database_share_the_membership() {
     assert_eq!(exists.code(), Code::AlreadyExists);
 
     // The add through A, the binding through B, a message through A.
-    let added = alice
-        .engine
-        .add_member(CHANNEL, &bob.key_package())
-        .unwrap();
-    let with_welcome = pb::PublishRequest {
-        welcome: added.welcome.clone().into(),
-        ..request(CHANNEL, added.commit.into())
-    };
-    on_a.publish(alice.request(with_welcome)).await.unwrap();
-    alice.engine.merge_pending_commit(CHANNEL).unwrap();
-    bob.join(&mut on_b, CHANNEL, &added.welcome).await;
+    let (_, _, welcome) = alice.add_unjoined(&mut on_a, CHANNEL, &[&bob]).await;
+    bob.join(&mut on_b, CHANNEL, &welcome).await;
     let hello = bob.encrypt(CHANNEL, b"bound on B, sent on A");
     assert_eq!(bob.publish(&mut on_a, CHANNEL, hello).await.unwrap().seq, 2);
     let list = alice.list_members(&mut on_a, CHANNEL).await.unwrap();
@@ -395,14 +410,10 @@ async fn unload_all(relay: &Relay) {
 /// seq, the new epoch, the fence, its members); a subscriber resumes on A from its cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
-    let Some(cluster) = Cluster::start() else {
+    let Some((relays, mut on_a, mut on_b, alice, bob)) = two_relays_on("unload", |_| {}).await
+    else {
         return;
     };
-    let url = cluster.database("unload").await;
-    let (a, b) = two_relays(&url).await;
-    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
-    let alice = Member::with_token("alice", "acme.k1");
-    let bob = Member::with_token("bob", "bobco.k1");
     group_of(&mut on_a, CHANNEL, &[&alice, &bob]).await;
     let hello = alice.encrypt(CHANNEL, b"on a");
     assert_eq!(
@@ -412,7 +423,7 @@ async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
     let mut bobs = bob.subscribe(&mut on_a, CHANNEL, 0).await.unwrap();
     assert_eq!(bobs.wait_for(2).await.len(), 2);
     drop(bobs);
-    unload_all(&a).await;
+    unload_all(&relays.a).await;
 
     // Alice's commit at epoch 1, left for later: bob's commit on B will have made it stale.
     let stale = alice.update(CHANNEL);
@@ -422,7 +433,7 @@ async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
     }
     let (moved, commit) = bob.commit(&mut on_b, CHANNEL).await;
     assert_eq!((moved.seq, moved.epoch), (6, 2));
-    assert_eq!(a.server().log().loaded_channels(), 0);
+    assert_eq!(relays.a.server().log().loaded_channels(), 0);
 
     let refused = alice.publish(&mut on_a, CHANNEL, stale).await.unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
@@ -438,7 +449,7 @@ async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
     // Unloaded again with a stream open on B; A's commit reaches it, A's next load is exact.
     let mut on_b_stream = alice.subscribe(&mut on_b, CHANNEL, 7).await.unwrap();
     drop(resumed);
-    unload_all(&a).await;
+    unload_all(&relays.a).await;
     let (next, _) = alice.commit(&mut on_a, CHANNEL).await;
     assert_eq!((next.seq, next.epoch), (8, 3));
     assert_eq!(on_b_stream.wait_for(1).await[0].seq, 8);
@@ -450,30 +461,17 @@ async fn a_channel_unloaded_on_one_relay_while_another_publishes() {
 /// used through one relay (its joiner bound there) stops holding the log for the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_on_one_database_share_the_retention() {
-    let Some(cluster) = Cluster::start() else {
+    let Some((relays, mut on_a, mut on_b, alice, bob)) = two_relays_on("retention", |c| {
+        c.prune_interval = Duration::ZERO;
+        c.idempotency_window = Duration::ZERO;
+        c.welcome_ttl = Duration::ZERO;
+        c.used_welcome_grace = Duration::ZERO;
+    })
+    .await
+    else {
         return;
     };
-    let url = cluster.database("retention").await;
-    let mut relays = Vec::new();
-    for _ in 0..2 {
-        let relay = Relay::on_database(
-            Database::parse(&url),
-            tempfile::tempdir().unwrap(),
-            |c| {
-                c.prune_interval = Duration::ZERO;
-                c.idempotency_window = Duration::ZERO;
-                c.welcome_ttl = Duration::ZERO;
-                c.used_welcome_grace = Duration::ZERO;
-            },
-            Some(Arc::new(FakeVerify)),
-        )
-        .await;
-        relays.push(relay);
-    }
-    let (a, b) = (&relays[0], &relays[1]);
-    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
-    let alice = Member::with_token("alice", "acme.k1");
-    let bob = Member::with_token("bob", "bobco.k1");
+    let (a, b) = (&relays.a, &relays.b);
     alice.create(&mut on_a, CHANNEL).await;
     for i in 0..10 {
         let message = alice.encrypt(CHANNEL, format!("m{i}").as_bytes());
@@ -502,18 +500,18 @@ async fn relays_on_one_database_share_the_retention() {
     // B knows it now: refused up front.
     let refused = alice.subscribe(&mut on_b, CHANNEL, 2).await.err().unwrap();
     assert_eq!(refused.code(), Code::OutOfRange);
-    more_retention(&relays, &alice, &bob, &mut on_a, &mut on_b).await;
+    more_retention(a, b, &alice, &bob, &mut on_a, &mut on_b).await;
 }
 
 /// Both relays pruning at once, and a Welcome used through the other relay.
 async fn more_retention(
-    relays: &[Relay],
+    a: &Relay,
+    b: &Relay,
     alice: &Member,
     bob: &Member,
     on_a: &mut pb::relay_client::RelayClient<tonic::transport::Channel>,
     on_b: &mut pb::relay_client::RelayClient<tonic::transport::Channel>,
 ) {
-    let (a, b) = (&relays[0], &relays[1]);
     // Both prune at once: one horizon.
     for i in 0..20 {
         let message = alice.encrypt(CHANNEL, format!("n{i}").as_bytes());
@@ -531,17 +529,8 @@ async fn more_retention(
     assert_eq!(got.into_inner().horizon_seq, 27);
 
     // A Welcome added through A holds the log until bob binds through B.
-    let added = alice
-        .engine
-        .add_member(CHANNEL, &bob.key_package())
-        .unwrap();
-    let with_welcome = pb::PublishRequest {
-        welcome: added.welcome.clone().into(),
-        ..request(CHANNEL, added.commit.into())
-    };
-    let commit = on_a.publish(alice.request(with_welcome)).await.unwrap();
-    assert_eq!(commit.into_inner().seq, 31);
-    alice.engine.merge_pending_commit(CHANNEL).unwrap();
+    let (commit, _, welcome) = alice.add_unjoined(on_a, CHANNEL, &[bob]).await;
+    assert_eq!(commit.seq, 31);
     for i in 0..5 {
         let message = alice.encrypt(CHANNEL, format!("w{i}").as_bytes());
         alice.publish(on_a, CHANNEL, message).await.unwrap();
@@ -552,7 +541,7 @@ async fn more_retention(
         .await
         .unwrap();
     assert_eq!(got.into_inner().horizon_seq, 31);
-    bob.join(on_b, CHANNEL, &added.welcome).await;
+    bob.join(on_b, CHANNEL, &welcome).await;
     tokio::time::sleep(Duration::from_millis(5)).await;
     let report = a.server().prune_now().await.unwrap();
     assert_eq!((report.welcomes, report.entries), (1, 2));

@@ -1156,14 +1156,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_retry_gets_its_original_seq_from_any_key_generation() {
-        use crate::framing::ContentType::{Application, Commit};
-        use crate::log::{test_channel, test_committed, test_publish};
-        use crate::store::keys::GENERATION;
-
-        let (_dir, path) = database();
-        let mut writer = writer(&path);
+    /// A channel `org/ns/service` made through `writer`: its id.
+    fn created_channel(writer: &mut SqliteWriter) -> i64 {
         let new = NewChannel {
             name: "org/ns/service",
             org: "org",
@@ -1174,6 +1168,18 @@ mod tests {
         let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
             panic!("not created");
         };
+        id
+    }
+
+    #[test]
+    fn a_retry_gets_its_original_seq_from_any_key_generation() {
+        use crate::framing::ContentType::{Application, Commit};
+        use crate::log::{test_channel, test_committed, test_publish};
+        use crate::store::keys::GENERATION;
+
+        let (_dir, path) = database();
+        let mut writer = writer(&path);
+        let id = created_channel(&mut writer);
         let channel = test_channel(id);
         // Generation 0 fills up, generation 1 gets 100 entries: message i has seq i + 1.
         let logged = GENERATION + 100;
@@ -1249,17 +1255,7 @@ mod tests {
 
         let (_dir, path) = database();
         let mut writer = writer(&path);
-        let new = NewChannel {
-            name: "org/ns/service",
-            org: "org",
-            account: "",
-            state: b"state",
-            leaf: 0,
-        };
-        let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
-            panic!("not created");
-        };
-        let channel = test_channel(id);
+        let channel = test_channel(created_channel(&mut writer));
         let shared = Arc::clone(&writer.checkpointer.shared);
         let runs = || shared.0.lock().unwrap().runs;
         assert_eq!(runs(), 0);

@@ -606,6 +606,21 @@ impl Member {
         channel: &str,
         joiners: &[&Member],
     ) -> (pb::PublishResponse, Bytes, Bytes) {
+        let added = self.add_unjoined(client, channel, joiners).await;
+        for joiner in joiners {
+            joiner.join(client, channel, &added.2).await;
+        }
+        added
+    }
+
+    /// [`Member::add`] without the joins: the commit and its Welcome published and merged;
+    /// (answer, commit, Welcome).
+    pub async fn add_unjoined(
+        &self,
+        client: &mut RelayClient<Channel>,
+        channel: &str,
+        joiners: &[&Member],
+    ) -> (pb::PublishResponse, Bytes, Bytes) {
         let key_packages: Vec<Vec<u8>> = joiners.iter().map(|j| j.key_package()).collect();
         let key_packages: Vec<&[u8]> = key_packages.iter().map(Vec::as_slice).collect();
         let added = self.engine.add_members(channel, &key_packages).unwrap();
@@ -620,9 +635,6 @@ impl Member {
             .unwrap()
             .into_inner();
         self.engine.merge_pending_commit(channel).unwrap();
-        for joiner in joiners {
-            joiner.join(client, channel, &added.welcome).await;
-        }
         (answer, commit, added.welcome.into())
     }
 
