@@ -2,10 +2,11 @@
 
 from static.api._app import create_app
 from static.api._observe import serve_metrics
-from static.api._ratelimit import AuthFailureLimiter, client_key
+from static.api._ratelimit import AuthAttempt, AuthFailureLimiter, client_key
 from static.api._serve import hypercorn_config, serve_app, serve_http
 
 __all__ = [
+    "AuthAttempt",
     "AuthFailureLimiter",
     "client_key",
     "create_app",

@@ -35,7 +35,7 @@ from static.api._observe import RelayStatus
 from static.api._observe import authenticated as observed
 from static.api._observe import install as install_observability
 from static.api._openapi import openapi_document
-from static.api._ratelimit import AuthFailureLimiter, RateLimiter, client_key
+from static.api._ratelimit import AuthAttempt, AuthFailureLimiter, RateLimiter, client_key
 from static.api._validation import (
     bearer_token,
     parse_json_object,
@@ -166,35 +166,41 @@ def create_app(
     def digest(token: str) -> bytes:
         return hashlib.sha256(token.encode()).digest()
 
-    def refused(where: str, credential: bytes | None, now: float) -> None:
+    def start_attempt(where: str, credential: bytes | None) -> AuthAttempt:
+        """The check of ``credential`` from ``where``, its failure paid; 429 if none is left."""
         assert auth_limiter is not None
-        wait = auth_limiter.wait(where, credential, now)
-        if wait is not None:
-            raise TooManyRequests(wait)
+        started = auth_limiter.attempt(where, credential, time.monotonic())
+        if isinstance(started, int):
+            raise TooManyRequests(started)
+        return started
 
     async def authenticated(check: Callable[[str], Awaitable[KeyOwner]]) -> KeyOwner:
         """The owner of the request's bearer token as ``check`` finds it; every failure
         (a 401) counts against the client's address, and an address past its failures is
         refused (429) before its credential is looked at, unless that credential worked from
-        there lately (``AuthFailureLimiter``)."""
+        there lately (``AuthFailureLimiter``). The failure is paid before ``check`` awaits and
+        given back when the credential works: concurrent guesses cannot outrun the count."""
         if auth_limiter is None:
             return await check(bearer_token(request.headers.getlist("Authorization")))
-        where, now = address(), time.monotonic()
+        where = address()
         try:
             token = bearer_token(request.headers.getlist("Authorization"))
         except Unauthorized:
             # No credential to recognise: 429 past the address's failures, else this 401.
-            refused(where, None, now)
-            auth_limiter.failed(where, now)
+            start_attempt(where, None).failed(time.monotonic())
             raise
         credential = digest(token)
-        refused(where, credential, now)
+        pending = start_attempt(where, credential)
         try:
             owner = await check(token)
         except (Unauthorized, Unauthenticated):
-            auth_limiter.failed(where, now)
+            pending.failed(time.monotonic())
             raise
-        auth_limiter.succeeded(where, credential)
+        except DatabaseError:
+            # A 503 is the store's failure, not the caller's.
+            pending.abandoned(time.monotonic())
+            raise
+        pending.succeeded(time.monotonic())
         return owner
 
     async def key_only(token: str) -> KeyOwner:

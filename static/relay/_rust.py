@@ -30,7 +30,7 @@ import trio
 from static import _metrics
 from static._native import RelayServer
 from static._settings import Address, ServerSettings
-from static.api import AuthFailureLimiter, client_key
+from static.api import AuthAttempt, AuthFailureLimiter, client_key
 from static.auth import INVALID_TOKEN, TokenVerifier
 from static.auth import Unauthenticated as TokenRefused
 from static.relay._handle import RelayHandle
@@ -70,18 +70,26 @@ async def _check(
     With ``limiter``, every refusal counts against the peer's address, and an address past its
     failures is refused (RESOURCE_EXHAUSTED, with the seconds to wait) before the token is
     checked, unless that token worked from there lately: the HTTP port's rule (docs/design.md
-    §4.1)."""
-    where, now = client_key(peer.rpartition(":")[0] or peer), time.monotonic()
-    credential = hashlib.sha256(token.encode()).digest()
+    §4.1). The failure is paid before the check awaits, and given back if the token works."""
+    attempt: AuthAttempt | None = None
     if limiter is not None:
-        wait = limiter.wait(where, credential, now)
-        if wait is not None:
-            return (_RESOURCE_EXHAUSTED, "too many failed authentications from this address", wait)
+        where = client_key(peer.rpartition(":")[0] or peer)
+        credential = hashlib.sha256(token.encode()).digest()
+        started = limiter.attempt(where, credential, time.monotonic())
+        if isinstance(started, int):
+            return (
+                _RESOURCE_EXHAUSTED,
+                "too many failed authentications from this address",
+                started,
+            )
+        attempt = started
     try:
         principal = await verifier.verify_token(token)
     except TokenRefused as exc:
         refusal = (_UNAUTHENTICATED, str(exc) or "invalid token")
     except DatabaseError as exc:
+        if attempt is not None:
+            attempt.abandoned(time.monotonic())
         return (_UNAVAILABLE, f"store unavailable: {exc}")
     except Exception as exc:  # noqa: BLE001  (a verifier bug refuses this call only)
         _log.warning(
@@ -89,11 +97,11 @@ async def _check(
         )
         refusal = (_UNAUTHENTICATED, INVALID_TOKEN)
     else:
-        if limiter is not None:
-            limiter.succeeded(where, credential)
+        if attempt is not None:
+            attempt.succeeded(time.monotonic())
         return (principal.account_id, principal.key_id, principal.expires_at)
-    if limiter is not None:
-        limiter.failed(where, now)
+    if attempt is not None:
+        attempt.failed(time.monotonic())
     return refusal
 
 

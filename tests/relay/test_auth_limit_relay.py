@@ -1,0 +1,65 @@
+"""The relay port's limit on failed authentications holds under concurrency: 128 connections
+presenting refused tokens at once get no more UNAUTHENTICATED answers than the budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from tests.api.test_auth_limit import DEFAULT_RATE, GUESSERS, GUESSES, bound, guess_at_once
+from tests.relay._generated import relay_pb2_grpc as pb_grpc
+from tests.relay.client import pb, status_of
+from tests.support.api import Api
+from tests.support.server import ServerProcess
+
+
+def test_concurrent_refused_tokens_get_no_more_than_the_budget(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    """Each call pays for its failure before its token's key is looked up. The tokens are
+    well signed but their key is revoked, so each refusal awaits the store (a forged signature
+    is refused before any await, and never raced): on 9b2be07 the calls in flight together all
+    passed the budget's check."""
+    requests, per_seconds = DEFAULT_RATE
+    server = start_server(
+        "--signup-rate", "off", "--key-rate", "off",
+        "--auth-failure-rate", f"{requests}/{per_seconds}",
+    )  # fmt: skip
+    api = Api(server.http_url)
+    try:
+        owner = api.signup()
+        revoked = api.create_key(owner.key, name="revoked")
+        token = api.token(revoked["key"])
+        assert api.revoke(owner.key, revoked["id"]).status_code == 204
+    finally:
+        api.close()
+
+    target = server.relay_url.removeprefix("grpc://")
+    channels = [
+        grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(GUESSERS)
+    ]
+    # One connection per guesser (grpcio shares them across channels otherwise).
+    stubs: list[Any] = [pb_grpc.RelayStub(channel) for channel in channels]  # type: ignore[no-untyped-call]
+    metadata = [("authorization", f"Bearer {token}")]
+
+    def call(n: int) -> str:
+        try:
+            request = pb.ListMembersRequest(channel="nobody/has/this")
+            stubs[n].ListMembers(request, timeout=30, metadata=metadata)
+        except grpc.RpcError as exc:
+            code, _, _ = status_of(exc)
+            return str(code.name)
+        return "OK"
+
+    try:
+        outcomes, elapsed = guess_at_once(call)
+    finally:
+        for channel in channels:
+            channel.close()
+    assert set(outcomes) <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}, outcomes
+    assert outcomes["UNAUTHENTICATED"] + outcomes["RESOURCE_EXHAUSTED"] == GUESSERS * GUESSES
+    assert outcomes["UNAUTHENTICATED"] <= bound(elapsed), (outcomes, f"{elapsed:.1f} s")
+    assert outcomes["UNAUTHENTICATED"] >= requests, outcomes
