@@ -24,4 +24,15 @@ echo "== clippy"
 echo "== cargo test"
 (cd crates && cargo test --workspace --locked)
 echo "== pytest"
-.venv/bin/python -m pytest "$@"
+# Each phase of each test is bounded by the watchdog (tests/support/watchdog.py, the `timeout`
+# setting). This bounds the whole run too, for a hang outside any test (collection, interpreter
+# exit), well under CI's 90 minutes (the suite takes ~5): SIGABRT first, on which pytest's
+# faulthandler prints every thread's stack, then SIGKILL a minute later. timeout signals its
+# whole process group, so the servers the run started end with it. No core files meanwhile.
+ulimit -c 0
+status=0
+timeout --signal=ABRT --kill-after=60 45m .venv/bin/python -m pytest "$@" || status=$?
+if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "pytest: still running after 45 minutes; ended" >&2
+fi
+exit "$status"

@@ -1,4 +1,5 @@
-"""Shared fixtures: the store backends, a throwaway PostgreSQL cluster, real server processes."""
+"""Shared fixtures: the store backends, a throwaway PostgreSQL cluster, real server processes;
+and the watchdog that ends a hung run (tests/support/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import watchdog
 from tests.support.postgres import PostgresCluster, find_postgres_bin
 from tests.support.server import ServerProcess
 
 BACKENDS = ["sqlite", "postgresql"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    watchdog.install(config)
 
 
 @pytest.fixture(scope="session")
