@@ -1,5 +1,6 @@
 """The relay port's limit on failed authentications holds under concurrency: 128 connections
-presenting refused tokens at once get no more UNAUTHENTICATED answers than the budget."""
+presenting refused tokens at once get no more UNAUTHENTICATED answers than the budget; and at
+the token callback itself, checks awaiting the store together are counted before they await."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import trio
+import trio.testing
 
+from static._settings import RateLimit
+from static.api import AuthFailureLimiter
+from static.auth import Principal, Unauthenticated
+from static.relay._rust import _check
+from static.store import DatabaseError
 from tests.api.test_auth_limit import DEFAULT_RATE, GUESSERS, GUESSES, bound, guess_at_once
 from tests.relay._generated import relay_pb2_grpc as pb_grpc
 from tests.relay.client import pb, status_of
@@ -63,3 +71,48 @@ def test_concurrent_refused_tokens_get_no_more_than_the_budget(
     assert outcomes["UNAUTHENTICATED"] + outcomes["RESOURCE_EXHAUSTED"] == GUESSERS * GUESSES
     assert outcomes["UNAUTHENTICATED"] <= bound(elapsed), (outcomes, f"{elapsed:.1f} s")
     assert outcomes["UNAUTHENTICATED"] >= requests, outcomes
+
+
+class _Lookup:
+    """A verifier whose store lookup waits for ``answer``, then refuses (or fails)."""
+
+    def __init__(self, failure: Exception) -> None:
+        self.answer = trio.Event()
+        self.failure = failure
+
+    async def verify_token(self, token: str) -> Principal:
+        await self.answer.wait()
+        raise self.failure
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return False
+
+
+async def _all_at_once(verifier: _Lookup, limiter: AuthFailureLimiter, count: int) -> list[int]:
+    codes: list[int] = []
+
+    async def one(n: int) -> None:
+        answer = await _check(verifier, f"token{n}", f"10.0.0.1:{5000 + n}", limiter)
+        assert isinstance(answer[0], int)
+        codes.append(answer[0])
+
+    async with trio.open_nursery() as nursery:
+        for n in range(count):
+            nursery.start_soon(one, n)
+        await trio.testing.wait_all_tasks_blocked()  # every check is awaiting the store
+        verifier.answer.set()
+    return sorted(codes)
+
+
+async def test_checks_awaiting_the_store_together_are_counted_before_they_await() -> None:
+    limiter = AuthFailureLimiter(RateLimit(3, 600))
+    refused = _Lookup(Unauthenticated("invalid or revoked api key"))
+    # On 9b2be07 all ten were looked up and refused: [16] * 10.
+    assert await _all_at_once(refused, limiter, 10) == [8] * 7 + [16] * 3
+
+
+async def test_a_store_failure_gives_the_failure_back() -> None:
+    limiter = AuthFailureLimiter(RateLimit(3, 600))
+    assert await _all_at_once(_Lookup(DatabaseError("gone")), limiter, 3) == [14] * 3
+    refused = _Lookup(Unauthenticated("invalid or revoked api key"))
+    assert await _all_at_once(refused, limiter, 4) == [8] + [16] * 3
