@@ -81,6 +81,7 @@ class Watchdog:
         # The real stderr too: while a test runs, pytest's capture owns fd 2, and the process
         # ends before what it captured is shown.
         self._stderr: IO[str] = open(os.dup(2), "w")  # noqa: SIM115  (open for the whole run)
+        self._debugging = False
         faulthandler.register(DUMP_SIGNAL, file=self._stderr, all_threads=True, chain=True)
 
     def _send(self, line: str) -> None:
@@ -93,7 +94,7 @@ class Watchdog:
             pass  # the watchdog is gone: its end was already reported
 
     def _phase(self, item: pytest.Item, phase: str) -> Generator[None, Any, Any]:
-        seconds = timeout_of(item)
+        seconds = 0.0 if self._debugging else timeout_of(item)
         if seconds > 0:
             self._send(f"arm {seconds} {item.nodeid} ({phase})")
         try:
@@ -113,6 +114,11 @@ class Watchdog:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, Any, Any]:
         return (yield from self._phase(item, "teardown"))
+
+    def pytest_enter_pdb(self) -> None:
+        # Someone is debugging (--pdb, breakpoint()): no timeout from now on, as pytest-timeout.
+        self._debugging = True
+        self._send("disarm")
 
     def pytest_report_header(self) -> str:
         return "timeouts: per phase, enforced by the watchdog (tests/support/watchdog.py)"
