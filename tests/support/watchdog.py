@@ -170,7 +170,11 @@ def _state(pid: int) -> tuple[int, str] | None:
 def _descendants(root: int) -> list[int]:
     """Every process below ``root`` now."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
+    try:
+        entries = list(Path("/proc").iterdir())
+    except OSError:  # no /proc (not Linux): the run's children are left to its process group
+        entries = []
+    for entry in entries:
         if entry.name.isdigit() and (state := _state(int(entry.name))) is not None:
             children.setdefault(state[0], []).append(int(entry.name))
     found: list[int] = []
