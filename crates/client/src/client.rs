@@ -218,8 +218,9 @@ impl Client {
         // rather than on the first read.
         if let Err(e) = self.block_on(channel.wait_connected(Duration::from_secs(10))) {
             // A refused channel cannot be used: forget the group so that channels() does not
-            // list it. An auth failure keeps it, to be reopened once the key is fixed.
-            if !matches!(e, Error::Auth(_)) {
+            // list it. An auth failure keeps it, to be reopened once the key is fixed, and so
+            // does a close of the client meanwhile (the group is joined and bound).
+            if !matches!(e, Error::Auth(_) | Error::Closed(_)) {
                 channel.close();
                 lock(&self.channels).remove(name);
                 self.shared.engine()?.forget_group(name)?;
