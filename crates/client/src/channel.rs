@@ -20,7 +20,7 @@ use crate::retry::Retry;
 use crate::sender::Sender;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
-use crate::sync::lock;
+use crate::sync::{lock, seen};
 use crate::transport::pb;
 use static_mls::engine::{Engine, Member};
 
@@ -125,7 +125,7 @@ impl Channel {
             async move {
                 let mut shutdown = core.shutdown.subscribe();
                 loop {
-                    if *shutdown.borrow_and_update() {
+                    if seen(&mut shutdown, |down| *down) {
                         return;
                     }
                     tokio::select! {
@@ -176,7 +176,7 @@ impl Channel {
     }
 
     pub fn progress(&self) -> Progress {
-        self.core.progress.borrow().clone()
+        self.core.progress()
     }
 
     /// Closed, removed or failed (set before any waiter is woken).
@@ -197,9 +197,10 @@ impl Channel {
         drop(lock(&self.core.applying));
     }
 
-    /// Waits for the channel's sender thread, if one runs (the channel has ended).
-    pub(crate) fn join_sender(&self) {
-        Sender::join(&self.core);
+    /// Waits until `deadline` for the channel's sender thread, if one runs (the channel has
+    /// ended).
+    pub(crate) fn join_sender(&self, deadline: Instant) {
+        Sender::join(&self.core, deadline);
     }
 
     /// A readiness socket for one async waiter.
@@ -218,8 +219,7 @@ impl Channel {
             stamp(&core.timings.handed_out);
             return Ok(Next::Message(message));
         }
-        let ended = core.progress.borrow().ended.clone();
-        match ended {
+        match core.ended() {
             None => Ok(Next::Empty),
             Some(end) => {
                 // Messages stored before the end are still handed out.
@@ -297,7 +297,9 @@ impl Channel {
         let mut answer = self.encryptor.encrypt_and_publish(&payload, deadline);
         let mut reencrypted = 0;
         loop {
-            let outcome = answer.blocking_recv().map_err(|_| core.ended_error())?;
+            // On the runtime rather than `blocking_recv`, so that the client's close ends the
+            // wait at once.
+            let outcome = core.block_on(async { answer.await.map_err(|_| core.ended_error()) })?;
             let trouble = match outcome {
                 Outcome::Accepted => {
                     stamp(&core.timings.send_acked);

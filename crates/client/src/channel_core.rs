@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::own::OwnMessages;
 use crate::pipeline::Pipeline;
 use crate::shared::Shared;
-use crate::sync::lock;
+use crate::sync::{lock, read, seen, wait_value};
 
 /// Why a channel stopped.
 #[derive(Debug, Clone)]
@@ -157,22 +157,29 @@ impl ChannelCore {
 
     /// Closed, removed or failed (set before any waiter is woken).
     pub(crate) fn is_closed(&self) -> bool {
-        self.progress.borrow().ended.is_some()
+        read(&self.progress, |p| p.ended.is_some())
+    }
+
+    /// The current progress (a copy).
+    pub(crate) fn progress(&self) -> Progress {
+        read(&self.progress, Progress::clone)
+    }
+
+    /// Why the channel ended, if it did.
+    pub(crate) fn ended(&self) -> Option<End> {
+        read(&self.progress, |p| p.ended.clone())
     }
 
     pub(crate) fn check_usable(&self) -> Result<()> {
         self.shared.check_open()?;
-        match &self.progress.borrow().ended {
+        match self.ended() {
             Some(end) => Err(end.error(&self.name)),
             None => Ok(()),
         }
     }
 
     pub(crate) fn ended_error(&self) -> Error {
-        match &self.progress.borrow().ended {
-            Some(end) => end.error(&self.name),
-            None => End::Closed.error(&self.name),
-        }
+        self.ended().unwrap_or(End::Closed).error(&self.name)
     }
 
     /// Ends the channel (the first end wins) and wakes everyone who waits on it.
@@ -240,22 +247,24 @@ impl ChannelCore {
     /// Sleeps unless the channel shuts down first (then returns true).
     pub(crate) async fn sleep_or_shutdown(&self, wait: Duration) -> bool {
         let mut shutdown = self.shutdown.subscribe();
-        if *shutdown.borrow_and_update() {
+        if seen(&mut shutdown, |down| *down) {
             return true;
         }
         tokio::select! {
             _ = shutdown.changed() => true,
-            _ = tokio::time::sleep(wait) => *shutdown.borrow(),
+            _ = tokio::time::sleep(wait) => seen(&mut shutdown, |down| *down),
         }
     }
 
     /// Waits until the first subscription is established (or the channel failed).
     pub(crate) async fn wait_connected(&self, timeout: Duration) -> Result<()> {
         let mut rx = self.progress.subscribe();
-        let _ =
-            tokio::time::timeout(timeout, rx.wait_for(|p| p.connected || p.ended.is_some())).await;
-        let ended = self.progress.borrow().ended.clone();
-        match ended {
+        let _ = tokio::time::timeout(
+            timeout,
+            wait_value(&mut rx, |p| p.connected || p.ended.is_some()),
+        )
+        .await;
+        match self.ended() {
             Some(end @ End::Failed(_)) => Err(end.error(&self.name)),
             _ => Ok(()),
         }
@@ -287,30 +296,114 @@ impl ChannelCore {
         not_reached: impl Fn() -> String,
     ) -> Result<()> {
         let mut rx = self.progress.subscribe();
+        // The progress that satisfied the wait, as a copy: the watch's lock is released before
+        // anything else reads it (see `sync`).
         let waited = tokio::time::timeout(
             PROGRESS_TIMEOUT,
-            rx.wait_for(|p| reached(p) || p.ended.is_some()),
+            wait_value(&mut rx, |p| reached(p) || p.ended.is_some()),
         )
         .await;
-        if waited.is_err() {
-            return Err(Error::Unreachable(format!(
-                "{} within {PROGRESS_TIMEOUT:?}",
-                not_reached()
-            )));
-        }
-        let p = self.progress.borrow().clone();
+        let p = match waited {
+            Ok(Some(p)) => p,
+            // The sender lives in the core, which outlives this call.
+            Ok(None) => return Err(self.ended_error()),
+            Err(_) => {
+                return Err(Error::Unreachable(format!(
+                    "{} within {PROGRESS_TIMEOUT:?}",
+                    not_reached()
+                )))
+            }
+        };
         match p.ended {
             Some(end) if !reached(&p) => Err(end.error(&self.name)),
             _ => Ok(()),
         }
     }
 
-    /// Runs `fut` on the client's runtime from a thread outside it (a caller's, the sender's).
+    /// Runs `fut` on the client's runtime from a thread outside it (a caller's, the sender's),
+    /// until it is done or the client closes (see [`Shared::block_on`]).
     pub(crate) fn block_on<T>(
         &self,
         fut: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        self.shared.check_open()?;
-        self.shared.handle.block_on(fut)
+        self.shared.block_on(fut)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::config::ClientOptions;
+    use crate::inbox::Marks;
+    use crate::tokens::Tokens;
+    use crate::transport;
+    use static_mls::engine::Engine;
+
+    /// A channel core on a throwaway engine; its relay (nobody listens there) is never dialled.
+    fn core(runtime: &tokio::runtime::Runtime, dir: &std::path::Path) -> Arc<ChannelCore> {
+        let engine = Arc::new(Engine::open(dir, b"waiter").unwrap());
+        let marks = Marks::open(dir, &engine).unwrap();
+        let endpoint = transport::endpoint("http://127.0.0.1:9", None).unwrap();
+        let relay = {
+            let _guard = runtime.enter();
+            transport::connect_lazy(&endpoint)
+        };
+        let shared = Arc::new(Shared::new(
+            engine,
+            relay,
+            Tokens::new(None, None),
+            runtime.handle().clone(),
+            endpoint.uri().to_string(),
+            ClientOptions::default(),
+            marks,
+        ));
+        Arc::new(ChannelCore::new(shared, "org/ns/waiter", 0, 0))
+    }
+
+    /// Issue 28: a writer that queues on the progress watch just as a wait ends must not hang
+    /// the waiter. The predicate of a wait runs under the watch's read lock; this one, the
+    /// first time it holds, starts a writer on another thread and gives it time to queue on
+    /// that lock: the interleaving that hung `rotate_keys`. A waiter that kept the `Ref` of
+    /// `wait_for` and read the watch again then waited for the writer, which waited for the
+    /// `Ref`, for ever; so the wait runs on a thread, and the test fails if it is not done
+    /// within a few seconds.
+    #[test]
+    fn a_writer_queued_as_a_wait_ends_does_not_hang_it() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let core = core(&runtime, dir.path());
+        let (done, finished) = mpsc::channel();
+        let handle = runtime.handle().clone();
+        let waiter = Arc::clone(&core);
+        std::thread::spawn(move || {
+            let writer_started = AtomicBool::new(false);
+            let writer = Mutex::new(None);
+            let reached = |p: &Progress| {
+                if !writer_started.swap(true, Ordering::SeqCst) {
+                    let core = Arc::clone(&waiter);
+                    *lock(&writer) = Some(std::thread::spawn(move || core.passed(7)));
+                    // Time for the writer to queue behind our read lock.
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                p.applied_seq < 7
+            };
+            let waited = handle.block_on(waiter.wait_until(reached, || "seq 0".into()));
+            let writer = lock(&writer).take();
+            let _ = done.send((waited, writer.map(std::thread::JoinHandle::join)));
+        });
+        let (waited, writer) = finished
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the wait deadlocked with the writer that queued behind it");
+        assert!(waited.is_ok(), "{waited:?}");
+        assert!(matches!(writer, Some(Ok(()))));
+        assert_eq!(core.progress().applied_seq, 7);
     }
 }

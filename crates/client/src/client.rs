@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
@@ -23,6 +23,13 @@ use crate::sync::lock;
 use crate::tokens::{Token, TokenProvider, Tokens};
 use crate::transport::{self, pb};
 use static_mls::engine::Engine;
+
+/// The most [`Client::close`] waits in all, whatever other threads are doing.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Of which for the calls in progress to leave the runtime (they were told to at once).
+const CALLS_TIMEOUT: Duration = Duration::from_secs(1);
+/// And for the runtime's tasks and blocking work to stop.
+const RUNTIME_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One agent's client: see the crate docs.
 pub struct Client {
@@ -108,8 +115,7 @@ impl Client {
     }
 
     fn block_on<T>(&self, fut: impl std::future::Future<Output = Result<T>>) -> Result<T> {
-        self.shared.check_open()?;
-        self.shared.handle.block_on(fut)
+        self.shared.block_on(fut)
     }
 
     /// A fresh key package for a member to add us with.
@@ -212,8 +218,9 @@ impl Client {
         // rather than on the first read.
         if let Err(e) = self.block_on(channel.wait_connected(Duration::from_secs(10))) {
             // A refused channel cannot be used: forget the group so that channels() does not
-            // list it. An auth failure keeps it, to be reopened once the key is fixed.
-            if !matches!(e, Error::Auth(_)) {
+            // list it. An auth failure keeps it, to be reopened once the key is fixed, and so
+            // does a close of the client meanwhile (the group is joined and bound).
+            if !matches!(e, Error::Auth(_) | Error::Closed(_)) {
                 channel.close();
                 lock(&self.channels).remove(name);
                 self.shared.engine()?.forget_group(name)?;
@@ -240,13 +247,13 @@ impl Client {
     }
 
     fn start_channel(&self, name: &str) -> Result<Arc<Channel>> {
-        let mut channels = lock(&self.channels);
-        if let Some(open) = channels.get(name) {
+        // A closed predecessor's work must be over before a successor applies the same log.
+        // Waited for without the channels' lock, which `close` takes.
+        let predecessor = lock(&self.channels).get(name).cloned();
+        if let Some(open) = predecessor {
             if !open.is_closed() {
-                return Ok(Arc::clone(open));
+                return Ok(open);
             }
-            // A closed predecessor's work must be over before a successor applies the same
-            // log.
             open.close_and_settle();
             let tasks: Vec<_> = lock(&open.tasks).drain(..).collect();
             self.block_on(async move {
@@ -256,6 +263,14 @@ impl Client {
                 Ok(())
             })?;
         }
+        let mut channels = lock(&self.channels);
+        if let Some(open) = channels.get(name) {
+            // Opened by another call meanwhile.
+            if !open.is_closed() {
+                return Ok(Arc::clone(open));
+            }
+            open.close_and_settle();
+        }
         let channel = Channel::start(
             Arc::clone(&self.shared),
             name,
@@ -264,41 +279,63 @@ impl Client {
             &self.subscriptions,
         )?;
         channels.insert(name.to_owned(), Arc::clone(&channel));
+        drop(channels);
+        // A close that took the channels before this one was in: it is closed here instead.
+        if let Err(e) = self.shared.check_open() {
+            channel.close();
+            return Err(e);
+        }
         Ok(channel)
     }
 
-    /// Stops every channel's background work, waits briefly for it, and releases the data
-    /// directory. Idempotent.
+    /// Stops every channel's background work, waits for it at most [`CLOSE_TIMEOUT`] in all,
+    /// and releases the data directory (at once, or when the calls and threads still running
+    /// after that bound end: each holds its own reference). Idempotent.
+    ///
+    /// Returns within the bound whatever other threads are doing: the calls they have in
+    /// progress end with `runtime error:` (see `Shared::block_on`), or their own error.
     pub fn close(&self) {
-        self.shared
-            .closed
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let deadline = Instant::now() + CLOSE_TIMEOUT;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        self.shared.close();
         let channels: Vec<_> = lock(&self.channels).drain().map(|(_, c)| c).collect();
         for channel in &channels {
             channel.close();
         }
+        // The calls in progress were told to end: let them leave the runtime before it stops
+        // (their futures are dropped on their own threads, the runtime still running).
+        self.shared.wait_calls(left().min(CALLS_TIMEOUT));
         if let Some(runtime) = lock(&self.runtime).take() {
-            runtime.shutdown_timeout(Duration::from_secs(2));
+            runtime.shutdown_timeout(left().min(RUNTIME_TIMEOUT));
         }
         // The subscriptions are gone with the runtime, so the appliers end after the turns
         // already queued; they hold the engine, which must be released before this returns.
         self.appliers.stop();
         for thread in lock(&self.applier_threads).drain(..) {
-            let _ = thread.join();
+            join_within(thread, deadline);
         }
         for channel in channels {
-            channel.join_sender();
+            channel.join_sender(deadline);
         }
         // Dropping the last reference checkpoints the store and releases the directory lock.
         lock(&self.shared.engine).take();
     }
 }
 
+/// Joins `thread` if it ends before `deadline`; otherwise leaves it to end on its own.
+pub(crate) fn join_within(thread: std::thread::JoinHandle<()>, deadline: Instant) {
+    while !thread.is_finished() {
+        if Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = thread.join();
+}
+
 impl Drop for Client {
     fn drop(&mut self) {
-        self.shared
-            .closed
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.shared.close();
         for channel in lock(&self.channels).values() {
             channel.close();
         }

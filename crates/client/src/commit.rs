@@ -10,6 +10,7 @@ use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::refusal::Refusal;
 use crate::retry::{CommitPace, Retry};
+use crate::sync::wait_value;
 use crate::transport::pb;
 use static_mls::engine::Engine;
 
@@ -46,7 +47,7 @@ impl Committer {
         let mut pace = self.lock.lock().await;
         let mut contended = false;
         if let Some(aside) = pace.step_aside() {
-            let epoch = core.progress.borrow().epoch;
+            let epoch = core.progress().epoch;
             contended = tokio::time::timeout(aside, core.wait_epoch(epoch + 1))
                 .await
                 .is_ok();
@@ -133,9 +134,11 @@ impl Committer {
             match self.publish_handshake(proposal, None).await? {
                 Published::Accepted(_) => {
                     let mut rx = core.progress.subscribe();
-                    let waited =
-                        tokio::time::timeout(PROGRESS_TIMEOUT, rx.wait_for(|p| p.ended.is_some()))
-                            .await;
+                    let waited = tokio::time::timeout(
+                        PROGRESS_TIMEOUT,
+                        wait_value(&mut rx, |p| p.ended.is_some()),
+                    )
+                    .await;
                     return match waited {
                         Ok(_) => Ok(()),
                         Err(_) => Err(Error::Unreachable(

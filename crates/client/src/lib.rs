@@ -59,7 +59,7 @@ pub mod transport;
 
 pub use channel::{Channel, Message, Next, RosterMember};
 pub use channel_core::{now_ns, End, Progress, Timings, Waker};
-pub use client::Client;
+pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
 pub use error::{Error, ErrorKind, Result};
 pub use pipeline::SendHandle;

@@ -64,11 +64,11 @@ impl Sender {
         Ok(())
     }
 
-    /// Waits for the sender thread to finish (the channel has ended).
-    pub(crate) fn join(core: &ChannelCore) {
+    /// Waits until `deadline` for the sender thread to finish (the channel has ended).
+    pub(crate) fn join(core: &ChannelCore, deadline: std::time::Instant) {
         let thread = lock(&core.pipeline.thread).take();
         if let Some(thread) = thread {
-            let _ = thread.join();
+            crate::client::join_within(thread, deadline);
         }
     }
 

@@ -3,11 +3,13 @@
 //! first contact, what a refusal leads to under the retry policy).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
+use tokio::sync::watch;
 use tonic::Request;
 
 use crate::channel::Message;
@@ -16,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::inbox::{Inbox, Marks};
 use crate::refusal::Refusal;
 use crate::retry::{Retry, Step};
-use crate::sync::lock;
+use crate::sync::{lock, wait_value};
 use crate::tokens::Tokens;
 use crate::transport::{self, pb, RelayClient};
 use static_mls::engine::Engine;
@@ -28,7 +30,12 @@ pub(crate) struct Shared {
     pub(crate) relay: RelayClient,
     pub(crate) tokens: Tokens,
     pub(crate) handle: Handle,
-    pub(crate) closed: AtomicBool,
+    /// Set first thing by [`Client::close`](crate::Client::close): no new call starts.
+    closed: AtomicBool,
+    /// Raised with `closed`: ends every call waiting in [`Shared::block_on`].
+    closing: watch::Sender<bool>,
+    /// Calls in [`Shared::block_on`] (see [`Shared::wait_calls`]).
+    calls: AtomicUsize,
     /// The relay's URI, for errors.
     pub(crate) endpoint: String,
     /// Whether the relay has answered this client at least once (see [`Shared::reach`]).
@@ -40,6 +47,26 @@ pub(crate) struct Shared {
     inline_applied: InlineApplied,
     /// The account our token names, once known (see [`Shared::account`]).
     account: Mutex<Option<String>>,
+}
+
+/// A call counted in [`Shared::calls`] while it lives.
+struct Call<'a>(&'a Shared);
+
+impl<'a> Call<'a> {
+    /// Counts a call, unless the client is closed. SeqCst on both sides: either the close
+    /// sees the count, or the call sees the close.
+    fn enter(shared: &'a Shared) -> Result<Self> {
+        shared.calls.fetch_add(1, Ordering::SeqCst);
+        let call = Self(shared);
+        shared.check_open()?;
+        Ok(call)
+    }
+}
+
+impl Drop for Call<'_> {
+    fn drop(&mut self) {
+        self.0.calls.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// When a reader last applied a message itself and how long that took, on a monotonic clock.
@@ -85,6 +112,8 @@ impl Shared {
             tokens,
             handle,
             closed: AtomicBool::new(false),
+            closing: watch::Sender::new(false),
+            calls: AtomicUsize::new(0),
             endpoint,
             reached: AtomicBool::new(false),
             options,
@@ -136,6 +165,44 @@ impl Shared {
         } else {
             Ok(())
         }
+    }
+
+    /// The client is closing: no call starts any more, and the calls waiting in
+    /// [`Shared::block_on`] end now.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.closing.send_replace(true);
+    }
+
+    /// Runs `fut` on the client's runtime from a thread outside it (a caller's, the sender's),
+    /// until it is done or the client closes: then it is dropped (on this thread, the runtime
+    /// still running) and the call fails with `runtime error:`. So a call never outlives the
+    /// close it raced (whose timers would panic on a runtime shut down under them).
+    pub(crate) fn block_on<T>(&self, fut: impl Future<Output = Result<T>>) -> Result<T> {
+        let _call = Call::enter(self)?;
+        let mut closing = self.closing.subscribe();
+        self.handle.block_on(async move {
+            tokio::select! {
+                biased;
+                _ = wait_value(&mut closing, |closing| *closing) => Err(Error::Closed(
+                    "the client was closed while the call was in progress".into(),
+                )),
+                out = fut => out,
+            }
+        })
+    }
+
+    /// Waits up to `timeout` until no call is in [`Shared::block_on`] (after
+    /// [`Shared::close`], they are all on their way out); whether none is.
+    pub(crate) fn wait_calls(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.calls.load(Ordering::SeqCst) > 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
     }
 
     /// The channel's inbox (the same for every [`Channel`](crate::Channel) object of one name,
