@@ -145,3 +145,30 @@ def test_a_key_read_from_a_file_works_and_no_error_shows_a_key(
         shown = f"{info.value} {info.value!r} {info.value.__cause__!r} {info.value.__context__!r}"
         assert secret not in shown and secret[8:24] not in shown, shown
     assert secret not in repr(TokenSource(authed.http_url, secret))
+
+
+def test_revoking_the_key_under_a_live_client_fails_its_next_send_and_flush(
+    authed: ServerProcess, api: Api, clients: Clients
+) -> None:
+    """The relay ends the client's PublishBatches call when its key is revoked (as it ends its
+    subscriptions), the token refresh is refused: the next send() and flush() raise the auth
+    error, and nothing more is accepted."""
+    account = api.signup()
+    doomed = api.create_key(account.key, name="doomed")
+    alice = clients(authed, b"alice", api_key=doomed["key"], api_url=authed.http_url)
+    channel = alice.create_channel(channel_name())
+    channel.send(b"before")
+    channel.send_pipelined(b"before, pipelined")
+    channel.flush(WAIT)
+    assert api.revoke(account.key, doomed["id"]).status_code == 204
+    # The relay's revocation checks run every 0.5 s.
+    time.sleep(1.5)
+    with pytest.raises(AuthError, match=r"^auth error: "):
+        channel.send(b"after")
+    try:
+        channel.send_pipelined(b"after, pipelined")
+    except AuthError as refused:  # the channel has ended already: refused at once
+        assert str(refused).startswith("auth error: ")
+    else:
+        with pytest.raises(AuthError, match=r"^auth error: "):
+            channel.flush(WAIT)

@@ -1,10 +1,13 @@
 //! Who calls the relay, and keeping live streams honest about it (revocation, expiry, shutdown).
 //!
 //! Token checks themselves belong to the server's authority (Python: `static.auth`), reached
-//! through [`Verify`] once per call, never per message. Live subscriptions register a
-//! [`StreamGuard`]; the server ends them by key ([`Authenticator::end_streams_of_key`], driven
-//! by the revocation checks) or all at once (shutdown), and a guard ends by itself when its
-//! token expires.
+//! through [`Verify`] once per call, never per message. Every streaming call (Subscribe,
+//! SubscribeMany, PublishStream, PublishBatches) holds a [`StreamGuard`]: the service cannot
+//! build a streaming response without one (`service::Driven::new` takes it), so a new RPC
+//! cannot forget it. The server ends guarded calls by key ([`Authenticator::end_streams_of_key`],
+//! driven by the revocation checks) or all at once (shutdown), and a guard ends by itself when
+//! its token expires. The registry of guards also bounds the streams one account holds
+//! (`--relay-max-streams-per-account`).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -46,7 +49,9 @@ pub trait Verify: Send + Sync + 'static {
 pub struct Caller {
     /// The principal: the account id, or "" for anonymous callers.
     pub account: Arc<str>,
-    /// Whom rate limits count against: `key:<id>`, or `anonymous:<peer>`.
+    /// Whom rate limits count against: `key:<id>`, or `anonymous:<address>` (the peer's
+    /// address, an IPv6 peer's /64: not its port, which a new connection changes; measured
+    /// at 9b2be07, per connection: 450 publishes got through in one burst against 50/s).
     pub agent: String,
     pub key_id: Option<String>,
     pub expires_at: Option<SystemTime>,
@@ -93,8 +98,16 @@ fn unauthenticated(message: &str) -> RelayError {
 }
 
 struct Registered {
+    account: Arc<str>,
     key_id: Option<String>,
     end: watch::Sender<Option<RelayError>>,
+}
+
+/// The live guards, and how many each account holds.
+#[derive(Default)]
+struct Registry {
+    streams: HashMap<u64, Registered>,
+    per_account: HashMap<Arc<str>, usize>,
 }
 
 /// Authenticates calls through the injected [`Verify`]; keeps the registry of live streams.
@@ -102,16 +115,42 @@ pub struct Authenticator {
     verifier: Option<Arc<dyn Verify>>,
     allow_anonymous: bool,
     next_id: AtomicU64,
-    streams: Mutex<HashMap<u64, Registered>>,
+    /// Streams one account may hold at once (all its keys, all connections).
+    max_streams_per_account: usize,
+    registry: Mutex<Registry>,
+    /// Tokens verified lately (see [`Authenticator::authenticate`]).
+    verified: Mutex<HashMap<String, Verified>>,
 }
 
+/// A token the verifier accepted: its principal, until when it is trusted without asking again.
+struct Verified {
+    principal: Principal,
+    until: SystemTime,
+}
+
+/// How long a verified token is trusted without asking the verifier again, and how many are
+/// kept. Each verification crosses into Python (with the GIL) and queues behind every other
+/// one: measured at 9b2be07, a flood of 1.4k junk JWTs a second took a new relay call from 3.6
+/// to 38 ms. A token in use is asked about once a minute instead, and its key's revocation still
+/// reaches it within a second: the revocation checks look at these keys too (`live_keys`), and
+/// ending a key's streams forgets its tokens. Kept few: each key among them costs the
+/// revocation checks a store read per round (every 0.5 s).
+const VERIFIED_FOR: Duration = Duration::from_secs(60);
+const MAX_VERIFIED: usize = 1_000;
+
 impl Authenticator {
-    pub fn new(verifier: Option<Arc<dyn Verify>>, allow_anonymous: bool) -> Arc<Self> {
+    pub fn new(
+        verifier: Option<Arc<dyn Verify>>,
+        allow_anonymous: bool,
+        max_streams_per_account: usize,
+    ) -> Arc<Self> {
         Arc::new(Authenticator {
             verifier,
             allow_anonymous,
             next_id: AtomicU64::new(0),
-            streams: Mutex::new(HashMap::new()),
+            max_streams_per_account,
+            registry: Mutex::new(Registry::default()),
+            verified: Mutex::new(HashMap::new()),
         })
     }
 
@@ -121,7 +160,7 @@ impl Authenticator {
             if self.allow_anonymous {
                 return Ok(Caller {
                     account: Arc::from(ANONYMOUS_ACCOUNT),
-                    agent: format!("anonymous:{peer}"),
+                    agent: format!("anonymous:{}", peer_address(peer)),
                     key_id: None,
                     expires_at: None,
                 });
@@ -135,7 +174,14 @@ impl Authenticator {
                 "this relay has no token verifier: tokens cannot be checked",
             ));
         };
-        let principal = verifier.verify(token, peer.to_owned()).await?;
+        let principal = match self.recall(&token) {
+            Some(principal) => principal,
+            None => {
+                let principal = verifier.verify(token.clone(), peer.to_owned()).await?;
+                self.remember(token, &principal);
+                principal
+            }
+        };
         if let Some(expires_at) = principal.expires_at {
             if expires_at <= SystemTime::now() {
                 return Err(unauthenticated("token expired"));
@@ -149,53 +195,121 @@ impl Authenticator {
         })
     }
 
+    /// The principal of `token` if it was verified lately and is still trusted.
+    fn recall(&self, token: &str) -> Option<Principal> {
+        let now = SystemTime::now();
+        let verified = self.verified_lock();
+        let known = verified.get(token)?;
+        (known.until > now).then(|| known.principal.clone())
+    }
+
+    fn remember(&self, token: String, principal: &Principal) {
+        let now = SystemTime::now();
+        let until = now + VERIFIED_FOR;
+        let until = principal.expires_at.map_or(until, |at| at.min(until));
+        let mut verified = self.verified_lock();
+        if verified.len() >= MAX_VERIFIED {
+            verified.retain(|_, v| v.until > now);
+            if verified.len() >= MAX_VERIFIED {
+                verified.clear();
+            }
+        }
+        verified.insert(
+            token,
+            Verified {
+                principal: principal.clone(),
+                until,
+            },
+        );
+    }
+
+    fn verified_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Verified>> {
+        self.verified.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Whether calls without a token are served (anonymous scope).
     pub fn allows_anonymous(&self) -> bool {
         self.allow_anonymous
     }
 
-    /// A guard for a live stream of `caller`: ended on revocation, expiry or shutdown.
-    pub fn watch(self: &Arc<Self>, caller: &Caller) -> StreamGuard {
+    /// The guard of a streaming call of `caller`: ended on revocation, expiry or shutdown.
+    /// RESOURCE_EXHAUSTED when the caller's account holds `--relay-max-streams-per-account`
+    /// streams already (counted and taken under one lock: concurrent callers cannot overshoot).
+    pub fn watch(self: &Arc<Self>, caller: &Caller) -> Result<StreamGuard> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (end, ended) = watch::channel(None);
-        self.lock().insert(
-            id,
-            Registered {
-                key_id: caller.key_id.clone(),
-                end,
-            },
-        );
+        {
+            let mut registry = self.lock();
+            let held = registry
+                .per_account
+                .entry(Arc::clone(&caller.account))
+                .or_insert(0);
+            if *held >= self.max_streams_per_account {
+                return Err(RelayError::resource_exhausted(format!(
+                    "this account holds {} relay streams already (the relay's limit per \
+                     account): end one first",
+                    self.max_streams_per_account
+                )));
+            }
+            *held += 1;
+            registry.streams.insert(
+                id,
+                Registered {
+                    account: Arc::clone(&caller.account),
+                    key_id: caller.key_id.clone(),
+                    end,
+                },
+            );
+        }
         let deadline = caller.expires_at.map(|at| {
             let left = at
                 .duration_since(SystemTime::now())
                 .unwrap_or(Duration::ZERO);
             tokio::time::Instant::now() + left
         });
-        StreamGuard {
+        Ok(StreamGuard {
             id,
             ended,
             deadline,
             registry: Arc::clone(self),
-        }
+        })
     }
 
-    /// The API keys behind live streams (the revocation checks look at these).
+    /// The streams `account` holds now.
+    pub fn streams_of(&self, account: &str) -> usize {
+        self.lock().per_account.get(account).copied().unwrap_or(0)
+    }
+
+    /// The API keys behind live streams and lately verified tokens (the revocation checks look
+    /// at these).
     pub fn live_keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self
             .lock()
+            .streams
             .values()
             .filter_map(|r| r.key_id.clone())
             .collect();
+        let now = SystemTime::now();
+        keys.extend(
+            self.verified_lock()
+                .values()
+                .filter(|v| v.until > now)
+                .map(|v| v.principal.key_id.clone()),
+        );
         keys.sort_unstable();
         keys.dedup();
         keys
     }
 
-    /// End every live stream of `key_id` with `reason`; returns how many there were.
+    /// End every live stream of `key_id` with `reason`, and forget its verified tokens (new
+    /// calls with them ask the verifier again); returns how many streams there were.
     pub fn end_streams_of_key(&self, key_id: &str, reason: &RelayError) -> usize {
-        let streams = self.lock();
+        self.verified_lock()
+            .retain(|_, v| v.principal.key_id != key_id);
+        let registry = self.lock();
         let mut ended = 0;
-        for r in streams
+        for r in registry
+            .streams
             .values()
             .filter(|r| r.key_id.as_deref() == Some(key_id))
         {
@@ -207,14 +321,14 @@ impl Authenticator {
 
     /// End every live stream with `reason` (shutdown).
     pub fn end_all(&self, reason: &RelayError) {
-        for r in self.lock().values() {
+        for r in self.lock().streams.values() {
             r.end.send_replace(Some(reason.clone()));
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Registered>> {
-        // The map stays consistent even if a holder panicked: each operation is one call.
-        self.streams.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        // The maps stay consistent even if a holder panicked: each operation is one call.
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -259,7 +373,26 @@ impl StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        self.registry.lock().remove(&self.id);
+        let mut registry = self.registry.lock();
+        let Some(gone) = registry.streams.remove(&self.id) else {
+            return;
+        };
+        if let Some(held) = registry.per_account.get_mut(&gone.account) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                registry.per_account.remove(&gone.account);
+            }
+        }
+    }
+}
+
+/// What rate limits count an anonymous caller by: the address of `peer` (`ip:port`), an IPv6
+/// peer's /64 (as the connection caps and the HTTP port's limits count it); `peer` itself when
+/// it is no socket address.
+fn peer_address(peer: &str) -> String {
+    match peer.parse::<std::net::SocketAddr>() {
+        Ok(addr) => crate::server::client_key(addr.ip()).to_string(),
+        Err(_) => peer.to_owned(),
     }
 }
 

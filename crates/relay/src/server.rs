@@ -121,7 +121,11 @@ impl RelayServer {
         // The first probe before anything is served: SERVING only once the store wrote.
         let health = Health::new().await;
         health.probe(&log).await;
-        let auth = Authenticator::new(verifier, config.allow_anonymous);
+        let auth = Authenticator::new(
+            verifier,
+            config.allow_anonymous,
+            config.max_streams_per_account,
+        );
         let drain = Drain::new();
         let retention = RetentionSettings::from(&config);
         let settings = ServiceSettings {
@@ -434,7 +438,7 @@ impl Drop for Admitted {
 /// What the per-address cap counts: the address, but an IPv6 client's /64 (one subscriber
 /// typically holds a whole /64: single addresses would be free to rotate), as the HTTP
 /// port's caps and rate limits count it (`static/api/_ratelimit.py::client_key`).
-fn client_key(ip: IpAddr) -> IpAddr {
+pub(crate) fn client_key(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
         v4 => v4,

@@ -334,6 +334,16 @@ settings! {
             "--relay-stream-buffer", 1024.0, 1024.0 * 1024.0 * 1024.0,
             "bytes one relay stream may hold ahead of a slow peer (its page of the log and its \
              queue of responses; each may exceed its half by one message)";
+        /// Streaming calls (Subscribe, SubscribeMany, PublishStream, PublishBatches) one account
+        /// holds at once, over all its keys and connections; anonymous callers are one account.
+        /// A stream that stops reading holds up to ~1 MiB (`stream_buffer_bytes` and the
+        /// transport's buffer, on 1 MiB messages): measured at 9b2be07, 400 never-reading
+        /// Subscribe streams of one account pinned 406 MiB. 256 bounds an account at ~260 MiB
+        /// while leaving room for ~100 SDK clients (each holds two streams).
+        max_streams_per_account: usize = 256,
+            "--relay-max-streams-per-account", 1.0, 1_000_000.0,
+            "streaming relay calls one account may hold at once (over all its keys and \
+             connections; anonymous callers count as one account)";
     }
 }
 

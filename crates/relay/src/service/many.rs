@@ -99,9 +99,8 @@ impl Inner {
         requests: Streaming<pb::SubscribeManyRequest>,
         tx: Sender,
     ) {
-        // Registered before the drain is looked at: a shutdown either sees this guard or is
-        // seen by the stream.
-        let mut guard = self.auth.watch(&caller);
+        // Revocation and expiry are the call's guard's (see `Driven::new`), taken before the
+        // drain is looked at: a shutdown either sees that guard or is seen by the stream.
         let mut drain = self.drain.watch();
         // A zero interval would make the stream spin on keep-alives.
         let interval = self
@@ -122,15 +121,13 @@ impl Inner {
             interval,
             idle: Box::pin(tokio::time::sleep(interval)),
         };
-        // Made once and polled around every step (both are cancel-safe): a step cut short
-        // by them ends the stream anyway.
-        let ended = guard.ended();
+        // Made once and polled around every step (cancel-safe): a step cut short by it ends
+        // the stream anyway.
         let drained = drained(&mut drain);
-        tokio::pin!(ended, drained);
+        tokio::pin!(drained);
         let stop = loop {
             tokio::select! {
                 biased;
-                reason = &mut ended => break Stop::from(reason),
                 () = &mut drained => break Stop::from(shutting_down()),
                 step = many.step() => if let Err(stop) = step {
                     break stop;
