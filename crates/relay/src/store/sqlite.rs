@@ -1120,6 +1120,49 @@ mod tests {
         (dir, path)
     }
 
+    /// Migrations 0008 and 0009 on rows of the release before them: removed bindings become
+    /// departures (per account, its latest removal); orgs are folded to their key, one row per
+    /// key (the one already folded, else the first in byte order), the others left as they
+    /// were.
+    #[test]
+    fn departures_and_org_keys_migrate() {
+        let conn = Connection::open_in_memory().unwrap();
+        let (before, after) = SCHEMA.split_at(SCHEMA.find("-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)\n-- Departures").unwrap());
+        conn.execute_batch(before).unwrap();
+        conn.execute_batch(
+            "INSERT INTO relay_channels (scope, name) VALUES ('', 'acme/a/b');
+             INSERT INTO relay_members (channel_id, leaf_index, account, removed_seq) VALUES
+                 (1, 0, 'alice', NULL), (1, 1, 'bob', 3), (1, 2, 'bob', 7), (1, 3, 'carol', 5);
+             INSERT INTO relay_orgs (org, account) VALUES ('Acme', 'a'), ('ACME', 'b'),
+                 ('acme-', 'c'), ('beta', 'd'), ('Zeta.', 'e'), ('zeta_', 'f'), ('zeta', 'g'),
+                 ('Gamma', 'h');",
+        )
+        .unwrap();
+        conn.execute_batch(after).unwrap();
+        let rows = |sql: &str| -> Vec<String> {
+            let mut stmt = conn.prepare(sql).unwrap();
+            let rows = stmt.query_map([], |row| row.get::<_, String>(0)).unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        assert_eq!(
+            rows("SELECT account || ':' || leaf_index FROM relay_members ORDER BY leaf_index"),
+            ["alice:0"]
+        );
+        assert_eq!(
+            rows(
+                "SELECT account || ':' || leaf_index || '@' || removed_seq \
+                 FROM relay_departures ORDER BY account"
+            ),
+            ["bob:2@7", "carol:3@5"]
+        );
+        assert_eq!(
+            rows("SELECT org || '=' || account FROM relay_orgs ORDER BY org"),
+            // ACME took the key (first in byte order); Acme and acme- are left; zeta was
+            // folded already, so Zeta. and zeta_ are left.
+            ["Acme=a", "Zeta.=e", "acme=b", "acme-=c", "beta=d", "gamma=h", "zeta=g", "zeta_=f"]
+        );
+    }
+
     #[test]
     fn connections_are_durable_and_patient() {
         let (_dir, path) = database();
