@@ -354,8 +354,11 @@ settings! {
             "new orgs one account may claim per minute (and at once), 0 for no limit";
         /// Costly group checks (a new channel's group, a handshake) one account may have
         /// running or waiting in the relay's pool (one worker per core; an account's run one
-        /// at a time); past it, RESOURCE_EXHAUSTED with a retry-after.
-        group_checks_per_account: usize = 4,
+        /// at a time, so the rest only wait); past it, RESOURCE_EXHAUSTED with a retry-after.
+        /// 16: an account's agents racing commits on one epoch (6 in the relay's tests) wait
+        /// their turn and lose the race as stale, rather than being refused; a waiting check
+        /// holds its message (at most 1 MiB).
+        group_checks_per_account: usize = 16,
             "--relay-group-checks-per-account", 1.0, 10_000.0,
             "costly MLS checks (group creation, handshakes) one account may have running or \
              waiting on the relay";
