@@ -8,10 +8,12 @@ victim's SDK agent creates a channel and sends 1 KiB messages one at a time; a r
 one ``send`` (encrypted, published, durably acknowledged by the relay). The attacker's
 processes (``--loops``, 2 as in the issue) each loop CreateChannel, with the attacker's token,
 for a name under the attacker's own org and a ratchet tree of ``--copies`` copies of its one
-self-signed leaf (6,472 copies is 1 MiB: the issue's attack, 305-372 ms of relay CPU per call
-at 9b2be07, refused in the end). Prints the victim's round trip p50/p99 at rest, under attack
-and at rest again, with the ratio under attack / at rest (the target is under 2x), and the
-attackers' calls per second and how they were answered.
+self-signed leaf (by default as many as fit in 1 MiB: the issue's attack, 6,472 copies and
+305-372 ms of relay CPU per call at 9b2be07, refused in the end). Prints the victim's round
+trip p50/p99 at rest, under attack and at rest again, with the ratio under attack / at rest
+(the target is under 2x), and the attackers' calls per second and how they were answered.
+The attackers run on the same machine: on 2 cores their own CPU (and the bytes they send)
+weighs on the victim too.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from tests.support.server import ServerProcess
 
 SERVICE = "/static.relay.v1.Relay/"
 PAYLOAD = b"x" * 1024
-#: The issue's tree: 6,472 copies of one leaf, 1 MiB.
-COPIES = 6_472
+#: The largest request the relay reads whole (its group state limit): the issue's 6,472 copies
+#: of one leaf made 1 MiB; ours (the SDK's leaf) are a little larger, so fewer fit.
+TREE_BYTES = 1024 * 1024 - 8
 
 
 def _varint(n: int) -> bytes:
@@ -65,9 +68,12 @@ def _read_varint(data: bytes) -> tuple[int, int]:
 
 
 def crowded(tree: bytes, copies: int) -> bytes:
-    """A one-leaf TLS ratchet tree with its leaf ``copies`` times, a blank parent between."""
+    """A one-leaf TLS ratchet tree with its leaf ``copies`` times (0: as many as fit in 1 MiB),
+    a blank parent between each two."""
     length, at = _read_varint(tree)
     leaf = tree[at : at + length]
+    if copies == 0:
+        copies = TREE_BYTES // (len(leaf) + 1)
     nodes = b"\x00".join([leaf] * copies)
     return _varint(len(nodes)) + nodes
 
@@ -91,7 +97,9 @@ def _create_request(channel: str, account: str, copies: int) -> Any:
     )
 
 
-def _create_stub(target: str) -> Any:
+def _create_stub(relay_url: str, *, raw: bool = False) -> Any:
+    """CreateChannel on ``relay_url``; ``raw``: requests are already serialized."""
+    target = relay_url.split("://", 1)[-1]
     channel = grpc.insecure_channel(
         target,
         options=[
@@ -101,14 +109,15 @@ def _create_stub(target: str) -> Any:
     )
     return channel.unary_unary(
         SERVICE + "CreateChannel",
-        request_serializer=pb.CreateChannelRequest.SerializeToString,
+        request_serializer=None if raw else pb.CreateChannelRequest.SerializeToString,
         response_deserializer=pb.CreateChannelResponse.FromString,
     )
 
 
-def attacker(target: str, token: str, request: Any, stop: Any, out: Any) -> None:
-    """Attacker process body: CreateChannel in a loop until ``stop``; reports its answers."""
-    create = _create_stub(target)
+def attacker(relay_url: str, token: str, request: bytes, stop: Any, out: Any) -> None:
+    """Attacker process body: CreateChannel (``request``, serialized) in a loop until ``stop``;
+    reports its answers."""
+    create = _create_stub(relay_url, raw=True)
     metadata = [("authorization", f"Bearer {token}")]
     codes: collections.Counter[str] = collections.Counter()
     started = time.monotonic()
@@ -152,7 +161,8 @@ def measure(args: argparse.Namespace, tmp: str) -> dict[str, tuple[float, float]
             setup, metadata=[("authorization", f"Bearer {token}")], timeout=30
         )
         flood = _create_request("attackorg/flood/c", attack.id, args.copies)
-        print(f"attack request: {len(flood.ratchet_tree):,} bytes of tree, {args.copies:,} leaves")
+        leaves = (len(flood.ratchet_tree) + 1) // (len(setup.ratchet_tree) - 1)
+        print(f"attack request: {len(flood.ratchet_tree):,} bytes of tree, ~{leaves:,} leaves")
         with StaticClient(
             server.relay_url,
             f"{tmp}/victim",
@@ -167,7 +177,8 @@ def measure(args: argparse.Namespace, tmp: str) -> dict[str, tuple[float, float]
             stop, out = ctx.Event(), ctx.Queue()
             procs = [
                 ctx.Process(
-                    target=attacker, args=(server.relay_url, token, flood, stop, out)
+                    target=attacker,
+                    args=(server.relay_url, token, flood.SerializeToString(), stop, out),
                 )
                 for _ in range(args.loops)
             ]
@@ -196,7 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--round-trips", type=int, default=300)
     parser.add_argument("--loops", type=int, default=2)
-    parser.add_argument("--copies", type=int, default=COPIES)
+    parser.add_argument("--copies", type=int, default=0, help="leaves (0: fill 1 MiB)")
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     for run in range(args.repeats):
