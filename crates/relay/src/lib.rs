@@ -32,6 +32,7 @@ mod service;
 pub mod settings;
 mod store;
 pub mod tls;
+mod verify_pool;
 
 pub use static_proto::{pb, PROTO_DESCRIPTOR};
 

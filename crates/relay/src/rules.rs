@@ -1,6 +1,8 @@
-//! Pure rules of the relay: the epoch fence, idempotency keys, rate limits.
+//! Pure rules of the relay: the epoch fence, idempotency keys, rate limits, org keys.
 //! (Bearer tokens: `auth.rs`.)
 
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -103,6 +105,67 @@ impl TokenBucket {
     }
 }
 
+/// Buckets kept before idle (full) ones are dropped.
+const MAX_KEYED_BUCKETS: usize = 10_000;
+
+/// A [`TokenBucket`] per key (an account), made full on first use: `rate` a second, `burst`
+/// saved up. A rate of 0 or below (or NaN) is no limit.
+#[derive(Debug)]
+pub struct KeyedBuckets {
+    rate: f64,
+    burst: f64,
+    buckets: Mutex<HashMap<String, TokenBucket>>,
+}
+
+impl KeyedBuckets {
+    pub fn new(rate: f64, burst: f64) -> Self {
+        KeyedBuckets {
+            rate,
+            burst: burst.max(1.0),
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes one token of `key`'s bucket: `Ok`, or `Err(wait)` until one would be there
+    /// (rounded up to a whole millisecond, at least 1).
+    pub fn take(&self, key: &str, now: Instant) -> std::result::Result<(), u64> {
+        if self.rate.is_nan() || self.rate <= 0.0 {
+            return Ok(());
+        }
+        let wait = {
+            let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+            if !buckets.contains_key(key) && buckets.len() >= MAX_KEYED_BUCKETS {
+                // A bucket idle long enough to be full again is the same as none.
+                let refill =
+                    Duration::try_from_secs_f64(self.burst / self.rate).unwrap_or(Duration::MAX);
+                buckets.retain(|_, b| now.saturating_duration_since(b.updated) < refill);
+            }
+            buckets
+                .entry(key.to_owned())
+                .or_insert_with(|| TokenBucket::full(self.rate, self.burst, now))
+                .take(now, 1.0)
+        };
+        if wait.is_zero() {
+            return Ok(());
+        }
+        let ms = (wait.as_secs_f64() * 1000.0).ceil().max(1.0);
+        // Saturating float-to-int conversion: a "never" (Duration::MAX) stays huge.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Err(ms as u64)
+    }
+}
+
+/// The key under which an org is owned: its name in lower case without '-', '.' and '_'. So
+/// `Acme`, `ACME`, `acme-`, `acme.` and `ac_me` are one org, owned by whoever claimed the
+/// first of them (issue 27: they were five orgs, so another account could claim a look-alike
+/// of a claimed org). Channel names are ASCII (`static_mls::validate_channel_name`).
+pub fn org_key(org: &str) -> String {
+    org.chars()
+        .filter(|c| !matches!(c, '-' | '.' | '_'))
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -164,6 +227,30 @@ mod tests {
                 "idempotency_key longer than 64 bytes".into()
             ))
         );
+    }
+
+    #[test]
+    fn look_alike_orgs_share_a_key() {
+        for org in ["acme", "Acme", "ACME", "acme-", "acme.", "a.c-m_e", "AcMe_"] {
+            assert_eq!(org_key(org), "acme", "{org}");
+        }
+        assert_ne!(org_key("acme2"), org_key("acme"));
+    }
+
+    #[test]
+    fn keyed_buckets() {
+        let t0 = Instant::now();
+        let buckets = KeyedBuckets::new(0.5, 2.0);
+        assert_eq!(buckets.take("a", t0), Ok(()));
+        assert_eq!(buckets.take("a", t0), Ok(()));
+        assert_eq!(buckets.take("a", t0), Err(2000));
+        // Another key has a bucket of its own.
+        assert_eq!(buckets.take("b", t0), Ok(()));
+        assert_eq!(buckets.take("a", t0 + Duration::from_secs(2)), Ok(()));
+        let unlimited = KeyedBuckets::new(0.0, 1.0);
+        for _ in 0..100 {
+            assert_eq!(unlimited.take("a", t0), Ok(()));
+        }
     }
 
     #[test]

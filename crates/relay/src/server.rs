@@ -46,7 +46,7 @@ use crate::metrics::{self, metrics};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
 use crate::rules::TokenBucket;
-use crate::service::{self, Drain, Peer, Relay, ServiceSettings};
+use crate::service::{self, Drain, GateSettings, Peer, Relay, ServiceSettings};
 use crate::settings::RelayConfig;
 
 /// How long closing connections may take to flush after their GOAWAY (as in Python).
@@ -136,6 +136,12 @@ impl RelayServer {
             max_follows_per_account: config.max_follows_per_account,
             default_policy: retention.default_policy,
             stream_buffer_bytes: config.stream_buffer_bytes,
+            gate: GateSettings {
+                max_group_size: config.max_group_size,
+                create_rate: config.create_rate_per_account,
+                org_claims_per_minute: config.org_claims_per_minute,
+                checks_per_account: config.group_checks_per_account,
+            },
         };
         let transport_limit = settings.transport_limit();
         let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());

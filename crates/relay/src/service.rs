@@ -25,7 +25,7 @@ use crate::access::{line_budget, CallInfo, Suppressed, ACCESS_LOG};
 use crate::auth::{Authenticator, Caller, StreamGuard};
 use crate::error::{RelayError, Result};
 use crate::framing::{self, ContentType};
-use crate::group::{GroupError, GroupState, Handshake};
+use crate::group::{GroupError, Handshake};
 use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, Outcome, WelcomeKey};
 use crate::members::{GroupChange, Reach};
 use crate::metrics;
@@ -33,7 +33,10 @@ use crate::pb;
 use crate::retention::{Policy, MAX_AGE_SECONDS};
 use crate::rules::{self, TokenBucket};
 
+mod create;
 mod many;
+
+pub(crate) use create::GateSettings;
 
 /// Times BindLeaf checks a proof against a new tree when commits move the channel meanwhile.
 const BIND_ATTEMPTS: usize = 3;
@@ -73,6 +76,8 @@ pub(crate) struct ServiceSettings {
     /// What one streaming call may hold ahead of its peer: half for the page read from the
     /// log, half for the queue of responses (each may exceed its half by one message).
     pub stream_buffer_bytes: usize,
+    /// CreateChannel's limits and the pool of costly group checks (`create`).
+    pub gate: GateSettings,
 }
 
 impl ServiceSettings {
@@ -171,6 +176,8 @@ struct Inner {
     buckets: Mutex<HashMap<String, TokenBucket>>,
     /// Follows held per account (scope) on SubscribeMany streams (see `many`).
     follows: Mutex<HashMap<String, usize>>,
+    /// Rate limits of creates and org claims; the pool of costly group checks.
+    gate: create::Gate,
     drain: Drain,
 }
 
@@ -181,9 +188,11 @@ impl Relay {
         settings: ServiceSettings,
         drain: Drain,
     ) -> Relay {
+        let gate = create::Gate::new(settings.gate.clone());
         Relay(Arc::new(Inner {
             log,
             auth,
+            gate,
             settings,
             buckets: Mutex::new(HashMap::new()),
             follows: Mutex::new(HashMap::new()),
@@ -310,10 +319,12 @@ impl Inner {
         } else {
             Vec::new()
         };
-        let proposals: Vec<&[u8]> = proposals.iter().map(|p| p.as_ref()).collect();
-        match state
-            .check_handshake(&checked.message, &proposals)
-            .map_err(group_refusal)?
+        // In the pool of costly checks, within the account's budget (`create::Gate`).
+        let message = checked.message.clone();
+        match self
+            .gate
+            .check_handshake(&checked.account, state, message, proposals)
+            .await?
         {
             Handshake::Proposal { .. } => Ok(GroupCheck::Valid(None)),
             Handshake::Commit(outcome) => {
@@ -1066,42 +1077,7 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<pb::CreateChannelRequest>,
     ) -> Result<Response<pb::CreateChannelResponse>, Status> {
-        let (metadata, extensions, request) = request.into_parts();
-        let caller = self.0.caller(&metadata, &extensions).await?;
-        let name = channel_name(request.channel)?;
-        if request.group_info.is_empty() {
-            return Err(RelayError::InvalidArgument(
-                "group_info is required: the creator's GroupInfo at epoch 0 (this relay checks \
-                 handshakes against the channel's group; see proto/relay.proto)"
-                    .to_owned(),
-            )
-            .into());
-        }
-        let binding = request.binding.ok_or_else(|| {
-            RelayError::InvalidArgument(
-                "binding is required: the creator's leaf binding (LeafBinding)".to_owned(),
-            )
-        })?;
-        let limit = self.0.settings.max_message_bytes;
-        if request.group_info.len() > limit || request.ratchet_tree.len() > limit {
-            return Err(RelayError::resource_exhausted(format!(
-                "group state larger than {limit} bytes"
-            ))
-            .into());
-        }
-        let state = GroupState::create(&name, &request.group_info, &request.ratchet_tree)
-            .map_err(group_refusal)?;
-        state
-            .verify_binding(binding.leaf_index, &caller.account, &binding.signature)
-            .map_err(group_refusal)?;
-        self.0
-            .log
-            .create(&name, &caller.account, state, binding.leaf_index)
-            .await?;
-        Ok(Response::new(pb::CreateChannelResponse {
-            channel: name,
-            epoch: 0,
-        }))
+        Ok(create::create_channel(&self.0, request).await?)
     }
 
     async fn bind_leaf(

@@ -344,6 +344,34 @@ settings! {
             "--relay-max-streams-per-account", 1.0, 1_000_000.0,
             "streaming relay calls one account may hold at once (over all its keys and \
              connections; anonymous callers count as one account)";
+        /// Members a channel's group may have: a commit past it is refused (INVALID_ARGUMENT),
+        /// counted once staged, before the next state is made. Checking a commit costs ~0.6 ms
+        /// at 128 members and 2-3 ms at 512 (docs/design.md §5.2), so 4,096 bounds one check at
+        /// some 20 ms of a pool worker. (A new channel's group holds its creator alone.)
+        max_group_size: usize = 4096,
+            "--relay-max-group-size", 1.0, 1_000_000.0,
+            "members a relay channel's group may have; a commit past it is refused";
+        /// Channels one account (the anonymous callers together) may create per second, with
+        /// a burst of 10 s of it; 0 = no limit. A create costs one store transaction.
+        create_rate_per_account: f64 = 100.0,
+            "--relay-create-rate", 0.0, f64::INFINITY,
+            "relay channels one account may create per second (a burst of 10 s of it), 0 for \
+             no limit";
+        /// New orgs one account may claim per minute, and at once; 0 = no limit. At 9b2be07
+        /// one account claimed 114 orgs a second.
+        org_claims_per_minute: f64 = 10.0,
+            "--relay-org-claim-rate", 0.0, f64::INFINITY,
+            "new orgs one account may claim per minute (and at once), 0 for no limit";
+        /// Costly group checks (a new channel's group, a handshake) one account may have
+        /// running or waiting in the relay's pool (one worker per core; an account's run one
+        /// at a time, so the rest only wait); past it, RESOURCE_EXHAUSTED with a retry-after.
+        /// 16: an account's agents racing commits on one epoch (6 in the relay's tests) wait
+        /// their turn and lose the race as stale, rather than being refused; a waiting check
+        /// holds its message (at most 1 MiB).
+        group_checks_per_account: usize = 16,
+            "--relay-group-checks-per-account", 1.0, 10_000.0,
+            "costly MLS checks (group creation, handshakes) one account may have running or \
+             waiting on the relay";
     }
 }
 

@@ -602,6 +602,36 @@ async fn removal_ends_access() {
     );
 }
 
+/// A departed member keeps its right to read up to its removal whoever takes its leaf index
+/// later, across unloads and restarts: at 9b2be07 dave's binding overwrote bob's removed row,
+/// and once the channel was read again from the store bob read nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_member_reads_up_to_its_removal_after_its_leaf_is_reused() {
+    let mut relay = relay().await;
+    let mut client = relay.client().await;
+    let alice = Member::with_token("alice", "acme.k1");
+    let bob = Member::with_token("bob", "bobco.k1");
+    let dave = Member::with_token("dave", "daveco.k1");
+    reuse_a_departed_leaf(&mut client, CHANNEL, &alice, &bob, &dave).await;
+    // In memory first, then read again from the store.
+    assert_reads_up_to_its_removal(&mut client, CHANNEL, &bob).await;
+    relay.unload_all().await;
+    assert_reads_up_to_its_removal(&mut client, CHANNEL, &bob).await;
+
+    relay.shutdown().await;
+    let dir = std::mem::replace(&mut relay.dir, tempfile::tempdir().unwrap());
+    let database = static_relay::Database::from(dir.path().join("static.db").as_path());
+    let relay = Relay::on_database(database, dir, |_| {}, Some(Arc::new(FakeVerify))).await;
+    let mut client = relay.client().await;
+    assert_reads_up_to_its_removal(&mut client, CHANNEL, &bob).await;
+    // Dave reads and publishes as the member he is.
+    let hello = dave.encrypt(CHANNEL, b"dave here");
+    assert_eq!(
+        dave.publish(&mut client, CHANNEL, hello).await.unwrap().seq,
+        5
+    );
+}
+
 /// A member leaves: its Remove proposal, then a commit of it by reference (the relay finds the
 /// proposal among those of the epoch). The commit ends the leaver's access as any removal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,11 +17,13 @@ use tonic::Code;
 
 use service_support::*;
 
-const SCHEMA: [&str; 4] = [
+const SCHEMA: [&str; 6] = [
     include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
     include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
     include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
     include_str!("../../../static/store/migrations/0007_relay_health.sql"),
+    include_str!("../../../static/store/migrations/0008_departures.postgresql.sql"),
+    include_str!("../../../static/store/migrations/0009_org_keys.sql"),
 ];
 
 /// A PostgreSQL cluster of the test's own, stopped when dropped.
@@ -300,6 +302,22 @@ async fn a_removal_on_one_relay_ends_access_on_another_after_the_commit() {
         let refused = bob.publish(client, CHANNEL, late).await.unwrap_err();
         assert_status(&refused, Code::PermissionDenied, &not_a_member(CHANNEL));
     }
+}
+
+/// A departed member keeps its right to read up to its removal whoever takes its leaf index
+/// later, on PostgreSQL too: relay B reads the channel from the store only after dave took
+/// bob's leaf; relay A reads it again after an unload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_departed_member_reads_up_to_its_removal_after_its_leaf_is_reused() {
+    let Some((relays, mut on_a, mut on_b, alice, bob)) = two_relays_on("reuse", |_| {}).await
+    else {
+        return;
+    };
+    let dave = Member::with_token("dave", "daveco.k1");
+    reuse_a_departed_leaf(&mut on_a, CHANNEL, &alice, &bob, &dave).await;
+    assert_reads_up_to_its_removal(&mut on_b, CHANNEL, &bob).await;
+    relays.a.unload_all().await;
+    assert_reads_up_to_its_removal(&mut on_a, CHANNEL, &bob).await;
 }
 
 /// What one relay learns of a channel's membership, the other one uses: the org claimed on A

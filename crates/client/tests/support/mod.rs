@@ -65,6 +65,8 @@ impl Relay {
             include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
             include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
+            include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
+            include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
         ] {
             connection.execute_batch(schema).unwrap();
         }

@@ -34,6 +34,15 @@ pub enum GroupError {
     NotNewGroup(u64),
     #[error("the group's cipher suite is {0:#06x}; the relay accepts only {1:#06x}")]
     WrongCiphersuite(u16, u16),
+    /// CreateChannel with a tree of more than its creator's leaf (RFC 9420 §11: a group
+    /// starts with one member).
+    #[error("a new channel's group must hold its creator alone (RFC 9420 §11; the others are added by commits); this tree holds {leaves} leaves")]
+    NotAlone { leaves: usize },
+    /// A commit that would take the group past the relay's bound on members.
+    #[error(
+        "the commit would make the group {members} members; this relay allows at most {limit}"
+    )]
+    TooManyMembers { members: usize, limit: usize },
     /// CreateChannel without a tree: neither given nor in the GroupInfo.
     #[error("no ratchet tree: give one or put the ratchet_tree extension in the group info")]
     NoRatchetTree,
@@ -85,6 +94,8 @@ impl GroupError {
             | GroupError::NotNewGroup(_)
             | GroupError::WrongCiphersuite(..)
             | GroupError::NoRatchetTree
+            | GroupError::NotAlone { .. }
+            | GroupError::TooManyMembers { .. }
             | GroupError::InvalidGroupInfo(_)
             | GroupError::WrongEpoch { .. }
             | GroupError::MissingProposal

@@ -70,6 +70,17 @@ impl GroupState {
         message: &[u8],
         proposals: &[&[u8]],
     ) -> Result<Handshake, GroupError> {
+        self.check_handshake_within(message, proposals, usize::MAX)
+    }
+
+    /// [`GroupState::check_handshake`], refusing a commit that would leave the group with more
+    /// than `max_members` members (counted once staged, before the next state is made).
+    pub fn check_handshake_within(
+        &self,
+        message: &[u8],
+        proposals: &[&[u8]],
+        max_members: usize,
+    ) -> Result<Handshake, GroupError> {
         let Framed {
             message: framed,
             sender,
@@ -81,7 +92,7 @@ impl GroupState {
             Err(PublicProcessMessageError::InvalidCommit(StageCommitError::MissingProposal))
                 if !proposals.is_empty() =>
             {
-                return self.commit_by_reference(message, proposals);
+                return self.commit_by_reference(message, proposals, max_members);
             }
             Err(err) => return Err(self.process_error(what, err)),
         };
@@ -89,7 +100,7 @@ impl GroupState {
             ProcessedMessageContent::ProposalMessage(_) => Ok(Handshake::Proposal { sender }),
             ProcessedMessageContent::StagedCommitMessage(staged) => {
                 let next = load(&self.records)?;
-                self.finish_commit(sender, next, *staged)
+                self.finish_commit(sender, next, *staged, max_members)
             }
             _ => Err(GroupError::internal(
                 "OpenMLS processed a member's handshake as something else",
@@ -150,6 +161,7 @@ impl GroupState {
         &self,
         message: &[u8],
         proposals: &[&[u8]],
+        max_members: usize,
     ) -> Result<Handshake, GroupError> {
         let mut next = load(&self.records)?;
         // Writes of `add_proposal` go nowhere: the proposals live in `next`'s memory.
@@ -170,7 +182,7 @@ impl GroupState {
             .map_err(|err| self.process_error(what, err))?;
         match processed.into_content() {
             ProcessedMessageContent::StagedCommitMessage(staged) => {
-                self.finish_commit(sender, next, *staged)
+                self.finish_commit(sender, next, *staged, max_members)
             }
             _ => Err(GroupError::internal(
                 "OpenMLS processed a commit as something else",
@@ -198,6 +210,7 @@ impl GroupState {
         sender: u32,
         mut next: PublicGroup,
         staged: StagedCommit,
+        max_members: usize,
     ) -> Result<Handshake, GroupError> {
         let mut removed: Vec<u32> = staged
             .remove_proposals()
@@ -224,6 +237,14 @@ impl GroupState {
                     .to_vec()
             })
             .collect();
+        // Bounded before the next state is made (its copy is O(members)).
+        let members = (self.member_count() + added_keys.len()).saturating_sub(removed.len());
+        if members > max_members {
+            return Err(GroupError::TooManyMembers {
+                members,
+                limit: max_members,
+            });
+        }
         let slot = Slot::empty();
         next.merge_commit(&slot, staged)
             .map_err(GroupError::internal)?;

@@ -17,7 +17,8 @@ mod slot;
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
-use openmls::prelude::tls_codec::{Deserialize as _, Serialize as _, VLBytes};
+use openmls::prelude::group_info::VerifiableGroupInfo;
+use openmls::prelude::tls_codec::{Deserialize as _, VLBytes};
 use openmls::prelude::{
     CreationFromExternalError, GroupId, LeafNode, LeafNodeIndex, MlsMessageBodyIn, MlsMessageIn,
     ProposalStore, PublicGroup, RatchetTreeIn,
@@ -83,34 +84,56 @@ impl GroupState {
         group_info: &[u8],
         ratchet_tree: &[u8],
     ) -> Result<GroupState, GroupError> {
-        let message = MlsMessageIn::tls_deserialize_exact(group_info)
-            .map_err(|e| GroupError::malformed("group info", &e))?;
-        let info = match message.extract() {
-            MlsMessageBodyIn::GroupInfo(info) => info,
-            other => return Err(GroupError::NotGroupInfo(body_name(&other))),
+        let (info, tree) = parse_new_group(channel, group_info, ratchet_tree)?;
+        GroupState::verify_new(info, tree)
+    }
+
+    /// [`GroupState::create`] for a creator who binds leaf `binding.leaf` to `binding.account`
+    /// ([`GroupState::verify_binding`]), with the cheap checks first: before any of the tree's
+    /// signatures is verified, the tree must hold its creator alone (RFC 9420 §11: a group
+    /// starts with one member; the others come by commits), and the binding must verify
+    /// against that leaf as sent. So a tree of thousands of leaves costs a parse, not a
+    /// signature check per leaf (at 9b2be07: 305-372 ms of CPU for 6,472 leaves in 1 MiB).
+    pub fn create_bound(
+        channel: &str,
+        group_info: &[u8],
+        ratchet_tree: &[u8],
+        binding: &Proof<'_>,
+    ) -> Result<GroupState, GroupError> {
+        let (info, tree) = parse_new_group(channel, group_info, ratchet_tree)?;
+        let leaves = tree.leaves().count();
+        let parents = tree.parents().count();
+        let Some(leaf) = tree.leaves().next().filter(|_| leaves == 1 && parents == 0) else {
+            return Err(GroupError::NotAlone { leaves });
         };
-        // The cheap checks first: a group for another channel costs no signature check.
-        if info.group_id().as_slice() != channel.as_bytes() {
-            return Err(GroupError::WrongGroup);
+        if binding.leaf != 0 {
+            return Err(GroupError::NoSuchLeaf {
+                leaf: binding.leaf,
+                epoch: 0,
+            });
         }
-        if info.epoch().as_u64() != 0 {
-            return Err(GroupError::NotNewGroup(info.epoch().as_u64()));
+        let encryption_key = hpke_key_bytes(leaf.encryption_key())
+            .ok_or_else(|| GroupError::InvalidGroupInfo("its leaf's encryption key".into()))?;
+        if !static_mls::binding::verify_leaf_binding(
+            leaf.signature_key().as_slice(),
+            channel.as_bytes(),
+            binding.account,
+            &encryption_key,
+            binding.signature,
+        ) {
+            return Err(GroupError::BadBinding { leaf: binding.leaf });
         }
-        if info.ciphersuite() != CIPHERSUITE {
-            return Err(GroupError::WrongCiphersuite(
-                info.ciphersuite().into(),
-                CIPHERSUITE.into(),
-            ));
-        }
-        let tree = if ratchet_tree.is_empty() {
-            info.extensions()
-                .ratchet_tree()
-                .map(|extension| extension.ratchet_tree().clone())
-                .ok_or(GroupError::NoRatchetTree)?
-        } else {
-            RatchetTreeIn::tls_deserialize_exact(ratchet_tree)
-                .map_err(|e| GroupError::malformed("ratchet tree", &e))?
-        };
+        let state = GroupState::verify_new(info, tree)?;
+        // Against the verified tree too (one signature): what is stored is what was checked.
+        state.verify_binding(binding.leaf, binding.account, binding.signature)?;
+        Ok(state)
+    }
+
+    /// The costly part of [`GroupState::create`]: OpenMLS verifies the tree and the GroupInfo.
+    fn verify_new(
+        info: VerifiableGroupInfo,
+        tree: RatchetTreeIn,
+    ) -> Result<GroupState, GroupError> {
         let slot = Slot::empty();
         let (group, _) =
             PublicGroup::from_external(crypto(), &slot, tree, info, ProposalStore::new())
@@ -122,6 +145,11 @@ impl GroupState {
         };
         state.check_identities()?;
         Ok(state)
+    }
+
+    /// Members in this state.
+    pub fn member_count(&self) -> usize {
+        self.group.treesync().full_leaves().count()
     }
 
     /// The stored form: [`FORMAT`], then the records, each with a u32 big-endian length.
@@ -259,6 +287,59 @@ impl GroupState {
     }
 }
 
+/// A leaf binding as CreateChannel and BindLeaf carry it ([`static_mls::binding`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Proof<'a> {
+    pub leaf: u32,
+    pub account: &'a str,
+    pub signature: &'a [u8],
+}
+
+/// A new group's GroupInfo and tree, parsed, with the checks that need no signature: the group
+/// id, the epoch 0, the cipher suite, a tree given or in the GroupInfo.
+fn parse_new_group(
+    channel: &str,
+    group_info: &[u8],
+    ratchet_tree: &[u8],
+) -> Result<(VerifiableGroupInfo, RatchetTreeIn), GroupError> {
+    let message = MlsMessageIn::tls_deserialize_exact(group_info)
+        .map_err(|e| GroupError::malformed("group info", &e))?;
+    let info = match message.extract() {
+        MlsMessageBodyIn::GroupInfo(info) => info,
+        other => return Err(GroupError::NotGroupInfo(body_name(&other))),
+    };
+    // The cheap checks first: a group for another channel costs no signature check.
+    if info.group_id().as_slice() != channel.as_bytes() {
+        return Err(GroupError::WrongGroup);
+    }
+    if info.epoch().as_u64() != 0 {
+        return Err(GroupError::NotNewGroup(info.epoch().as_u64()));
+    }
+    if info.ciphersuite() != CIPHERSUITE {
+        return Err(GroupError::WrongCiphersuite(
+            info.ciphersuite().into(),
+            CIPHERSUITE.into(),
+        ));
+    }
+    let tree = if ratchet_tree.is_empty() {
+        info.extensions()
+            .ratchet_tree()
+            .map(|extension| extension.ratchet_tree().clone())
+            .ok_or(GroupError::NoRatchetTree)?
+    } else {
+        RatchetTreeIn::tls_deserialize_exact(ratchet_tree)
+            .map_err(|e| GroupError::malformed("ratchet tree", &e))?
+    };
+    Ok((info, tree))
+}
+
+/// A leaf's HPKE public key as bytes (OpenMLS exposes it only serialized, `opaque<V>`).
+fn hpke_key_bytes(key: &impl openmls::prelude::tls_codec::Serialize) -> Option<Vec<u8>> {
+    let bytes = key.tls_serialize_detached().ok()?;
+    let key = VLBytes::tls_deserialize_exact(bytes).ok()?;
+    Some(key.as_slice().to_vec())
+}
+
 /// A `PublicGroup` from its records (a copy of the group they were written from).
 fn load(records: &Records) -> Result<PublicGroup, GroupError> {
     // `load` looks records up by group id; a slot holds one group, so any id does.
@@ -268,14 +349,11 @@ fn load(records: &Records) -> Result<PublicGroup, GroupError> {
 }
 
 fn leaf_info(index: u32, node: &LeafNode) -> Option<LeafInfo> {
-    // OpenMLS exposes a leaf's encryption key only serialized (an HPKE key, `opaque<V>`).
-    let encryption_key = node.encryption_key().tls_serialize_detached().ok()?;
-    let encryption_key = VLBytes::tls_deserialize_exact(encryption_key).ok()?;
     Some(LeafInfo {
         leaf_index: index,
         identity: node.credential().serialized_content().to_vec(),
         signature_key: node.signature_key().as_slice().to_vec(),
-        encryption_key: encryption_key.as_slice().to_vec(),
+        encryption_key: hpke_key_bytes(node.encryption_key())?,
     })
 }
 

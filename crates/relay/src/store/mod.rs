@@ -119,7 +119,8 @@ pub(crate) struct StoredGroup {
     pub bindings: Vec<StoredBinding>,
 }
 
-/// A leaf bound to an account, or that was until the commit at `removed_seq` removed it.
+/// A leaf bound to an account, or an account's departure: its leaf `leaf` was the last one
+/// removed, by the commit at `removed_seq` (kept whoever binds that leaf index later).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StoredBinding {
     pub leaf: u32,

@@ -45,6 +45,7 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
 use crate::retention::{now_ms, Policy, PruneStep};
+use crate::rules::org_key;
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, Opened,
     RetentionRow, StoreFuture, StoredBinding, StoredGroup,
@@ -149,8 +150,17 @@ const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_
 const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
 const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
-const UNBIND: &str = "UPDATE relay_members SET removed_seq = $3 \
-     WHERE channel_id = $1 AND leaf_index = ANY($2) AND removed_seq IS NULL";
+/// Removed leaves' bindings go; their accounts' departures are kept apart (migration 0008),
+/// where no later binding of the same leaf index overwrites them.
+const UNBIND: &str = "WITH gone AS (DELETE FROM relay_members \
+     WHERE channel_id = $1 AND leaf_index = ANY($2) AND removed_seq IS NULL \
+     RETURNING leaf_index, account) \
+     INSERT INTO relay_departures (channel_id, account, leaf_index, removed_seq) \
+     SELECT DISTINCT ON (account) $1, account, leaf_index, $3 FROM gone \
+     ORDER BY account, leaf_index \
+     ON CONFLICT (channel_id, account) DO UPDATE \
+     SET leaf_index = excluded.leaf_index, removed_seq = excluded.removed_seq \
+     WHERE excluded.removed_seq > relay_departures.removed_seq";
 /// Creating a channel, in one transaction (rare: not prepared). The org is claimed if free,
 /// its owner read under a row lock.
 const CLAIM_ORG: &str =
@@ -171,8 +181,10 @@ const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, ho
      WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL::bytea FROM relay_groups WHERE channel_id = $1";
-const LOAD_BINDINGS: &str =
-    "SELECT leaf_index, account, removed_seq FROM relay_members WHERE channel_id = $1";
+/// The bound leaves, then each departed account's last removal.
+const LOAD_BINDINGS: &str = "SELECT leaf_index, account, NULL::bigint FROM relay_members \
+     WHERE channel_id = $1 UNION ALL SELECT leaf_index, account, removed_seq \
+     FROM relay_departures WHERE channel_id = $1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
      ORDER BY seq";
 const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
@@ -478,8 +490,10 @@ impl WriteConnection {
     /// A channel's creation (see `LogWriter::create_channel`); the bool: keep it.
     async fn create(&self, new: &NewChannel<'_>) -> PgResult<(Creation, bool)> {
         let client = &self.client;
-        client.execute(CLAIM_ORG, &[&new.org, &new.account]).await?;
-        let owner: String = client.query_one(ORG_OWNER, &[&new.org]).await?.get(0);
+        // Orgs are owned by their key: look-alikes are one org (migration 0009).
+        let org = org_key(new.org);
+        client.execute(CLAIM_ORG, &[&org, &new.account]).await?;
+        let owner: String = client.query_one(ORG_OWNER, &[&org]).await?.get(0);
         if owner != new.account {
             return Ok((Creation::OrgTaken, false));
         }
@@ -1236,7 +1250,7 @@ impl LogReader for PgReader {
     }
 
     fn org_owner(&self, org: &str) -> StoreFuture<Option<String>> {
-        let org = org.to_owned();
+        let org = org_key(org);
         self.run(move |conn| {
             let org = org.clone();
             async move {

@@ -27,6 +27,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{RelayError, Result};
 use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
 use crate::retention::{now_ms, Policy, PruneStep};
+use crate::rules::org_key;
 use crate::store::keys::Generations;
 use crate::store::{
     new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
@@ -116,8 +117,14 @@ const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = ?2, state = ?3 WHERE
 const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
      VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) \
      DO UPDATE SET account = excluded.account, removed_seq = NULL";
-const UNBIND: &str = "UPDATE relay_members SET removed_seq = ?3 \
-     WHERE channel_id = ?1 AND leaf_index = ?2 AND removed_seq IS NULL";
+/// A removed leaf's binding goes; its account's departure is kept apart (migration 0008), where
+/// no later binding of the same leaf index overwrites it.
+const UNBIND: &str = "DELETE FROM relay_members \
+     WHERE channel_id = ?1 AND leaf_index = ?2 AND removed_seq IS NULL RETURNING account";
+const DEPART: &str = "INSERT INTO relay_departures (channel_id, account, leaf_index, removed_seq) \
+     VALUES (?1, ?2, ?3, ?4) ON CONFLICT (channel_id, account) DO UPDATE \
+     SET leaf_index = excluded.leaf_index, removed_seq = excluded.removed_seq \
+     WHERE excluded.removed_seq > relay_departures.removed_seq";
 const INSERT_PROPOSAL: &str =
     "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES (?1, ?2, ?3, ?4)";
 const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
@@ -127,8 +134,10 @@ const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, ho
      WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
 const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = ?1";
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL FROM relay_groups WHERE channel_id = ?1";
-const LOAD_BINDINGS: &str =
-    "SELECT leaf_index, account, removed_seq FROM relay_members WHERE channel_id = ?1";
+/// The bound leaves, then each departed account's last removal.
+const LOAD_BINDINGS: &str = "SELECT leaf_index, account, NULL FROM relay_members \
+     WHERE channel_id = ?1 UNION ALL SELECT leaf_index, account, removed_seq \
+     FROM relay_departures WHERE channel_id = ?1";
 const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = ?1 AND epoch = ?2 \
      ORDER BY seq";
 const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
@@ -159,6 +168,7 @@ fn open_writer(path: &Path) -> rusqlite::Result<Connection> {
         CREATE_CHANNEL,
         UPDATE_GROUP,
         BIND,
+        DEPART,
         INSERT_PROPOSAL,
     ] {
         conn.prepare_cached(sql)?;
@@ -203,11 +213,13 @@ fn is_constraint(err: &rusqlite::Error) -> bool {
 /// and the creator's binding, in one transaction.
 fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Result<Creation> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    // Orgs are owned by their key: look-alikes are one org (migration 0009).
+    let org = org_key(new.org);
     tx.prepare_cached(CLAIM_ORG)?
-        .execute(params![new.org, new.account])?;
+        .execute(params![org, new.account])?;
     let owner: String = tx
         .prepare_cached(ORG_OWNER)?
-        .query_row(params![new.org], |row| row.get(0))?;
+        .query_row(params![org], |row| row.get(0))?;
     if owner != new.account {
         return Ok(Creation::OrgTaken);
     }
@@ -371,8 +383,14 @@ fn append(
                     change.state
                 ])?;
                 let mut unbind = tx.prepare_cached(UNBIND)?;
+                let mut depart = tx.prepare_cached(DEPART)?;
                 for leaf in &change.removed {
-                    unbind.execute(params![e.channel_id, leaf, e.seq])?;
+                    let account: Option<String> = unbind
+                        .query_row(params![e.channel_id, leaf], |row| row.get(0))
+                        .optional()?;
+                    if let Some(account) = account {
+                        depart.execute(params![e.channel_id, account, leaf, e.seq])?;
+                    }
                 }
             }
             if e.starts_epoch {
@@ -531,7 +549,7 @@ fn welcome_floor(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<
 
 fn org_owner(conn: &Connection, org: &str) -> rusqlite::Result<Option<String>> {
     conn.prepare_cached(ORG_OWNER)?
-        .query_row(params![org], |row| row.get(0))
+        .query_row(params![org_key(org)], |row| row.get(0))
         .optional()
 }
 
@@ -1075,6 +1093,8 @@ mod tests {
         include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
         include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
+        include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
+        include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
     );
 
     fn pragma(conn: &Connection, name: &str) -> String {
@@ -1098,6 +1118,49 @@ mod tests {
             .execute_batch(SCHEMA)
             .unwrap();
         (dir, path)
+    }
+
+    /// Migrations 0008 and 0009 on rows of the release before them: removed bindings become
+    /// departures (per account, its latest removal); orgs are folded to their key, one row per
+    /// key (the one already folded, else the first in byte order), the others left as they
+    /// were.
+    #[test]
+    fn departures_and_org_keys_migrate() {
+        let conn = Connection::open_in_memory().unwrap();
+        let (before, after) = SCHEMA.split_at(SCHEMA.find("-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)\n-- Departures").unwrap());
+        conn.execute_batch(before).unwrap();
+        conn.execute_batch(
+            "INSERT INTO relay_channels (scope, name) VALUES ('', 'acme/a/b');
+             INSERT INTO relay_members (channel_id, leaf_index, account, removed_seq) VALUES
+                 (1, 0, 'alice', NULL), (1, 1, 'bob', 3), (1, 2, 'bob', 7), (1, 3, 'carol', 5);
+             INSERT INTO relay_orgs (org, account) VALUES ('Acme', 'a'), ('ACME', 'b'),
+                 ('acme-', 'c'), ('beta', 'd'), ('Zeta.', 'e'), ('zeta_', 'f'), ('zeta', 'g'),
+                 ('Gamma', 'h');",
+        )
+        .unwrap();
+        conn.execute_batch(after).unwrap();
+        let rows = |sql: &str| -> Vec<String> {
+            let mut stmt = conn.prepare(sql).unwrap();
+            let rows = stmt.query_map([], |row| row.get::<_, String>(0)).unwrap();
+            rows.map(Result::unwrap).collect()
+        };
+        assert_eq!(
+            rows("SELECT account || ':' || leaf_index FROM relay_members ORDER BY leaf_index"),
+            ["alice:0"]
+        );
+        assert_eq!(
+            rows(
+                "SELECT account || ':' || leaf_index || '@' || removed_seq \
+                 FROM relay_departures ORDER BY account"
+            ),
+            ["bob:2@7", "carol:3@5"]
+        );
+        assert_eq!(
+            rows("SELECT org || '=' || account FROM relay_orgs ORDER BY org"),
+            // ACME took the key (first in byte order); Acme and acme- are left; zeta was
+            // folded already, so Zeta. and zeta_ are left.
+            ["Acme=a", "Zeta.=e", "acme=b", "acme-=c", "beta=d", "gamma=h", "zeta=g", "zeta_=f"]
+        );
     }
 
     #[test]

@@ -50,6 +50,8 @@ pub const SCHEMA: &[&str] = &[
     include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
     include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
+    include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
+    include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
 ];
 
 /// A relay serving a database of its own.
@@ -121,6 +123,20 @@ impl Relay {
     pub async fn shutdown(&mut self) {
         if let Some(server) = self.server.take() {
             server.shutdown().await;
+        }
+    }
+
+    /// Unloads every channel (within `WAIT`): the next call reads them from the store.
+    pub async fn unload_all(&self) {
+        let log = self.server().log();
+        let started = Instant::now();
+        loop {
+            log.unload_idle(Duration::ZERO);
+            if log.loaded_channels() == 0 {
+                return;
+            }
+            assert!(started.elapsed() < WAIT, "channels still loaded");
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 }
@@ -773,6 +789,43 @@ pub async fn group_of(
     let (added, _, welcome) = creator.add(client, channel, joiners).await;
     assert_eq!((added.seq, added.epoch), (1, 1));
     Some(welcome)
+}
+
+/// Alice and bob in `channel` (seq 1), alice's message (seq 2), bob removed while offline (seq
+/// 3), then dave added (seq 4): he takes bob's leaf index, 1, and binds it. Bob's account may
+/// still read seqs 1 to 3 (docs/design.md §5.2).
+pub async fn reuse_a_departed_leaf(
+    client: &mut RelayClient<Channel>,
+    channel: &str,
+    alice: &Member,
+    bob: &Member,
+    dave: &Member,
+) {
+    group_of(client, channel, &[alice, bob]).await;
+    let hello = alice.encrypt(channel, b"before");
+    assert_eq!(alice.publish(client, channel, hello).await.unwrap().seq, 2);
+    let removal = alice.remove(channel, &bob.name);
+    let removed = alice
+        .publish(client, channel, removal.clone())
+        .await
+        .unwrap();
+    assert_eq!((removed.seq, removed.epoch), (3, 2));
+    alice.apply(channel, &removal);
+    let (added, _, _) = alice.add(client, channel, &[dave]).await;
+    assert_eq!((added.seq, added.epoch), (4, 3));
+    assert_eq!(dave.binding(channel).leaf_index, 1, "dave took bob's leaf");
+}
+
+/// Bob's reach after [`reuse_a_departed_leaf`]: seqs 1 to 3, then PERMISSION_DENIED.
+pub async fn assert_reads_up_to_its_removal(
+    client: &mut RelayClient<Channel>,
+    channel: &str,
+    bob: &Member,
+) {
+    let mut bobs = bob.subscribe(client, channel, 0).await.unwrap();
+    let status = bobs.wait_end().await;
+    assert_eq!(bobs.seqs(), [1, 2, 3], "bob's stream ended with {status:?}");
+    assert_status(&status, Code::PermissionDenied, &not_a_member(channel));
 }
 
 /// The channel's epoch as its members' list says.
