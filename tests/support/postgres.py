@@ -1,20 +1,31 @@
-"""A throwaway PostgreSQL cluster for the tests: initdb in a temp dir, loopback only.
+"""A throwaway PostgreSQL cluster for the tests: initdb in a temp dir, loopback only, ending
+with the process that started it.
 
 The binaries come from Debian's ``postgresql`` package (scripts/ensure-postgres.sh installs it).
 PostgreSQL refuses to run as root, so as root the cluster runs as the ``postgres`` user.
+
+The postmaster is this process's child, not ``pg_ctl``'s: ``pg_ctl`` detaches it into a session
+of its own, so a run that was killed (the watchdog, ``scripts/test.sh``'s ``timeout``, a
+SIGKILL) left its cluster running, port and temp dir included. As a child it gets SIGQUIT
+(PostgreSQL's immediate shutdown) when its parent dies (``PR_SET_PDEATHSIG``), and a later
+cluster removes the temp dirs of runs that are gone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import itertools
 import os
 import pwd
+import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,9 +33,48 @@ from tests.support.server import free_port
 
 __all__ = ["PostgresCluster", "durable_database", "find_postgres_bin"]
 
+#: Linux's prctl(2) option: the signal a process gets when the thread that forked it ends.
+_PR_SET_PDEATHSIG = 1
+#: What the postmaster gets then: an immediate shutdown (it ends its backends and exits).
+_DEATH_SIGNAL = signal.SIGQUIT
+#: The temp dirs' prefix; the creating pid follows, so a dead run's dir can be told apart.
+_PREFIX = "static-pg-"
+#: Bound on a start or a stop (both take well under a second).
+_WAIT = 60.0
+
+
+def _dies_with_parent(parent: int) -> Callable[[], None]:
+    """What the child runs before exec: SIGQUIT once ``parent`` is gone.
+
+    Set after the user switch (``Popen`` switches first; a switch clears the setting), and
+    checked against a parent that died before it was set.
+    """
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def arm() -> None:
+        if prctl(_PR_SET_PDEATHSIG, int(_DEATH_SIGNAL), 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+def _sweep_dead_runs() -> None:
+    """Remove the temp dirs whose creating process is gone (a killed run's; its postmaster
+    died with it)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        found = re.fullmatch(rf"{_PREFIX}(\d+)-.*", path.name)
+        if found is None:
+            continue
+        try:
+            os.kill(int(found[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, someone else's
+
 
 def find_postgres_bin() -> Path | None:
-    """The directory holding ``initdb`` and ``pg_ctl``, or None when PostgreSQL is missing."""
+    """The directory holding ``initdb`` and ``postgres``, or None when PostgreSQL is missing."""
     candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
     if candidates:
         return Path(candidates[0]).parent
@@ -41,11 +91,13 @@ class PostgresCluster:
     def __init__(self, bindir: Path, *, fsync: bool = False) -> None:
         self._bindir = bindir
         self._fsync = fsync
-        self._root = Path(tempfile.mkdtemp(prefix="static-pg-"))
+        _sweep_dead_runs()
+        self._root = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
         self._data = self._root / "data"
         self.port = free_port()
         self._as_root = os.geteuid() == 0
         self._counter = itertools.count(1)
+        self._postmaster: subprocess.Popen[bytes] | None = None
         if self._as_root:
             pw = pwd.getpwnam("postgres")
             os.chown(self._root, pw.pw_uid, pw.pw_gid)
@@ -73,35 +125,101 @@ class PostgresCluster:
         self._start_server()
 
     def _start_server(self) -> None:
-        options = (
-            f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-            f"-c unix_socket_directories={self._root} -c fsync={'on' if self._fsync else 'off'} "
-            "-c max_connections=200 -c shared_buffers=64MB"
-        )
-        self._run(
-            [
-                str(self._bindir / "pg_ctl"),
-                "-D",
-                str(self._data),
-                "-o",
-                options,
-                "-l",
-                str(self._root / "server.log"),
-                "-w",
-                "start",
-            ]
-        )
+        """Start the postmaster as our child (see the module's text) and wait until it
+        accepts connections, as ``pg_ctl -w`` did."""
+        if threading.current_thread() is not threading.main_thread():
+            # The death signal follows the thread that forked, not the process.
+            raise RuntimeError("start the cluster from the main thread")
+        command = [
+            str(self._bindir / "postgres"),
+            "-D",
+            str(self._data),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            f"port={self.port}",
+            "-c",
+            f"unix_socket_directories={self._root}",
+            "-c",
+            f"fsync={'on' if self._fsync else 'off'}",
+            "-c",
+            "max_connections=200",
+            "-c",
+            "shared_buffers=64MB",
+        ]
+        user = pwd.getpwnam("postgres") if self._as_root else None
+        with open(self._root / "server.log", "ab") as log:
+            self._postmaster = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self._root,
+                user=user.pw_uid if user else None,
+                group=user.pw_gid if user else None,
+                extra_groups=[] if user else None,
+                # Not the terminal's Ctrl-C: the fixture stops it, after the servers.
+                start_new_session=True,
+                preexec_fn=_dies_with_parent(os.getpid()),
+            )
+        deadline = time.monotonic() + _WAIT
+        while not self._ready():
+            if self._postmaster.poll() is not None:
+                raise RuntimeError(
+                    f"postgres exited with {self._postmaster.returncode}: {self.log()}"
+                )
+            if time.monotonic() > deadline:
+                self._signal_and_wait(signal.SIGQUIT)
+                raise RuntimeError(f"postgres not ready within {_WAIT:g} s: {self.log()}")
+            time.sleep(0.05)
+
+    def _ready(self) -> bool:
+        """Whether the postmaster says it accepts connections (``postmaster.pid``'s status
+        line, which ``pg_ctl -w`` reads)."""
+        try:
+            lines = (self._data / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return len(lines) >= 8 and lines[7].strip() == "ready"
+
+    def log(self) -> str:
+        """The server's log so far."""
+        try:
+            return (self._root / "server.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def postmaster_pid(self) -> int | None:
+        """The running postmaster's pid, or None when it is stopped."""
+        if self._postmaster is None or self._postmaster.poll() is not None:
+            return None
+        return self._postmaster.pid
+
+    def _signal_and_wait(self, signum: signal.Signals) -> None:
+        """Stop the postmaster with ``signum`` (SIGINT: fast, every connection cut; SIGQUIT:
+        immediate) and wait for it to exit."""
+        postmaster, self._postmaster = self._postmaster, None
+        if postmaster is None:
+            return
+        if postmaster.poll() is None:
+            postmaster.send_signal(signum)
+        try:
+            postmaster.wait(_WAIT)
+        except subprocess.TimeoutExpired:
+            postmaster.kill()
+            postmaster.wait()
 
     def restart(self, down_for: float) -> None:
         """An outage: stop the server (fast: every connection is cut), stay down ``down_for``
         seconds, start it again on the same data and port."""
-        self._run([str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "fast", "-w", "stop"])
+        self.down()
         time.sleep(down_for)
         self._start_server()
 
     def down(self) -> None:
         """Stop the server (fast: every connection is cut), keeping its data for :meth:`up`."""
-        self._run([str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "fast", "-w", "stop"])
+        self._signal_and_wait(signal.SIGINT)
 
     def up(self) -> None:
         """Start the server again after :meth:`down`, on the same data and port."""
@@ -109,9 +227,7 @@ class PostgresCluster:
 
     def stop(self) -> None:
         try:
-            self._run(
-                [str(self._bindir / "pg_ctl"), "-D", str(self._data), "-m", "immediate", "stop"]
-            )
+            self._signal_and_wait(signal.SIGQUIT)
         finally:
             shutil.rmtree(self._root, ignore_errors=True)
 

@@ -20,7 +20,7 @@ use crate::refusal::Refusal;
 use crate::retry::{Retry, Step};
 use crate::sync::{lock, wait_value};
 use crate::tokens::Tokens;
-use crate::transport::{self, pb, RelayClient};
+use crate::transport::{self, pb, HealthCheckRequest, HealthClient, RelayClient};
 use static_mls::engine::Engine;
 
 pub(crate) struct Shared {
@@ -28,6 +28,8 @@ pub(crate) struct Shared {
     /// flight (which hold their own reference) finish.
     pub(crate) engine: Mutex<Option<Arc<Engine>>>,
     pub(crate) relay: RelayClient,
+    /// The relay's health service, on the same connection: the first contact's probe.
+    health: HealthClient,
     pub(crate) tokens: Tokens,
     pub(crate) handle: Handle,
     /// Set first thing by [`Client::close`](crate::Client::close): no new call starts.
@@ -99,7 +101,7 @@ impl InlineApplied {
 impl Shared {
     pub(crate) fn new(
         engine: Arc<Engine>,
-        relay: RelayClient,
+        (relay, health): (RelayClient, HealthClient),
         tokens: Tokens,
         handle: Handle,
         endpoint: String,
@@ -109,6 +111,7 @@ impl Shared {
         Self {
             engine: Mutex::new(Some(engine)),
             relay,
+            health,
             tokens,
             handle,
             closed: AtomicBool::new(false),
@@ -249,20 +252,18 @@ impl Shared {
     }
 
     /// Makes sure the relay has answered this client once: the first time, probes it (a
-    /// FetchWelcome that cannot match: any answer from the relay will do) for up to the
-    /// connect timeout, so that a wrong address fails fast instead of being retried like a
-    /// relay that restarts. Free once it has answered.
+    /// health Check, which is never a refusal: any answer from the relay will do, NOT_SERVING
+    /// included) for up to the connect timeout, so that a wrong address fails fast instead of
+    /// being retried like a relay that restarts. With our token, so that one that cannot be
+    /// had fails here as it would on the first call. Free once it has answered.
     pub(crate) async fn reach(&self) -> Result<()> {
         if self.reached() {
             return Ok(());
         }
         let mut retry = Retry::within(self.options.connect_timeout);
         loop {
-            let probe = pb::FetchWelcomeRequest {
-                channel: String::new(),
-                key: Some(pb::fetch_welcome_request::Key::WelcomeSha256(
-                    vec![0; 32].into(),
-                )),
+            let probe = HealthCheckRequest {
+                service: String::new(),
             };
             let refusal = match self.request(probe).await {
                 Ok((request, _)) => {
@@ -271,7 +272,7 @@ impl Shared {
                     });
                     let answer = tokio::time::timeout(
                         left.max(Duration::from_millis(100)),
-                        self.relay.clone().fetch_welcome(request),
+                        self.health.clone().check(request),
                     )
                     .await;
                     match answer {

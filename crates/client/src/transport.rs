@@ -1,6 +1,6 @@
 //! The relay's gRPC client (tonic, generated from `proto/relay.proto` by `static-proto`): the
-//! endpoint a URL names (with the roots its TLS trusts), the lazily connecting client, what
-//! a TLS failure means, and the bound on one call.
+//! endpoint a URL names (with the roots its TLS trusts), the lazily connecting client and the
+//! health client on its connection, what a TLS failure means, and the bound on one call.
 
 use std::path::Path;
 use std::time::Duration;
@@ -16,6 +16,13 @@ use crate::error::Error;
 pub use static_proto::pb;
 
 pub type RelayClient = pb::relay_client::RelayClient<Channel>;
+
+/// The relay's standard gRPC health service (`grpc.health.v1.Health`, no token needed), which
+/// the first contact asks (see `Shared::reach`): an answer that is never a refusal, so a client
+/// start leaves no refused call in the relay's access log and refusal metrics.
+pub type HealthClient = tonic_health::pb::health_client::HealthClient<Channel>;
+
+pub use tonic_health::pb::HealthCheckRequest;
 
 /// Largest gRPC message we send or accept: a 1 MiB MLS message plus its Welcome and framing.
 pub const MAX_GRPC_MESSAGE: usize = 4 * 1024 * 1024;
@@ -111,11 +118,14 @@ pub(crate) fn tls_failure(status: &Status) -> Option<String> {
     None
 }
 
-/// A lazily connecting client: the connection is made (and remade) on use.
-pub fn connect_lazy(endpoint: &Endpoint) -> RelayClient {
-    pb::relay_client::RelayClient::new(endpoint.connect_lazy())
+/// A lazily connecting client, and the health client on the same connection: the connection
+/// is made (and remade) on use.
+pub fn connect_lazy(endpoint: &Endpoint) -> (RelayClient, HealthClient) {
+    let channel = endpoint.connect_lazy();
+    let relay = pb::relay_client::RelayClient::new(channel.clone())
         .max_decoding_message_size(MAX_GRPC_MESSAGE)
-        .max_encoding_message_size(MAX_GRPC_MESSAGE)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE);
+    (relay, HealthClient::new(channel))
 }
 
 /// Bounds one gRPC call: a call not answered within [`CALL_TIMEOUT`] fails as a transient
