@@ -105,6 +105,13 @@ impl Channel {
             Cursor::After(seq) => seq,
             Cursor::FromEpoch(_) => 0,
         };
+        // What an earlier opening left goes first: the outbox's messages as they were, then
+        // the journal's payloads it had not encrypted yet. Read before anything starts, so
+        // that damage (refused, naming the file) leaves nothing running.
+        let outbox = engine.outbox(name)?;
+        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
+        // Only what the outbox does not hold yet.
+        let (journal, journaled) = Journal::open(engine.data_dir(), name, recorded)?;
         let core = Arc::new(ChannelCore::new(
             Arc::clone(&shared),
             name,
@@ -137,18 +144,7 @@ impl Channel {
         };
         subscriptions.follow(follower);
         *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
-        // What an earlier opening left goes first: the outbox's messages as they were, then
-        // the journal's payloads it had not encrypted yet.
-        let outbox = engine.outbox(name)?;
-        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
-        let (journal, journaled) = Journal::open(engine.data_dir(), name)?;
-        let journaled: Vec<_> = journaled
-            .into_iter()
-            .filter(|(place, _)| *place > recorded)
-            .collect();
         let last_place = journaled.last().map_or(recorded, |(place, _)| *place);
-        // Segments the outbox already covers (a deletion a crash interrupted).
-        journal.forget_upto(recorded);
         let _ = core.pipeline.journal.set(journal);
         let left = !outbox.is_empty() || !journaled.is_empty();
         core.pipeline.preload(outbox, journaled, last_place);
