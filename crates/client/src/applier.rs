@@ -48,10 +48,21 @@ impl Drop for Applying<'_> {
     }
 }
 
+/// What waits for the pool: batches, then possibly the end the relay announced after them.
+#[derive(Default)]
+struct Waiting {
+    batches: VecDeque<Received>,
+    /// The relay ended the channel's subscription for good after these batches (e.g. it
+    /// refuses us once a commit removed us): the channel fails with this once they are
+    /// applied, not before, so a member removed while away still reads what it was sent
+    /// before its removal and sees the removal itself.
+    end: Option<Error>,
+}
+
 /// One channel's entries waiting for the pool.
 pub(crate) struct ApplierQueue {
     core: Arc<ChannelCore>,
-    batches: Mutex<VecDeque<Received>>,
+    waiting: Mutex<Waiting>,
     /// On the pool's run queue (or being applied): a channel is applied by one thread at a time.
     scheduled: AtomicBool,
     /// Room for batches: the reader takes a permit per batch, the pool gives them back.
@@ -67,7 +78,7 @@ impl ApplierQueue {
         let counted = ApplierCount::new(core.shared.inbox(&engine, &core.name)?);
         Ok(Arc::new(Self {
             core,
-            batches: Mutex::new(VecDeque::new()),
+            waiting: Mutex::new(Waiting::default()),
             scheduled: AtomicBool::new(false),
             room: Semaphore::new(QUEUED_BATCHES),
             pool,
@@ -86,9 +97,16 @@ impl ApplierQueue {
             return false;
         }
         self.core.queued.fetch_add(1, Ordering::AcqRel);
-        lock(&self.batches).push_back(received);
+        lock(&self.waiting).batches.push_back(received);
         self.schedule();
         true
+    }
+
+    /// Ends the channel with `e` once everything handed over before is applied (if applying
+    /// it does not end the channel first, as the commit that removed us does).
+    pub(crate) fn end_after(self: &Arc<Self>, e: Error) {
+        lock(&self.waiting).end.get_or_insert(e);
+        self.schedule();
     }
 
     fn schedule(self: &Arc<Self>) {
@@ -108,12 +126,21 @@ impl ApplierQueue {
                 return;
             }
             let (first_at, batch, taken) = {
-                let mut batches = lock(&self.batches);
-                let Some(first) = batches.pop_front() else {
-                    drop(batches);
+                let mut waiting = lock(&self.waiting);
+                let Some(first) = waiting.batches.pop_front() else {
+                    // Taken under the lock that saw no batch: every batch handed over before
+                    // the end was applied.
+                    let end = waiting.end.take();
+                    drop(waiting);
+                    if let Some(e) = end {
+                        self.core.end(End::Failed(e));
+                        self.drop_queued();
+                        return;
+                    }
                     self.scheduled.store(false, Ordering::Release);
-                    // A batch handed over after the pop and before the flag came down.
-                    if !lock(&self.batches).is_empty() {
+                    // A batch (or the end) handed over after the pop and before the flag came
+                    // down.
+                    if lock(&self.waiting).has_work() {
                         self.schedule();
                     }
                     return;
@@ -122,7 +149,7 @@ impl ApplierQueue {
                 let mut batch = first.entries;
                 let mut taken = 1;
                 while batch.len() < BATCH {
-                    match batches.pop_front() {
+                    match waiting.batches.pop_front() {
                         Some(more) => {
                             batch.extend(more.entries);
                             taken += 1;
@@ -144,7 +171,7 @@ impl ApplierQueue {
             }
             if self.pool.has_waiting() {
                 self.scheduled.store(false, Ordering::Release);
-                if !lock(&self.batches).is_empty() {
+                if lock(&self.waiting).has_work() {
                     self.schedule();
                 }
                 return;
@@ -154,9 +181,15 @@ impl ApplierQueue {
 
     /// The channel ended: nothing more is applied, and readers waiting for room see the end.
     fn drop_queued(&self) {
-        let dropped = std::mem::take(&mut *lock(&self.batches)).len();
+        let dropped = std::mem::take(&mut lock(&self.waiting).batches).len();
         let _applied = Applying(&self.core.queued, dropped);
         self.room.close();
+    }
+}
+
+impl Waiting {
+    fn has_work(&self) -> bool {
+        !self.batches.is_empty() || self.end.is_some()
     }
 }
 
