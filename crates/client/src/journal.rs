@@ -661,8 +661,16 @@ mod tests {
         journal.forget_upto(11);
         assert_eq!(segments(), 2);
         journal.forget_upto(25);
-        assert!(Journal::open(dir.path(), CHANNEL, 25).unwrap().1.is_empty());
-        // The segment written to was emptied, and takes records again (with its magic).
+        // The segment written to was emptied (not deleted: it is still open for appending),
+        // and takes records again (with its magic). Not reopened in between: an opening
+        // deletes empty segments, which only the channel's sole opening may.
+        assert_eq!(segments(), 1);
+        assert_eq!(
+            std::fs::metadata(dir.path().join("outbox/a+b+c.2"))
+                .unwrap()
+                .len(),
+            0
+        );
         journal.append(26, b"x").unwrap();
         drop(journal);
         assert_eq!(
