@@ -218,11 +218,11 @@ impl Journal {
             Ok(()) => {
                 *size += record.len() as u64;
                 *last = place;
-                return Ok(());
+                Ok(())
             }
             // A part written would read as damage: it is taken back.
             Err(e) if file.set_len(*size).is_ok() => {
-                return Err(io("cannot write the outbox journal", path, e))
+                Err(io("cannot write the outbox journal", path, e))
             }
             Err(e) => {
                 let failed = io("cannot write the outbox journal", path, e);
