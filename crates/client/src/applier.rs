@@ -323,6 +323,7 @@ pub(crate) fn apply_batch(
     };
     let mut proposals = false;
     let mut removed = false;
+    let mut removed_at = None;
     let mut last = passed;
     // The messages just stored in the inbox, for its read-ahead.
     let mut stored = Vec::new();
@@ -350,7 +351,11 @@ pub(crate) fn apply_batch(
                 }
             }
             Ok(Incoming::Proposal { .. }) => proposals = true,
-            Ok(Incoming::Removed { .. }) => removed = true,
+            Ok(Incoming::Removed { epoch }) => {
+                removed = true;
+                // The engine deleted the group: the channel keeps the removal's epoch.
+                removed_at = Some(epoch);
+            }
             Ok(_) => {}
             // Not for us (sent before we joined, or undecryptable): skipped, as RFC 9420
             // members do; the cursor moved past it.
@@ -361,7 +366,7 @@ pub(crate) fn apply_batch(
         if let Some(seq) = last {
             p.applied_seq = p.applied_seq.max(seq);
         }
-        if let Some(epoch) = epoch {
+        if let Some(epoch) = epoch.or(removed_at) {
             p.epoch = epoch;
         }
     });
@@ -489,6 +494,8 @@ mod tests {
         pool.work();
         assert!(matches!(ended(), Some(End::Removed)), "{:?}", ended());
         assert_eq!(bob.inbox_count_after(name, 0).unwrap(), 3);
+        // The group is gone from the engine; the channel still says at which epoch it went.
+        assert_eq!(core.progress.borrow().epoch, alice.epoch(name).unwrap());
     }
 
     #[test]

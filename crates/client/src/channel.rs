@@ -443,8 +443,19 @@ impl Channel {
         self.core.block_on(call)
     }
 
+    /// The group's epoch; once a commit removed us (the engine deleted the group), that
+    /// commit's epoch.
     pub fn epoch(&self) -> Result<u64> {
-        Ok(self.core.shared.engine()?.epoch(&self.core.name)?)
+        match self.core.shared.engine()?.epoch(&self.core.name) {
+            Ok(epoch) => Ok(epoch),
+            Err(e) => {
+                let progress = self.core.progress.borrow().clone();
+                match progress.ended {
+                    Some(End::Removed) => Ok(progress.epoch),
+                    _ => Err(e.into()),
+                }
+            }
+        }
     }
 
     pub fn epoch_authenticator(&self) -> Result<Vec<u8>> {
