@@ -69,6 +69,9 @@ def test_removal_ends_the_removed_members_access(relay: ServerProcess, clients: 
     alices.send(b"after")
     # Bob's client learns of its removal from the commit and ends; it never sees "after".
     assert read_to_end(bobs.messages(), WAIT) == []
+    # His state says he was removed: the removal's epoch, the roster without him.
+    assert bobs.epoch() == alices.epoch()
+    assert sorted(bobs.members()) == sorted(alices.members()) == [b"alice"]
     with pytest.raises(StaticError):
         bobs.send(b"no")
 
@@ -96,6 +99,8 @@ def test_a_removed_member_reads_what_came_before_its_removal(
     if away == "offline":
         bobs = clients(relay, b"bob", data_dir=tmp_path / "agent-bob").open_channel(name)
     assert read_to_end(bobs.messages(), WAIT) == sent
+    assert bobs.epoch() == alices.epoch()
+    assert sorted(bobs.members()) == sorted(alices.members()) == [b"alice"]
     with pytest.raises(MLSEngineError, match="no longer a member"):
         bobs.send(b"no")
 

@@ -351,10 +351,12 @@ pub(crate) fn apply_batch(
                 }
             }
             Ok(Incoming::Proposal { .. }) => proposals = true,
-            Ok(Incoming::Removed { epoch }) => {
+            Ok(Incoming::Removed { epoch, members }) => {
                 removed = true;
-                // The engine deleted the group: the channel keeps the removal's epoch.
+                // The engine deleted the group: the channel keeps the removal's epoch and
+                // roster.
                 removed_at = Some(epoch);
+                *lock(&core.removed_roster) = Some(members);
             }
             Ok(_) => {}
             // Not for us (sent before we joined, or undecryptable): skipped, as RFC 9420
@@ -496,6 +498,9 @@ mod tests {
         assert_eq!(bob.inbox_count_after(name, 0).unwrap(), 3);
         // The group is gone from the engine; the channel still says at which epoch it went.
         assert_eq!(core.progress.borrow().epoch, alice.epoch(name).unwrap());
+        let roster = lock(&core.removed_roster).clone().unwrap();
+        assert_eq!(roster, alice.members(name).unwrap());
+        assert!(roster.iter().all(|m| m.identity != b"bob"));
     }
 
     #[test]

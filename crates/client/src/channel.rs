@@ -407,7 +407,11 @@ impl Channel {
     pub fn members(&self) -> Result<Vec<Member>> {
         let shared = &self.core.shared;
         shared.check_open()?;
-        Ok(shared.engine()?.members(&self.core.name)?)
+        match shared.engine()?.members(&self.core.name) {
+            Ok(members) => Ok(members),
+            // A commit removed us (the engine deleted the group): the roster it left.
+            Err(e) => lock(&self.core.removed_roster).clone().ok_or(e.into()),
+        }
     }
 
     /// The members as the relay attests them: each leaf's identity with the account it is
