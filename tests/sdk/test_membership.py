@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from static_sdk import Channel, MLSEngineError, StaticError
+from tests.conftest import BACKENDS
 from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.server import ServerProcess
 
@@ -67,7 +69,39 @@ def test_removal_ends_the_removed_members_access(relay: ServerProcess, clients: 
     alices.send(b"after")
     # Bob's client learns of its removal from the commit and ends; it never sees "after".
     assert read_to_end(bobs.messages(), WAIT) == []
+    # His state says he was removed: the removal's epoch, the roster without him.
+    assert bobs.epoch() == alices.epoch()
+    assert sorted(bobs.members()) == sorted(alices.members()) == [b"alice"]
     with pytest.raises(StaticError):
+        bobs.send(b"no")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("away", ["offline", "online-not-reading"])
+def test_a_removed_member_reads_what_came_before_its_removal(
+    relay: ServerProcess, clients: Clients, tmp_path: Path, away: str
+) -> None:
+    """Bob is offline (or online, not reading) while Alice sends 3 messages and removes him:
+    he reads the 3, then his iterator ends as at any removal. Before, the offline Bob could read
+    nothing (a race, seen in the report): the relay's refusal after the entries it had sent (he
+    is no longer a member) ended his channel before they were applied."""
+    alice, bob = clients(relay, b"alice"), clients(relay, b"bob")
+    name = channel_name()
+    alices = alice.create_channel(name)
+    bobs = bob.join_channel(name, alices.add_member(bob.generate_key_package()))
+    if away == "offline":
+        bob.close()
+    sent = [b"one", b"two", b"three"]
+    for payload in sent:
+        alices.send(payload)
+    alices.remove_member(b"bob")
+    alices.send(b"after")
+    if away == "offline":
+        bobs = clients(relay, b"bob", data_dir=tmp_path / "agent-bob").open_channel(name)
+    assert read_to_end(bobs.messages(), WAIT) == sent
+    assert bobs.epoch() == alices.epoch()
+    assert sorted(bobs.members()) == sorted(alices.members()) == [b"alice"]
+    with pytest.raises(MLSEngineError, match="no longer a member"):
         bobs.send(b"no")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from static_sdk import TransportError
+from static_sdk import InternalError, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
 from tests.support.process import LineProcess
 from tests.support.server import ServerProcess, restartable_args
@@ -101,6 +102,48 @@ def test_a_sender_killed_again_and_again_sends_each_message_once(
         bobs.receive(0.5)
     # Each run went on from where the one before it was killed, and got somewhere.
     assert starts == sorted(starts) and len(set(starts)) == len(starts), starts
+
+
+#: Messages the sender journals before it is killed, in the journal damage test.
+JOURNALED = 3000
+
+
+@pytest.mark.parametrize("damage", ["payload-byte", "length-field"])
+def test_a_damaged_journal_is_refused_naming_it(
+    start_server: Callable[..., ServerProcess], clients: Clients, tmp_path: Path, damage: str
+) -> None:
+    """A sender journals 3,000 messages (the relay is down: it encrypts only its first batch)
+    and goes; one byte of a message, or one record's length field, is then damaged in its
+    journal. The reopened channel refuses it with ``runtime error:`` naming the file. Before,
+    the altered message was sent, or the records after the bad length were silently left out
+    (768 of 3,000 in the report) while ``pipelined_count()`` said 3,000."""
+    server = start_server(*restartable_args("--allow-anonymous"))
+    name = channel_name()
+    alice_dir = tmp_path / "alice-data"
+    alice = clients(server, b"alice", data_dir=alice_dir)
+    alices = alice.create_channel(name)
+    server.stop()
+    for i in range(JOURNALED):
+        alices.send_pipelined(b"%06d" % i)
+    _encrypted(alice_dir)
+    # What a kill leaves too: the journal as written (a close keeps what is queued).
+    alice.close()
+    segment = alice_dir / "outbox" / f"{name.replace('/', '+')}.0"
+    bytes_ = bytearray(segment.read_bytes())
+    assert b"%06d" % (JOURNALED - 1) in bytes_
+    # Message 2000's payload, and its record's header before it (docs/sdk.md, the outbox):
+    # len (4 bytes), place (8), two checksums (4 + 4).
+    payload_at = bytes_.index(b"%06d" % 2000)
+    if damage == "payload-byte":
+        bytes_[payload_at + 3] ^= 0x01
+    else:
+        bytes_[payload_at - 20 : payload_at - 16] = (0xFFFF).to_bytes(4, "little")
+    segment.write_bytes(bytes_)
+    server.start()
+    reopened = clients(server, b"alice", data_dir=alice_dir)
+    named = re.escape(f"/outbox/{segment.name}")
+    with pytest.raises(InternalError, match=rf"^runtime error: \S*{named} is damaged"):
+        reopened.open_channel(name)
 
 
 def _encrypted(data_dir: Path) -> int:

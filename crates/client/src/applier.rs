@@ -48,10 +48,21 @@ impl Drop for Applying<'_> {
     }
 }
 
+/// What waits for the pool: batches, then possibly the end the relay announced after them.
+#[derive(Default)]
+struct Waiting {
+    batches: VecDeque<Received>,
+    /// The relay ended the channel's subscription for good after these batches (e.g. it
+    /// refuses us once a commit removed us): the channel fails with this once they are
+    /// applied, not before, so a member removed while away still reads what it was sent
+    /// before its removal and sees the removal itself.
+    end: Option<Error>,
+}
+
 /// One channel's entries waiting for the pool.
 pub(crate) struct ApplierQueue {
     core: Arc<ChannelCore>,
-    batches: Mutex<VecDeque<Received>>,
+    waiting: Mutex<Waiting>,
     /// On the pool's run queue (or being applied): a channel is applied by one thread at a time.
     scheduled: AtomicBool,
     /// Room for batches: the reader takes a permit per batch, the pool gives them back.
@@ -67,7 +78,7 @@ impl ApplierQueue {
         let counted = ApplierCount::new(core.shared.inbox(&engine, &core.name)?);
         Ok(Arc::new(Self {
             core,
-            batches: Mutex::new(VecDeque::new()),
+            waiting: Mutex::new(Waiting::default()),
             scheduled: AtomicBool::new(false),
             room: Semaphore::new(QUEUED_BATCHES),
             pool,
@@ -86,9 +97,16 @@ impl ApplierQueue {
             return false;
         }
         self.core.queued.fetch_add(1, Ordering::AcqRel);
-        lock(&self.batches).push_back(received);
+        lock(&self.waiting).batches.push_back(received);
         self.schedule();
         true
+    }
+
+    /// Ends the channel with `e` once everything handed over before is applied (if applying
+    /// it does not end the channel first, as the commit that removed us does).
+    pub(crate) fn end_after(self: &Arc<Self>, e: Error) {
+        lock(&self.waiting).end.get_or_insert(e);
+        self.schedule();
     }
 
     fn schedule(self: &Arc<Self>) {
@@ -108,12 +126,21 @@ impl ApplierQueue {
                 return;
             }
             let (first_at, batch, taken) = {
-                let mut batches = lock(&self.batches);
-                let Some(first) = batches.pop_front() else {
-                    drop(batches);
+                let mut waiting = lock(&self.waiting);
+                let Some(first) = waiting.batches.pop_front() else {
+                    // Taken under the lock that saw no batch: every batch handed over before
+                    // the end was applied.
+                    let end = waiting.end.take();
+                    drop(waiting);
+                    if let Some(e) = end {
+                        self.core.end(End::Failed(e));
+                        self.drop_queued();
+                        return;
+                    }
                     self.scheduled.store(false, Ordering::Release);
-                    // A batch handed over after the pop and before the flag came down.
-                    if !lock(&self.batches).is_empty() {
+                    // A batch (or the end) handed over after the pop and before the flag came
+                    // down.
+                    if lock(&self.waiting).has_work() {
                         self.schedule();
                     }
                     return;
@@ -122,7 +149,7 @@ impl ApplierQueue {
                 let mut batch = first.entries;
                 let mut taken = 1;
                 while batch.len() < BATCH {
-                    match batches.pop_front() {
+                    match waiting.batches.pop_front() {
                         Some(more) => {
                             batch.extend(more.entries);
                             taken += 1;
@@ -144,7 +171,7 @@ impl ApplierQueue {
             }
             if self.pool.has_waiting() {
                 self.scheduled.store(false, Ordering::Release);
-                if !lock(&self.batches).is_empty() {
+                if lock(&self.waiting).has_work() {
                     self.schedule();
                 }
                 return;
@@ -154,9 +181,15 @@ impl ApplierQueue {
 
     /// The channel ended: nothing more is applied, and readers waiting for room see the end.
     fn drop_queued(&self) {
-        let dropped = std::mem::take(&mut *lock(&self.batches)).len();
+        let dropped = std::mem::take(&mut lock(&self.waiting).batches).len();
         let _applied = Applying(&self.core.queued, dropped);
         self.room.close();
+    }
+}
+
+impl Waiting {
+    fn has_work(&self) -> bool {
+        !self.batches.is_empty() || self.end.is_some()
     }
 }
 
@@ -290,6 +323,7 @@ pub(crate) fn apply_batch(
     };
     let mut proposals = false;
     let mut removed = false;
+    let mut removed_at = None;
     let mut last = passed;
     // The messages just stored in the inbox, for its read-ahead.
     let mut stored = Vec::new();
@@ -317,7 +351,13 @@ pub(crate) fn apply_batch(
                 }
             }
             Ok(Incoming::Proposal { .. }) => proposals = true,
-            Ok(Incoming::Removed { .. }) => removed = true,
+            Ok(Incoming::Removed { epoch, members }) => {
+                removed = true;
+                // The engine deleted the group: the channel keeps the removal's epoch and
+                // roster.
+                removed_at = Some(epoch);
+                *lock(&core.removed_roster) = Some(members);
+            }
             Ok(_) => {}
             // Not for us (sent before we joined, or undecryptable): skipped, as RFC 9420
             // members do; the cursor moved past it.
@@ -328,7 +368,7 @@ pub(crate) fn apply_batch(
         if let Some(seq) = last {
             p.applied_seq = p.applied_seq.max(seq);
         }
-        if let Some(epoch) = epoch {
+        if let Some(epoch) = epoch.or(removed_at) {
             p.epoch = epoch;
         }
     });
@@ -363,10 +403,109 @@ pub(crate) fn apply_batch(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
+    use static_mls::engine::Engine;
+
     use super::*;
+    use crate::channel_core::now_ns;
+    use crate::config::ClientOptions;
+    use crate::inbox::Marks;
+    use crate::reader::Follower;
+    use crate::shared::Shared;
+    use crate::sync::read;
+    use crate::tokens::Tokens;
+    use crate::transport;
+    use static_mls::store::Cursor;
+
+    /// A pool without threads: what is handed to it waits until the test runs it.
+    fn idle_pool() -> Arc<Pool> {
+        Arc::new(Pool {
+            ready: Mutex::new(PoolState::default()),
+            wake: Condvar::new(),
+        })
+    }
+
+    /// The relay's final refusal arrives right behind the entries it sent before (as it does
+    /// for a member a commit removed while away, reopening): it must wait for them, so that
+    /// the member reads the messages and the removal ends the channel (not the refusal). A
+    /// threadless pool holds the entries, so the order is certain, not a race.
+    #[test]
+    fn a_final_refusal_waits_for_the_entries_before_it() {
+        let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let name = "acct/space/room";
+        let alice = Engine::open(dirs.0.path(), b"alice").unwrap();
+        let bob = Arc::new(Engine::open(dirs.1.path(), b"bob").unwrap());
+        alice.create_group(name).unwrap();
+        let added = alice
+            .add_member(name, &bob.generate_key_package().unwrap())
+            .unwrap();
+        alice.merge_pending_commit(name).unwrap();
+        bob.join_group(name, &added.welcome).unwrap();
+        // Seq 1 was the add; then 3 messages and the commit removing bob (kind 3).
+        let items: Vec<LogItem> = [b"one", b"two", b"six"]
+            .iter()
+            .map(|payload| (APPLICATION, alice.encrypt(name, &payload[..]).unwrap()))
+            .chain([(3, alice.remove_member(name, b"bob").unwrap())])
+            .zip(2..)
+            .map(|((kind, message), seq)| LogItem {
+                seq,
+                kind,
+                message,
+                account: String::new(),
+            })
+            .collect();
+        alice.merge_pending_commit(name).unwrap();
+
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let endpoint = transport::endpoint("http://127.0.0.1:9", None).unwrap();
+        let relay = {
+            let _guard = runtime.enter();
+            transport::connect_lazy(&endpoint)
+        };
+        let marks = Marks::open(dirs.1.path(), &bob).unwrap();
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&bob),
+            relay,
+            Tokens::new(None, None),
+            runtime.handle().clone(),
+            endpoint.uri().to_string(),
+            ClientOptions::default(),
+            marks,
+        ));
+        let epoch = bob.epoch(name).unwrap();
+        let core = Arc::new(ChannelCore::new(shared, name, 1, epoch));
+        let pool = idle_pool();
+        let queue = ApplierQueue::new(Arc::clone(&core), Arc::clone(&pool)).unwrap();
+        let ended = || read(&core.progress, |p| p.ended.clone());
+
+        assert!(runtime.block_on(queue.hand_over(Received {
+            entries: items,
+            at: now_ns(),
+        })));
+        // As the subscription hands over the refusal (see `subscriber`).
+        Follower::new(Arc::clone(&core), Arc::clone(&queue), Cursor::After(5))
+            .fail(Error::Internal("refused: no longer a member".into()));
+        // Nothing is applied yet, and the refusal has not overtaken the entries.
+        assert!(ended().is_none(), "{:?}", ended());
+        pool.stop();
+        pool.work();
+        assert!(matches!(ended(), Some(End::Removed)), "{:?}", ended());
+        assert_eq!(bob.inbox_count_after(name, 0).unwrap(), 3);
+        // The group is gone from the engine; the channel still says at which epoch it went.
+        assert_eq!(
+            read(&core.progress, |p| p.epoch),
+            alice.epoch(name).unwrap()
+        );
+        let roster = lock(&core.removed_roster).clone().unwrap();
+        assert_eq!(roster, alice.members(name).unwrap());
+        assert!(roster.iter().all(|m| m.identity != b"bob"));
+    }
 
     #[test]
     fn batches_count_as_applied_once_the_applier_is_done_with_them() {

@@ -20,7 +20,7 @@ use crate::retry::Retry;
 use crate::sender::Sender;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
-use crate::sync::{lock, seen};
+use crate::sync::{lock, read, seen};
 use crate::transport::pb;
 use static_mls::engine::{Engine, Member};
 
@@ -105,6 +105,13 @@ impl Channel {
             Cursor::After(seq) => seq,
             Cursor::FromEpoch(_) => 0,
         };
+        // What an earlier opening left goes first: the outbox's messages as they were, then
+        // the journal's payloads it had not encrypted yet. Read before anything starts, so
+        // that damage (refused, naming the file) leaves nothing running.
+        let outbox = engine.outbox(name)?;
+        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
+        // Only what the outbox does not hold yet.
+        let (journal, journaled) = Journal::open(engine.data_dir(), name, recorded)?;
         let core = Arc::new(ChannelCore::new(
             Arc::clone(&shared),
             name,
@@ -137,18 +144,7 @@ impl Channel {
         };
         subscriptions.follow(follower);
         *lock(&channel.tasks) = vec![shared.handle.spawn(proposals)];
-        // What an earlier opening left goes first: the outbox's messages as they were, then
-        // the journal's payloads it had not encrypted yet.
-        let outbox = engine.outbox(name)?;
-        let recorded = i64::try_from(engine.outbox_recorded(name)?).unwrap_or(i64::MAX);
-        let (journal, journaled) = Journal::open(engine.data_dir(), name)?;
-        let journaled: Vec<_> = journaled
-            .into_iter()
-            .filter(|(place, _)| *place > recorded)
-            .collect();
         let last_place = journaled.last().map_or(recorded, |(place, _)| *place);
-        // Segments the outbox already covers (a deletion a crash interrupted).
-        journal.forget_upto(recorded);
         let _ = core.pipeline.journal.set(journal);
         let left = !outbox.is_empty() || !journaled.is_empty();
         core.pipeline.preload(outbox, journaled, last_place);
@@ -413,7 +409,11 @@ impl Channel {
     pub fn members(&self) -> Result<Vec<Member>> {
         let shared = &self.core.shared;
         shared.check_open()?;
-        Ok(shared.engine()?.members(&self.core.name)?)
+        match shared.engine()?.members(&self.core.name) {
+            Ok(members) => Ok(members),
+            // A commit removed us (the engine deleted the group): the roster it left.
+            Err(e) => lock(&self.core.removed_roster).clone().ok_or(e.into()),
+        }
     }
 
     /// The members as the relay attests them: each leaf's identity with the account it is
@@ -449,8 +449,19 @@ impl Channel {
         self.core.block_on(call)
     }
 
+    /// The group's epoch; once a commit removed us (the engine deleted the group), that
+    /// commit's epoch.
     pub fn epoch(&self) -> Result<u64> {
-        Ok(self.core.shared.engine()?.epoch(&self.core.name)?)
+        match self.core.shared.engine()?.epoch(&self.core.name) {
+            Ok(epoch) => Ok(epoch),
+            Err(e) => {
+                let progress = read(&self.core.progress, Clone::clone);
+                match progress.ended {
+                    Some(End::Removed) => Ok(progress.epoch),
+                    _ => Err(e.into()),
+                }
+            }
+        }
     }
 
     pub fn epoch_authenticator(&self) -> Result<Vec<u8>> {

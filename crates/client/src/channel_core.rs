@@ -17,6 +17,7 @@ use crate::own::OwnMessages;
 use crate::pipeline::Pipeline;
 use crate::shared::Shared;
 use crate::sync::{lock, read, seen, wait_value};
+use static_mls::engine::Member;
 
 /// Why a channel stopped.
 #[derive(Debug, Clone)]
@@ -129,6 +130,9 @@ pub(crate) struct ChannelCore {
     /// Held while entries are applied (by the pool or inline): a reopened channel takes it
     /// once after closing its predecessor, so two appliers never apply the same log at once.
     pub(crate) applying: Mutex<()>,
+    /// The roster the commit that removed us left (the engine deleted the group): what
+    /// `members` says after the removal.
+    pub(crate) removed_roster: Mutex<Option<Vec<Member>>>,
 }
 
 impl ChannelCore {
@@ -152,6 +156,7 @@ impl ChannelCore {
             proposals: Notify::new(),
             pipeline: Arc::new(Pipeline::default()),
             applying: Mutex::new(()),
+            removed_roster: Mutex::new(None),
         }
     }
 

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
-use crate::channel_core::{now_ns, ChannelCore, End};
+use crate::channel_core::{now_ns, ChannelCore};
 use crate::entry::{LogItem, APPLICATION};
 use crate::error::Error;
 use crate::sync::lock;
@@ -53,9 +53,10 @@ impl Follower {
         self.core.progress.send_modify(|p| p.connected = false);
     }
 
-    /// The relay refused to follow this channel for good.
+    /// The relay refused to follow this channel for good: the channel fails, once what the
+    /// relay sent before is applied (see [`ApplierQueue::end_after`]).
     pub(crate) fn fail(&self, e: Error) {
-        self.core.end(End::Failed(e));
+        self.applier.end_after(e);
     }
 
     /// Consecutive entries from the relay. False once the channel has ended.

@@ -102,12 +102,24 @@ pub enum Incoming {
     Commit { sender: Option<Vec<u8>>, epoch: u64 },
     /// Our own pending commit echoed by the relay: merged; `epoch` is the new epoch.
     OwnCommit { epoch: u64 },
-    /// A commit that removed us: the group's local state is deleted.
-    Removed { epoch: u64 },
+    /// A commit that removed us: the group's local state is deleted; `members` is the roster
+    /// that commit left (without us), which the channel keeps to say so.
+    Removed { epoch: u64, members: Vec<Member> },
     /// A proposal of another member, stored until a commit covers it.
     Proposal { sender: Option<Vec<u8>> },
     /// Our own application message or proposal echoed by the relay: recognised and skipped.
     Own,
+}
+
+/// The group's members, by leaf index.
+fn members_of(group: &MlsGroup) -> Vec<Member> {
+    group
+        .members()
+        .map(|m| Member {
+            index: m.index.u32(),
+            identity: identity_of(&m.credential).unwrap_or_default(),
+        })
+        .collect()
 }
 
 struct GroupSlot {
@@ -577,9 +589,10 @@ fn apply_message(
                 })?;
             let epoch = group.epoch().as_u64();
             if self_removed || !group.is_active() {
+                let members = members_of(group);
                 group.delete(provider.storage()).map_err(StoreError::from)?;
                 store::delete_group(conn, channel)?;
-                Ok(Incoming::Removed { epoch })
+                Ok(Incoming::Removed { epoch, members })
             } else {
                 Ok(Incoming::Commit { sender, epoch })
             }
@@ -1467,15 +1480,7 @@ impl Engine {
 
     /// The members of the group, by leaf index.
     pub fn members(&self, channel: &str) -> Result<Vec<Member>> {
-        self.with_group_read(channel, |group| {
-            Ok(group
-                .members()
-                .map(|m| Member {
-                    index: m.index.u32(),
-                    identity: identity_of(&m.credential).unwrap_or_default(),
-                })
-                .collect())
-        })
+        self.with_group_read(channel, |group| Ok(members_of(group)))
     }
 
     /// The group's current epoch.

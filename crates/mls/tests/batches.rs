@@ -201,7 +201,10 @@ fn own_echoes_and_removal_inside_a_batch() {
         vec![
             Ok(app(b"alice", b"hello", e)),
             Ok(app(b"alice", b"bye", e)),
-            Ok(Incoming::Removed { epoch: e + 1 }),
+            Ok(Incoming::Removed {
+                epoch: e + 1,
+                members: alice.engine.members(CH).unwrap()
+            }),
         ]
     );
     assert!(!bob.engine.has_group(CH));

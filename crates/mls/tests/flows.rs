@@ -78,7 +78,10 @@ fn third_member_self_update_remove_and_messages_across_epochs() {
     ));
     assert_eq!(
         c.engine.process_incoming(CH, &removal).unwrap(),
-        Incoming::Removed { epoch: 4 }
+        Incoming::Removed {
+            epoch: 4,
+            members: a.engine.members(CH).unwrap()
+        }
     );
     assert!(!c.engine.has_group(CH));
     let err = c.engine.encrypt(CH, b"x").unwrap_err();

@@ -193,7 +193,10 @@ fn handshakes_are_public_messages_and_application_messages_private() {
     ));
     assert_eq!(
         c.engine.process_incoming(CH, &commit).unwrap(),
-        Incoming::Removed { epoch: 4 }
+        Incoming::Removed {
+            epoch: 4,
+            members: b.engine.members(CH).unwrap()
+        }
     );
 
     // An add and a removal.
@@ -218,7 +221,10 @@ fn handshakes_are_public_messages_and_application_messages_private() {
     a.engine.process_incoming(CH, &removal).unwrap();
     assert_eq!(
         d.engine.process_incoming(CH, &removal).unwrap(),
-        Incoming::Removed { epoch: 6 }
+        Incoming::Removed {
+            epoch: 6,
+            members: b.engine.members(CH).unwrap()
+        }
     );
     assert_eq!(member_names(&a), vec![b"alice".to_vec(), b"bob".to_vec()]);
     assert_eq!(

@@ -72,7 +72,7 @@ impl Incoming {
             } => ("application", Some(sender), Some(payload), Some(epoch)),
             CoreIncoming::Commit { sender, epoch } => ("commit", sender, None, Some(epoch)),
             CoreIncoming::OwnCommit { epoch } => ("own_commit", None, None, Some(epoch)),
-            CoreIncoming::Removed { epoch } => ("removed", None, None, Some(epoch)),
+            CoreIncoming::Removed { epoch, .. } => ("removed", None, None, Some(epoch)),
             CoreIncoming::Proposal { sender } => ("proposal", sender, None, None),
             CoreIncoming::Own => ("own", None, None, None),
         };

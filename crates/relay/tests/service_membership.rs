@@ -566,7 +566,7 @@ async fn removal_ends_access() {
     assert_eq!(decrypted(&bob, &hello), b"before");
     assert!(matches!(
         bob.apply(CHANNEL, &removal),
-        Incoming::Removed { epoch: 3 }
+        Incoming::Removed { epoch: 3, .. }
     ));
 
     // Refused from now on.
@@ -655,7 +655,7 @@ async fn a_leave_committed_by_reference_ends_access() {
     assert_eq!((committed.seq, committed.epoch), (3, 2));
     assert!(matches!(
         bob.apply(CHANNEL, &commit),
-        Incoming::Removed { epoch: 2 }
+        Incoming::Removed { epoch: 2, .. }
     ));
     let late = application(CHANNEL, 2, b"gone");
     assert_denied(&bob.publish(&mut client, CHANNEL, late).await.unwrap_err());
