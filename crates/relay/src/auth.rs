@@ -118,25 +118,7 @@ pub struct Authenticator {
     /// Streams one account may hold at once (all its keys, all connections).
     max_streams_per_account: usize,
     registry: Mutex<Registry>,
-    /// Tokens verified lately (see [`Authenticator::authenticate`]).
-    verified: Mutex<HashMap<String, Verified>>,
 }
-
-/// A token the verifier accepted: its principal, until when it is trusted without asking again.
-struct Verified {
-    principal: Principal,
-    until: SystemTime,
-}
-
-/// How long a verified token is trusted without asking the verifier again, and how many are
-/// kept. Each verification crosses into Python (with the GIL) and queues behind every other
-/// one: measured at 9b2be07, a flood of 1.4k junk JWTs a second took a new relay call from 3.6
-/// to 38 ms. A token in use is asked about once a minute instead, and its key's revocation still
-/// reaches it within a second: the revocation checks look at these keys too (`live_keys`), and
-/// ending a key's streams forgets its tokens. Kept few: each key among them costs the
-/// revocation checks a store read per round (every 0.5 s).
-const VERIFIED_FOR: Duration = Duration::from_secs(60);
-const MAX_VERIFIED: usize = 1_000;
 
 impl Authenticator {
     pub fn new(
@@ -150,7 +132,6 @@ impl Authenticator {
             next_id: AtomicU64::new(0),
             max_streams_per_account,
             registry: Mutex::new(Registry::default()),
-            verified: Mutex::new(HashMap::new()),
         })
     }
 
@@ -174,14 +155,7 @@ impl Authenticator {
                 "this relay has no token verifier: tokens cannot be checked",
             ));
         };
-        let principal = match self.recall(&token) {
-            Some(principal) => principal,
-            None => {
-                let principal = verifier.verify(token.clone(), peer.to_owned()).await?;
-                self.remember(token, &principal);
-                principal
-            }
-        };
+        let principal = verifier.verify(token, peer.to_owned()).await?;
         if let Some(expires_at) = principal.expires_at {
             if expires_at <= SystemTime::now() {
                 return Err(unauthenticated("token expired"));
@@ -193,38 +167,6 @@ impl Authenticator {
             key_id: Some(principal.key_id),
             expires_at: principal.expires_at,
         })
-    }
-
-    /// The principal of `token` if it was verified lately and is still trusted.
-    fn recall(&self, token: &str) -> Option<Principal> {
-        let now = SystemTime::now();
-        let verified = self.verified_lock();
-        let known = verified.get(token)?;
-        (known.until > now).then(|| known.principal.clone())
-    }
-
-    fn remember(&self, token: String, principal: &Principal) {
-        let now = SystemTime::now();
-        let until = now + VERIFIED_FOR;
-        let until = principal.expires_at.map_or(until, |at| at.min(until));
-        let mut verified = self.verified_lock();
-        if verified.len() >= MAX_VERIFIED {
-            verified.retain(|_, v| v.until > now);
-            if verified.len() >= MAX_VERIFIED {
-                verified.clear();
-            }
-        }
-        verified.insert(
-            token,
-            Verified {
-                principal: principal.clone(),
-                until,
-            },
-        );
-    }
-
-    fn verified_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Verified>> {
-        self.verified.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether calls without a token are served (anonymous scope).
@@ -280,8 +222,7 @@ impl Authenticator {
         self.lock().per_account.get(account).copied().unwrap_or(0)
     }
 
-    /// The API keys behind live streams and lately verified tokens (the revocation checks look
-    /// at these).
+    /// The API keys behind live streams (the revocation checks look at these).
     pub fn live_keys(&self) -> Vec<String> {
         let mut keys: Vec<String> = self
             .lock()
@@ -289,23 +230,13 @@ impl Authenticator {
             .values()
             .filter_map(|r| r.key_id.clone())
             .collect();
-        let now = SystemTime::now();
-        keys.extend(
-            self.verified_lock()
-                .values()
-                .filter(|v| v.until > now)
-                .map(|v| v.principal.key_id.clone()),
-        );
         keys.sort_unstable();
         keys.dedup();
         keys
     }
 
-    /// End every live stream of `key_id` with `reason`, and forget its verified tokens (new
-    /// calls with them ask the verifier again); returns how many streams there were.
+    /// End every live stream of `key_id` with `reason`; returns how many there were.
     pub fn end_streams_of_key(&self, key_id: &str, reason: &RelayError) -> usize {
-        self.verified_lock()
-            .retain(|_, v| v.principal.key_id != key_id);
         let registry = self.lock();
         let mut ended = 0;
         for r in registry
