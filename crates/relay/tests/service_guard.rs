@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use static_relay::pb;
+use static_relay::pb::subscribe_many_request::Op;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::Code;
@@ -211,8 +212,9 @@ async fn subscribe_many_ends(ending: Ending) {
     many.live(CHANNEL).await;
     let ended_at = ending.happen(&relay, issued).await;
     let status = loop {
-        many.remove(CHANNEL);
-        many.add(subscribe_request(CHANNEL, 0));
+        // Once the call has ended, its requests are no longer read: what ended it is next.
+        let _ = many.offer(Op::Remove(CHANNEL.to_owned()))
+            && many.offer(Op::Add(subscribe_request(CHANNEL, 0)));
         match tokio::time::timeout(Duration::from_millis(50), many.next()).await {
             Err(_) | Ok(Ok(())) => {}
             Ok(Err(status)) => break status,

@@ -1063,6 +1063,13 @@ impl Many {
             .unwrap();
     }
 
+    /// Sends `op` unless the call has ended and no longer reads its requests: false then.
+    pub fn offer(&self, op: pb::subscribe_many_request::Op) -> bool {
+        self.tx
+            .send(pb::SubscribeManyRequest { op: Some(op) })
+            .is_ok()
+    }
+
     pub fn add(&self, request: pb::SubscribeRequest) {
         self.send(pb::subscribe_many_request::Op::Add(request));
     }
