@@ -371,6 +371,13 @@ pub(crate) fn apply_batch(
         if let Some(epoch) = epoch.or(removed_at) {
             p.epoch = epoch;
         }
+        // In the same update as the removal's epoch: a call waiting for an epoch (a send
+        // behind a pending proposal) must see the removal with it, not reach the deleted
+        // group first (it then failed with the engine's "not a member" instead of "no longer
+        // a member"). `core.end` below does the rest.
+        if removed && p.ended.is_none() {
+            p.ended = Some(End::Removed);
+        }
     });
     if !stored.is_empty() {
         // What was just stored goes into the inbox's read-ahead here, once per batch,

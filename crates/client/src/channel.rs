@@ -285,6 +285,9 @@ impl Channel {
         // Our own pipelined messages queued before this one go first.
         core.pipeline.wait_drained(|| core.check_usable())?;
         self.committer.ensure_fresh_epoch()?;
+        // A wait for the epoch can end with the commit that removed us (the removal and its
+        // epoch are one update, see `applier`): say so, rather than encrypt in a deleted group.
+        core.check_usable()?;
         let payload = Arc::new(payload);
         let mut retry = Retry::within(core.shared.options.retry_timeout);
         let deadline = retry
@@ -315,6 +318,7 @@ impl Channel {
             };
             self.encryptor
                 .recover(trouble, &mut retry, &mut reencrypted)?;
+            core.check_usable()?;
             answer = self.encryptor.encrypt_and_publish(&payload, deadline);
         }
     }
