@@ -322,7 +322,7 @@ impl Drop for StreamGuard {
 /// it is no socket address.
 fn peer_address(peer: &str) -> String {
     match peer.parse::<std::net::SocketAddr>() {
-        Ok(addr) => crate::server::client_key(addr.ip()).to_string(),
+        Ok(addr) => crate::rules::client_key(addr.ip()).to_string(),
         Err(_) => peer.to_owned(),
     }
 }

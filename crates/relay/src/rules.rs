@@ -2,6 +2,7 @@
 //! (Bearer tokens: `auth.rs`.)
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -164,6 +165,16 @@ pub fn org_key(org: &str) -> String {
         .filter(|c| !matches!(c, '-' | '.' | '_'))
         .map(|c| c.to_ascii_lowercase())
         .collect()
+}
+
+/// What the per-address cap counts: the address, but an IPv6 client's /64 (one subscriber
+/// typically holds a whole /64: single addresses would be free to rotate), as the HTTP
+/// port's caps and rate limits count it (`static/api/_ratelimit.py::client_key`); the relay's connection caps and anonymous rate limits.
+pub(crate) fn client_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        v4 => v4,
+    }
 }
 
 #[cfg(test)]

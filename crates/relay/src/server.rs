@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::{poll_fn, Future};
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -45,6 +45,7 @@ use crate::log::{ChannelLog, LogSettings};
 use crate::metrics::{self, metrics};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
+use crate::rules::client_key;
 use crate::rules::TokenBucket;
 use crate::service::{self, Drain, GateSettings, Peer, Relay, ServiceSettings};
 use crate::settings::RelayConfig;
@@ -438,16 +439,6 @@ impl Drop for Admitted {
                 admission.per_address.remove(&self.address);
             }
         }
-    }
-}
-
-/// What the per-address cap counts: the address, but an IPv6 client's /64 (one subscriber
-/// typically holds a whole /64: single addresses would be free to rotate), as the HTTP
-/// port's caps and rate limits count it (`static/api/_ratelimit.py::client_key`).
-pub(crate) fn client_key(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
-        v4 => v4,
     }
 }
 
