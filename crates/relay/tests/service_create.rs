@@ -241,3 +241,36 @@ async fn a_commit_past_the_group_size_bound_is_refused() {
     let (answer, _) = alice.commit(&mut client, CHANNEL).await;
     assert_eq!(answer.epoch, 2);
 }
+
+/// Many creates racing in one new org are one claim: the SDK's agents of one account start
+/// together, and each create read the org as new before any had made it (in CI, 64 concurrent
+/// creates in `acme` were refused after the 10th).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_creates_in_one_new_org_are_one_claim() {
+    let relay = relay(|c| c.org_claims_per_minute = 2.0).await;
+    let alice = Member::with_token("alice", "acme.k1");
+    let start = Arc::new(tokio::sync::Barrier::new(12));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let request = alice.request(alice.create_request(&format!("acme/agents/c{i}")));
+        let mut client = relay.client().await;
+        let start = Arc::clone(&start);
+        tasks.spawn(async move {
+            start.wait().await;
+            client.create_channel(request).await.map(|_| ())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
+    // Look-alikes are the same org, already owned; two other new orgs still cost a claim each,
+    // and the budget (2, one spent) refuses the second.
+    let mut client = relay.client().await;
+    alice.create(&mut client, "ACME/agents/more").await;
+    alice.create(&mut client, "two/agents/chat").await;
+    let refused = alice
+        .try_create(&mut client, "three/agents/chat")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+}

@@ -9,8 +9,9 @@
 //! 250 ms (issue 27). Now such a tree is refused after a parse (a new group holds its creator
 //! alone), and what is verified runs in the pool.
 
-use std::sync::Arc;
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use tonic::{Request, Response};
@@ -19,12 +20,16 @@ use super::{channel_name, group_refusal, Inner};
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, Handshake, Proof};
 use crate::pb;
-use crate::rules::KeyedBuckets;
+use crate::rules::{org_key, KeyedBuckets};
 use crate::verify_pool::{PoolError, VerifyPool, RETRY_AFTER};
 
 /// A burst of creates may be this many seconds of the rate (a client making its channels at
 /// start).
 const CREATE_BURST_SECONDS: f64 = 10.0;
+
+/// How long one charged claim covers further creates of the same account in the same org
+/// while the first create is still on its way to the store: the claim budget's window.
+const CLAIM_COVERS: Duration = Duration::from_secs(60);
 
 /// What the gate needs of the relay's configuration.
 #[derive(Debug, Clone)]
@@ -45,6 +50,10 @@ pub(crate) struct Gate {
     pool: Arc<VerifyPool>,
     creates: KeyedBuckets,
     claims: KeyedBuckets,
+    /// (account, org key) claims charged within [`CLAIM_COVERS`]: concurrent creates in one
+    /// new org are one claim, not one each (64 at once were refused after the 10th).
+    /// Bounded: an entry is made only by a charged claim, and pruned after the window.
+    charged: Mutex<HashMap<(Arc<str>, String), Instant>>,
 }
 
 impl Gate {
@@ -63,6 +72,7 @@ impl Gate {
             pool,
             creates,
             claims,
+            charged: Mutex::new(HashMap::new()),
         }
     }
 
@@ -78,16 +88,32 @@ impl Gate {
             })
     }
 
-    fn take_claim(&self, account: &str, org: &str) -> Result<()> {
+    fn take_claim(&self, account: &Arc<str>, org: &str) -> Result<()> {
+        let limit = self.settings.org_claims_per_minute;
+        if limit.is_nan() || limit <= 0.0 {
+            return Ok(()); // no limit (0), so nothing to remember
+        }
+        let now = Instant::now();
+        let key = (Arc::clone(account), org_key(org));
+        let mut charged = self.charged.lock().unwrap_or_else(PoisonError::into_inner);
+        if charged
+            .get(&key)
+            .is_some_and(|at| now.saturating_duration_since(*at) < CLAIM_COVERS)
+        {
+            return Ok(());
+        }
         self.claims
-            .take(account, Instant::now())
+            .take(account, now)
             .map_err(|ms| RelayError::ResourceExhausted {
                 message: format!(
                     "org '{org}' would be a new org: an account may claim {} orgs per minute",
                     self.settings.org_claims_per_minute
                 ),
                 retry_after_ms: ms,
-            })
+            })?;
+        charged.retain(|_, at| now.saturating_duration_since(*at) < CLAIM_COVERS);
+        charged.insert(key, now);
+        Ok(())
     }
 
     /// Runs a costly group check for `account` in the pool.
