@@ -14,12 +14,13 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::watch;
 use tonic::metadata::MetadataMap;
 
 use crate::error::{RelayError, Result};
+use crate::lockout::{self, address_of, Lockouts};
 
 /// The account of anonymous callers (`--allow-anonymous`): they are one principal.
 pub const ANONYMOUS_ACCOUNT: &str = "";
@@ -118,6 +119,8 @@ pub struct Authenticator {
     /// Streams one account may hold at once (all its keys, all connections).
     max_streams_per_account: usize,
     registry: Mutex<Registry>,
+    /// Addresses the verifier locked out lately: refused without asking it again.
+    lockouts: Lockouts,
 }
 
 impl Authenticator {
@@ -132,6 +135,7 @@ impl Authenticator {
             next_id: AtomicU64::new(0),
             max_streams_per_account,
             registry: Mutex::new(Registry::default()),
+            lockouts: Lockouts::default(),
         })
     }
 
@@ -141,7 +145,7 @@ impl Authenticator {
             if self.allow_anonymous {
                 return Ok(Caller {
                     account: Arc::from(ANONYMOUS_ACCOUNT),
-                    agent: format!("anonymous:{}", peer_address(peer)),
+                    agent: format!("anonymous:{}", address_of(peer)),
                     key_id: None,
                     expires_at: None,
                 });
@@ -155,7 +159,20 @@ impl Authenticator {
                 "this relay has no token verifier: tokens cannot be checked",
             ));
         };
-        let principal = verifier.verify(token, peer.to_owned()).await?;
+        // A locked-out address is refused here, before its token crosses into the verifier.
+        let address = address_of(peer);
+        let digest = lockout::digest(&token);
+        if let Some(refusal) = self.lockouts.check(&address, &digest, Instant::now()) {
+            return Err(refusal);
+        }
+        let verified = verifier.verify(token, peer.to_owned()).await;
+        self.lockouts.answered(
+            &address,
+            &digest,
+            &verified.as_ref().map(|_| ()),
+            Instant::now(),
+        );
+        let principal = verified?;
         if let Some(expires_at) = principal.expires_at {
             if expires_at <= SystemTime::now() {
                 return Err(unauthenticated("token expired"));
@@ -320,13 +337,6 @@ impl Drop for StreamGuard {
 /// What rate limits count an anonymous caller by: the address of `peer` (`ip:port`), an IPv6
 /// peer's /64 (as the connection caps and the HTTP port's limits count it); `peer` itself when
 /// it is no socket address.
-fn peer_address(peer: &str) -> String {
-    match peer.parse::<std::net::SocketAddr>() {
-        Ok(addr) => crate::rules::client_key(addr.ip()).to_string(),
-        Err(_) => peer.to_owned(),
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

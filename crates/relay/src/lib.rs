@@ -11,7 +11,8 @@
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
 //! terminates TLS); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
 //! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
-//! who calls and the registry of live streams; `error` maps every refusal to a status once.
+//! who calls and the registry of live streams (`lockout` remembers the addresses its verifier
+//! locked out); `error` maps every refusal to a status once.
 // Denied, not forbidden: `memory` calls glibc's malloc_trim (one audited FFI call).
 #![deny(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod error;
 pub mod framing;
 pub mod group;
 pub mod health;
+mod lockout;
 pub mod log;
 pub mod members;
 mod memory;

@@ -220,3 +220,134 @@ async fn an_expired_token_ends_the_stream() {
         "{elapsed:?}"
     );
 }
+
+/// A verifier with the server's rule in small (`static/api/_ratelimit.py`): 5 failures per
+/// address, then RESOURCE_EXHAUSTED for 1 s, except for a token that worked; counts its calls.
+struct LockingVerify {
+    calls: std::sync::atomic::AtomicUsize,
+    failures: std::sync::Mutex<(usize, Option<Instant>)>,
+}
+
+impl static_relay::Verify for LockingVerify {
+    fn verify(
+        &self,
+        token: String,
+        peer: String,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<static_relay::Principal, static_relay::RelayError>,
+                > + Send,
+        >,
+    > {
+        use static_relay::RelayError;
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let answer = if token == "acme.good" {
+            FakeVerify.verify(token, peer)
+        } else {
+            let mut failures = self.failures.lock().unwrap();
+            let now = Instant::now();
+            if failures.1.is_some_and(|until| now < until) {
+                Box::pin(std::future::ready(Err(RelayError::ResourceExhausted {
+                    message: "too many failed authentications from this address".into(),
+                    retry_after_ms: 1000,
+                })))
+            } else {
+                failures.0 += 1;
+                if failures.0 >= 5 {
+                    *failures = (0, Some(now + Duration::from_secs(1)));
+                }
+                Box::pin(std::future::ready(Err(RelayError::Unauthenticated(
+                    "invalid token".into(),
+                ))))
+            }
+        };
+        // As the server's verifier does: an answer crosses threads, ~ a few hundred us.
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            answer.await
+        })
+    }
+}
+
+/// A flood of junk tokens from a locked-out address is refused by the relay itself, the
+/// verifier's own refusal replayed until it runs out, instead of each call crossing into the
+/// verifier (issue 27: 1.4k junk JWTs a second took a new relay call from 3.6 to 38 ms); a
+/// token that worked from there is still asked about and served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_locked_out_address_is_refused_without_asking_the_verifier() {
+    use static_relay::Verify;
+    let verifier = Arc::new(LockingVerify {
+        calls: Default::default(),
+        failures: Default::default(),
+    });
+    let relay = Relay::start_with(|_| {}, Some(Arc::clone(&verifier) as Arc<dyn Verify>)).await;
+    let mut client = relay.client().await;
+    let create = |token: &str| {
+        authed(
+            pb::CreateChannelRequest {
+                channel: "acme/agents/x".into(),
+                ..Default::default()
+            },
+            token,
+        )
+    };
+    // The good token works once (so it is known), then the flood: 400 junk calls, 16 at once.
+    let good = client
+        .create_channel(create("acme.good"))
+        .await
+        .unwrap_err();
+    assert_eq!(good.code(), Code::InvalidArgument, "{good:?}"); // past auth: no group_info
+    let started = Instant::now();
+    let mut codes = std::collections::HashMap::<Code, usize>::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..400 {
+        let mut client = client.clone();
+        let request = create(&format!("junk{i}.x.y.z"));
+        tasks.spawn(async move { client.create_channel(request).await.unwrap_err() });
+        if tasks.len() >= 16 {
+            let refused = tasks.join_next().await.unwrap().unwrap();
+            *codes.entry(refused.code()).or_default() += 1;
+        }
+    }
+    while let Some(refused) = tasks.join_next().await {
+        *codes.entry(refused.unwrap().code()).or_default() += 1;
+    }
+    let elapsed = started.elapsed();
+    let asked = verifier.calls.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(codes.values().sum::<usize>(), 400);
+    assert!(codes[&Code::ResourceExhausted] >= 300, "{codes:?}");
+    // Without the memo every one of the 401 calls is asked about. With it: the 5 failures of
+    // each lockout, a probe or so per second, and the calls in flight when a lockout began.
+    let bound = 1 + (5 + 16 + 2) * (elapsed.as_secs() as usize + 1);
+    assert!(
+        asked <= bound,
+        "{asked} verifier calls in {elapsed:?}: {codes:?}"
+    );
+    // The relay's refusal is the verifier's, with its retry-after.
+    let refused = client
+        .create_channel(create("junk.x.y.z"))
+        .await
+        .unwrap_err();
+    assert_status(
+        &refused,
+        Code::ResourceExhausted,
+        "too many failed authentications from this address",
+    );
+    let wait: u64 = trailer(&refused, "static-retry-after-ms")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(wait, 1000);
+    // The good token from the same address is still asked about, and served.
+    let before = verifier.calls.load(std::sync::atomic::Ordering::SeqCst);
+    let good = client
+        .create_channel(create("acme.good"))
+        .await
+        .unwrap_err();
+    assert_eq!(good.code(), Code::InvalidArgument, "{good:?}");
+    assert_eq!(
+        verifier.calls.load(std::sync::atomic::Ordering::SeqCst),
+        before + 1
+    );
+}
