@@ -27,6 +27,12 @@ use crate::verify_pool::{PoolError, VerifyPool, RETRY_AFTER};
 /// start).
 const CREATE_BURST_SECONDS: f64 = 10.0;
 
+/// The largest GroupInfo, and the largest ratchet tree, of a new channel. Its group holds its
+/// creator alone: the SDK's are ~0.3 KiB each (a leaf is ~180 bytes), so 64 KiB leaves room
+/// for a long identity and extensions, and bounds what the parse of a refused tree costs (a
+/// 1 MiB tree of 5,857 copies of one leaf was parsed whole before it was refused).
+pub(crate) const MAX_NEW_GROUP_BYTES: usize = 64 * 1024;
+
 /// How long one charged claim covers further creates of the same account in the same org
 /// while the first create is still on its way to the store: the claim budget's window.
 const CLAIM_COVERS: Duration = Duration::from_secs(60);
@@ -170,10 +176,11 @@ pub(super) async fn create_channel(
             "binding is required: the creator's leaf binding (LeafBinding)".to_owned(),
         )
     })?;
-    let limit = inner.settings.max_message_bytes;
+    let limit = inner.settings.max_message_bytes.min(MAX_NEW_GROUP_BYTES);
     if request.group_info.len() > limit || request.ratchet_tree.len() > limit {
         return Err(RelayError::resource_exhausted(format!(
-            "group state larger than {limit} bytes"
+            "group state larger than {limit} bytes (a new channel's group holds its creator \
+             alone)"
         )));
     }
     let gate = &inner.gate;
