@@ -6,8 +6,8 @@
 //! At 9b2be07 CreateChannel built the group (every leaf's signature) before anything else was
 //! looked at, inline on a tokio worker: a 1 MiB tree of 6,472 leaves cost 305-372 ms of CPU
 //! and then was refused, and two loops of it took another account's round trip from 2.9 ms to
-//! 250 ms (issue 27). Now such a tree is refused after a parse (a new group holds its creator
-//! alone), and what is verified runs in the pool.
+//! 250 ms (issue 27). Now such a tree is refused by its size, unparsed, and a smaller crowded
+//! one after a parse (a new group holds its creator alone); what is verified runs in the pool.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
