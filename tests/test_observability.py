@@ -134,6 +134,9 @@ def test_json_logs_record_refusals_with_ids_and_never_a_secret(
     relay = [r for r in records if r["logger"] == "static.relay.access"]
     assert [r["level"] for r in relay] == ["info"]
     assert relay[0]["message"].startswith("GetRetention UNAUTHENTICATED")
+    # The gRPC message readable and quoted, not percent-encoded as on the wire.
+    line = relay[0]["message"]
+    assert ' message="' in line and line.endswith('"') and "%20" not in line, line
 
 
 def api_key_id(access: list[dict[str, Any]], secret: str) -> str:

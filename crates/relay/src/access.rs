@@ -140,20 +140,17 @@ impl CallRecord {
         } else {
             0
         };
-        // grpc-message is percent-encoded and may be long: cut, never decoded into the log.
-        let message: String = message.chars().take(200).collect();
         ::log::log!(
             target: ACCESS_LOG,
             level,
-            "{} {} {:.3}ms peer={} account={} key={}{}{}{}",
+            "{} {} {:.3}ms peer={} account={} key={}{}{}",
             self.method,
             label,
             elapsed.as_secs_f64() * 1000.0,
             self.peer,
             account,
             key,
-            if message.is_empty() { "" } else { " message=" },
-            message,
+            Message(message),
             Suppressed(suppressed),
         );
     }
@@ -169,6 +166,54 @@ impl Drop for CallRecord {
 /// `ip` of an `ip:port` (the whole text when it has no port).
 fn peer_address(peer: &str) -> &str {
     peer.rsplit_once(':').map_or(peer, |(ip, _)| ip)
+}
+
+/// A call's `grpc-message` as the line shows it: ` message="..."`, decoded from the wire's
+/// percent-encoding (gRPC's HTTP/2 protocol: `%XX` of UTF-8) so that an operator reads
+/// `invalid channel name: ''` rather than `invalid%20channel%20name...`, cut to
+/// [`MESSAGE_CHARS`] and quoted with Rust's escapes (a peer's text cannot forge a line break or
+/// a field); nothing when the message is empty.
+struct Message<'a>(&'a str);
+
+/// The longest message a line shows, in characters (the relay's own are under 200).
+const MESSAGE_CHARS: usize = 200;
+
+impl std::fmt::Display for Message<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return Ok(());
+        }
+        let decoded = percent_decode(self.0);
+        let shown: String = decoded.chars().take(MESSAGE_CHARS).collect();
+        write!(f, " message={shown:?}")
+    }
+}
+
+/// `text` with each `%XX` (two hex digits) replaced by its byte, read as UTF-8 (lossily); any
+/// other `%` is kept.
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| char::from(b).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                // Two hex digits: at most 0xff.
+                out.push(u8::try_from(high * 16 + low).unwrap_or(b'?'));
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Shows " (N similar lines suppressed)" after a line, nothing for 0.
@@ -267,6 +312,26 @@ pub(crate) fn line_budget() -> &'static LineBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_are_shown_readable_and_quoted() {
+        let shown = |m: &str| Message(m).to_string();
+        assert_eq!(
+            shown("invalid%20channel%20name:%20''"),
+            " message=\"invalid channel name: ''\""
+        );
+        assert_eq!(shown(""), "");
+        // UTF-8 decoded; a stray or short % kept; a peer's line break and quote escaped.
+        assert_eq!(shown("caf%C3%A9 100% %4"), " message=\"café 100% %4\"");
+        assert_eq!(
+            shown("a%0Aaccount=admin%22"),
+            " message=\"a\\naccount=admin\\\"\""
+        );
+        assert_eq!(
+            shown(&"x".repeat(5000)).len(),
+            " message=\"\"".len() + MESSAGE_CHARS
+        );
+    }
 
     #[test]
     fn lines_are_held_back_per_key_and_counted() {
