@@ -14,9 +14,10 @@ use openmls_traits::signatures::Signer;
 use rusqlite::Connection;
 
 use crate::crypto::{Ed25519Signer, StaticCrypto};
-use crate::engine::{Engine, CIPHERSUITE};
+use crate::engine::Engine;
 use crate::error::{Error, InternalError, Result};
 use crate::store::{JsonCodec, Provider};
+use crate::suite::CIPHERSUITE;
 
 fn internal(e: impl std::fmt::Debug) -> Error {
     InternalError::Bench {

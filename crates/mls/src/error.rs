@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use openmls::prelude::Ciphersuite;
 
-use crate::engine::{CIPHERSUITE, MAX_INPUT_LEN};
 use crate::store::StoreError;
+use crate::suite::{CIPHERSUITE, MAX_INPUT_LEN};
 
 /// Which subsystem failed, by the error table (docs/sdk.md, Errors): it picks the prefix of the
 /// message and the Python class. The network's kinds (transport, auth) are `static-client`'s.

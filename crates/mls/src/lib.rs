@@ -17,13 +17,14 @@ pub mod crypto;
 pub mod engine;
 pub mod error;
 pub mod outbox;
+mod schema;
 pub mod storage;
 pub mod store;
+pub mod suite;
 
 pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
 pub use engine::{
     AddMemberOutput, Applied, Engine, Incoming, LeafBinding, LogEntry, Member, PublicState,
-    CIPHERSUITE, PAST_EPOCHS, WIRE_FORMAT_POLICY,
 };
 pub use error::{
     AddMemberError, CommitError, CreateGroupError, EncryptError, Error, ErrorKind, ExportError,
@@ -32,6 +33,7 @@ pub use error::{
 };
 pub use outbox::Outgoing;
 pub use store::Cursor;
+pub use suite::{CIPHERSUITE, PAST_EPOCHS, WIRE_FORMAT_POLICY};
 
 /// The crate version, reported by `static._native.__version__`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -15,8 +15,6 @@
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::engine::Engine;
-use crate::error::Result;
 use crate::store::StoreError;
 
 /// One message of the outbox.
@@ -33,44 +31,22 @@ pub struct Outgoing {
     pub recorded_ms: u64,
 }
 
-/// Creates the outbox's tables (idempotent; part of opening the store). A message's row is
-/// keyed by its channel and place, with no other index and no count updated per message, so
-/// that recording a batch writes few pages beside the ratchet's.
-pub(crate) fn create_tables(conn: &Connection) -> rusqlite::Result<()> {
-    conn.execute_batch(
-        "CREATE TABLE IF NOT EXISTS static_outbox (
-             name TEXT NOT NULL REFERENCES static_groups(name) ON DELETE CASCADE,
-             id INTEGER NOT NULL,
-             epoch INTEGER NOT NULL,
-             message BLOB NOT NULL,
-             recorded_ms INTEGER NOT NULL,
-             PRIMARY KEY (name, id)
-         ) WITHOUT ROWID;
-         -- The last place each channel's outbox settled (deleted up to): with the places
-         -- still in the outbox, how many messages it ever recorded.
-         CREATE TABLE IF NOT EXISTS static_outbox_settled (
-             name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
-             upto INTEGER NOT NULL
-         );",
-    )
-}
-
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
-fn to_u64(v: i64) -> u64 {
+pub(crate) fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
-fn to_i64(v: u64) -> i64 {
+pub(crate) fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// How many messages the channel's outbox ever recorded: its last place.
-fn recorded(conn: &Connection, name: &str) -> Result<i64, StoreError> {
+pub(crate) fn recorded(conn: &Connection, name: &str) -> Result<i64, StoreError> {
     let kept: Option<i64> = conn
         .prepare_cached("SELECT max(id) FROM static_outbox WHERE name = ?1")?
         .query_row([name], |row| row.get(0))?;
@@ -82,7 +58,7 @@ fn recorded(conn: &Connection, name: &str) -> Result<i64, StoreError> {
 }
 
 /// Records `messages` (encrypted at `epoch`) at `places` of the channel's outbox.
-fn push(
+pub(crate) fn push(
     conn: &Connection,
     name: &str,
     places: &[i64],
@@ -108,7 +84,7 @@ fn push(
 }
 
 /// Replaces the bytes of the channel's outbox message `id` (encrypted again at `epoch`).
-fn replace(
+pub(crate) fn replace(
     conn: &Connection,
     name: &str,
     id: i64,
@@ -123,7 +99,7 @@ fn replace(
 }
 
 /// The channel's outbox, oldest first.
-fn list(conn: &Connection, name: &str) -> Result<Vec<Outgoing>, StoreError> {
+pub(crate) fn list(conn: &Connection, name: &str) -> Result<Vec<Outgoing>, StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT id, epoch, message, recorded_ms FROM static_outbox WHERE name = ?1 ORDER BY id",
     )?;
@@ -141,7 +117,7 @@ fn list(conn: &Connection, name: &str) -> Result<Vec<Outgoing>, StoreError> {
 /// Deletes the channel's outbox messages up to `upto`, remembering that place. Without
 /// `secure_delete`: the rows are ciphertexts the relay has, and zeroing their pages doubled what
 /// a batch wrote.
-fn settle(conn: &Connection, name: &str, upto: i64) -> Result<(), StoreError> {
+pub(crate) fn settle(conn: &Connection, name: &str, upto: i64) -> Result<(), StoreError> {
     conn.pragma_update(None, "secure_delete", false)?;
     let deleted = conn
         .prepare_cached("DELETE FROM static_outbox WHERE name = ?1 AND id <= ?2")
@@ -154,156 +130,4 @@ fn settle(conn: &Connection, name: &str, upto: i64) -> Result<(), StoreError> {
     )?
     .execute((name, upto))?;
     Ok(())
-}
-
-impl Engine {
-    /// Encrypts `payloads` (in order, at the group's current epoch) and records them at
-    /// `places` of the channel's outbox (places the caller numbers on from
-    /// [`Engine::outbox_recorded`]), in one transaction that does not wait for the disk: the
-    /// caller MUST call [`Engine::sync_before_send`] before a message leaves the process (see
-    /// [`Engine::encrypt_many_unsynced`]). Once this returns, the messages survive the process
-    /// being killed.
-    /// `settled`: a place up to which the relay settled the outbox since, deleted in the
-    /// same transaction (see [`Engine::outbox_settled`]), which saves one per batch.
-    pub fn encrypt_to_outbox(
-        &self,
-        channel: &str,
-        settled: Option<i64>,
-        places: &[i64],
-        payloads: &[&[u8]],
-    ) -> Result<Vec<Outgoing>> {
-        self.encrypt_then(channel, payloads, false, |conn, epoch, messages| {
-            if let Some(upto) = settled {
-                settle(conn, channel, upto)?;
-            }
-            Ok(push(conn, channel, places, epoch, messages)?)
-        })
-    }
-
-    /// Encrypts again, at the group's current epoch, the outbox messages `ids` (whose
-    /// plaintexts are `payloads`), replacing their bytes in one transaction (unsynced, as
-    /// [`Engine::encrypt_to_outbox`]); their new values, ids unchanged.
-    pub fn reencrypt_outbox(
-        &self,
-        channel: &str,
-        ids: &[i64],
-        payloads: &[&[u8]],
-    ) -> Result<Vec<Outgoing>> {
-        self.encrypt_then(channel, payloads, false, |conn, epoch, messages| {
-            let recorded_ms = to_u64(now_ms());
-            ids.iter()
-                .zip(messages)
-                .map(|(&id, message)| {
-                    replace(conn, channel, id, epoch, &message)?;
-                    Ok(Outgoing {
-                        id,
-                        epoch,
-                        message,
-                        recorded_ms,
-                    })
-                })
-                .collect()
-        })
-    }
-
-    /// The channel's outbox, oldest first.
-    pub fn outbox(&self, channel: &str) -> Result<Vec<Outgoing>> {
-        self.with_db(|db| Ok(list(&db.conn, channel)?))
-    }
-
-    /// Deletes the channel's outbox messages up to `upto_id` (the relay settled them), in a
-    /// light transaction: a power loss may bring them back, and they are then sent again
-    /// (the relay's idempotency answers for them).
-    pub fn outbox_settled(&self, channel: &str, upto_id: i64) -> Result<()> {
-        self.with_db(|db| db.light_transaction(|conn| Ok(settle(conn, channel, upto_id)?)))
-    }
-
-    /// The last place the channel's outbox recorded or settled (every
-    /// [`Engine::encrypt_to_outbox`] that returned, as far as the disk kept it).
-    pub fn outbox_recorded(&self, channel: &str) -> Result<u64> {
-        self.with_db(|db| Ok(to_u64(recorded(&db.conn, channel)?)))
-    }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-    use crate::bench_support::two_member_group;
-
-    const CH: &str = "test/outbox/channel";
-
-    #[test]
-    fn recorded_messages_survive_a_reopening_in_order_until_settled() {
-        let dir = tempfile::tempdir().unwrap();
-        let (a_dir, b_dir) = (dir.path().join("a"), dir.path().join("b"));
-        let ids = {
-            let a = Engine::open(&a_dir, b"alice").unwrap();
-            let b = Engine::open(&b_dir, b"bob").unwrap();
-            two_member_group(&a, &b, CH).unwrap();
-            let first = a
-                .encrypt_to_outbox(CH, None, &[1, 2], &[b"one", b"two"])
-                .unwrap();
-            let second = a.encrypt_to_outbox(CH, None, &[3], &[b"three"]).unwrap();
-            assert!(first[0].id < first[1].id && first[1].id < second[0].id);
-            // The receiver reads what the outbox holds.
-            for (m, want) in first
-                .iter()
-                .chain(&second)
-                .zip([&b"one"[..], b"two", b"three"])
-            {
-                match b.process_incoming(CH, &m.message).unwrap() {
-                    crate::Incoming::Application { payload, .. } => assert_eq!(payload, want),
-                    other => panic!("unexpected {other:?}"),
-                }
-            }
-            [first[0].id, first[1].id, second[0].id]
-        };
-        let a = Engine::open(&a_dir, b"alice").unwrap();
-        let kept: Vec<i64> = a.outbox(CH).unwrap().iter().map(|m| m.id).collect();
-        assert_eq!(kept, ids);
-        assert_eq!(a.outbox_recorded(CH).unwrap(), 3);
-        a.outbox_settled(CH, ids[1]).unwrap();
-        let kept: Vec<i64> = a.outbox(CH).unwrap().iter().map(|m| m.id).collect();
-        assert_eq!(kept, [ids[2]]);
-        // The count covers every message recorded, settled or not.
-        assert_eq!(a.outbox_recorded(CH).unwrap(), 3);
-        a.outbox_settled(CH, ids[2]).unwrap();
-        assert!(a.outbox(CH).unwrap().is_empty());
-        assert_eq!(a.outbox_recorded(CH).unwrap(), 3);
-        // What was settled meanwhile goes with the next batch's transaction.
-        let next = a.encrypt_to_outbox(CH, Some(3), &[4], &[b"four"]).unwrap();
-        let kept: Vec<i64> = a.outbox(CH).unwrap().iter().map(|m| m.id).collect();
-        assert_eq!(kept, [next[0].id]);
-    }
-
-    #[test]
-    fn a_failed_encryption_records_nothing() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = Engine::open(dir.path().join("a"), b"alice").unwrap();
-        a.create_group(CH).unwrap();
-        let too_large = vec![0; crate::engine::MAX_INPUT_LEN + 1];
-        assert!(a
-            .encrypt_to_outbox(CH, None, &[1, 2], &[b"ok", &too_large])
-            .is_err());
-        assert!(a.outbox(CH).unwrap().is_empty());
-        assert_eq!(a.outbox_recorded(CH).unwrap(), 0);
-    }
-
-    #[test]
-    fn messages_encrypted_again_keep_their_place() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = Engine::open(dir.path().join("a"), b"alice").unwrap();
-        a.create_group(CH).unwrap();
-        let first = a
-            .encrypt_to_outbox(CH, None, &[1, 2], &[b"one", b"two"])
-            .unwrap();
-        let again = a.reencrypt_outbox(CH, &[first[1].id], &[b"two"]).unwrap();
-        assert_eq!(again[0].id, first[1].id);
-        assert_ne!(again[0].message, first[1].message);
-        let kept = a.outbox(CH).unwrap();
-        assert_eq!(kept.len(), 2);
-        assert_eq!(kept[1].message, again[0].message);
-        assert_eq!(a.outbox_recorded(CH).unwrap(), 2);
-    }
 }

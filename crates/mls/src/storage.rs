@@ -21,7 +21,7 @@
 //! # Only what changed
 //!
 //! OpenMLS's message-secrets record (`MessageSecretsStore`) holds the current epoch's secret
-//! tree and, for each of the [`crate::engine::PAST_EPOCHS`] past epochs kept, its secret tree
+//! tree and, for each of the [`crate::suite::PAST_EPOCHS`] past epochs kept, its secret tree
 //! *and the whole member list of that epoch*. At N=512, after a few commits, that is 218 KB,
 //! rewritten (and encoded) on every message: the per-message cost grew with the group
 //! (encrypt 0.30 ms at N=2, 1.12 ms at N=512). Yet a message of the current epoch changes only
@@ -45,7 +45,24 @@ use openmls_sqlite_storage::SqliteStorageProvider;
 use openmls_traits::storage::{traits, StorageProvider, CURRENT_VERSION};
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::store::JsonCodec;
+use openmls_sqlite_storage::Codec;
+
+/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
+/// message secrets are the exception (see [`crate::storage`]).
+#[derive(Default)]
+pub struct JsonCodec;
+
+impl Codec for JsonCodec {
+    type Error = serde_json::Error;
+
+    fn to_vec<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, Self::Error> {
+        serde_json::to_vec(value)
+    }
+
+    fn from_slice<T: serde::de::DeserializeOwned>(slice: &[u8]) -> Result<T, Self::Error> {
+        serde_json::from_slice(slice)
+    }
+}
 
 #[derive(Default)]
 enum Deferral {
@@ -108,17 +125,6 @@ pub const BINARY_TAG: &[u8] = b"\0static-postcard-1\0";
 /// Starts the current-epoch part of message secrets stored in two parts (see the module docs);
 /// the rest is in `static_message_secrets_past`.
 pub const SPLIT_TAG: &[u8] = b"\0static-postcard-split-1\0";
-
-/// The table of the past part of split message secrets, keyed like OpenMLS's rows.
-const CREATE_PAST_TABLE: &str = "CREATE TABLE IF NOT EXISTS static_message_secrets_past (
-         group_id BLOB PRIMARY KEY,
-         data BLOB NOT NULL
-     )";
-
-/// Creates the table this module adds to OpenMLS's (idempotent).
-pub fn create_tables(conn: &Connection) -> Result<(), rusqlite::Error> {
-    conn.execute_batch(CREATE_PAST_TABLE)
-}
 
 /// The binary encoding of a record (see the module docs).
 fn encode_binary<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, rusqlite::Error> {
@@ -1110,7 +1116,7 @@ mod tests {
         SqliteStorageProvider::<JsonCodec, &mut Connection>::new(&mut conn)
             .run_migrations()
             .unwrap();
-        create_tables(&conn).unwrap();
+        crate::schema::create_tables(&conn).unwrap();
         conn
     }
 

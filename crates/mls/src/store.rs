@@ -50,7 +50,7 @@ use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 
 use openmls_rust_crypto::RustCrypto;
-use openmls_sqlite_storage::{Codec, SqliteStorageProvider};
+use openmls_sqlite_storage::SqliteStorageProvider;
 use openmls_traits::crypto::OpenMlsCrypto;
 use openmls_traits::random::OpenMlsRand;
 use openmls_traits::OpenMlsProvider;
@@ -125,24 +125,7 @@ impl StoreError {
     }
 }
 
-/// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
-/// message secrets are the exception (see [`crate::storage`]).
-#[derive(Default)]
-pub struct JsonCodec;
-
-impl Codec for JsonCodec {
-    type Error = serde_json::Error;
-
-    fn to_vec<T: serde::Serialize>(value: &T) -> Result<Vec<u8>, Self::Error> {
-        serde_json::to_vec(value)
-    }
-
-    fn from_slice<T: serde::de::DeserializeOwned>(slice: &[u8]) -> Result<T, Self::Error> {
-        serde_json::from_slice(slice)
-    }
-}
-
-pub use crate::storage::Storage;
+pub use crate::storage::{JsonCodec, Storage};
 
 /// An OpenMLS provider over one borrowed connection, built per call (cheap). `C` is the crypto
 /// (and randomness) provider: the engine's [`crate::crypto::StaticCrypto`], or plain
@@ -588,77 +571,7 @@ impl Db {
         storage
             .run_migrations()
             .map_err(|e| StoreError::Migration(e.to_string()))?;
-        crate::storage::create_tables(&conn)?;
-        conn.execute_batch(
-            "CREATE TABLE IF NOT EXISTS static_identity (
-                 id INTEGER PRIMARY KEY CHECK (id = 0),
-                 identity BLOB NOT NULL,
-                 signature_public_key BLOB NOT NULL
-             );
-             CREATE TABLE IF NOT EXISTS static_groups (
-                 name TEXT PRIMARY KEY
-             );
-             CREATE TABLE IF NOT EXISTS static_pending_commits (
-                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
-                 commit_bytes BLOB NOT NULL
-             );
-             -- Where each channel stands in the relay's log: `seq` is the last entry applied
-             -- (NULL: none yet, subscribe from the start of `join_epoch`). Written in the same
-             -- transaction as the MLS state change the entry caused.
-             CREATE TABLE IF NOT EXISTS static_cursors (
-                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
-                 seq INTEGER,
-                 join_epoch INTEGER NOT NULL DEFAULT 0
-             );
-             -- Decrypted application messages not yet handed to the caller. MLS deletes a
-             -- message key once used, so a plaintext only held in memory would be lost by a
-             -- crash: it is stored with the state change that decrypted it. Not tied to the
-             -- group: what arrived before a removal can still be read.
-             CREATE TABLE IF NOT EXISTS static_inbox (
-                 id INTEGER PRIMARY KEY AUTOINCREMENT,
-                 name TEXT NOT NULL,
-                 seq INTEGER NOT NULL,
-                 sender BLOB NOT NULL,
-                 payload BLOB NOT NULL,
-                 epoch INTEGER NOT NULL DEFAULT 0,
-                 account TEXT
-             );
-             CREATE INDEX IF NOT EXISTS static_inbox_by_name ON static_inbox (name, id);
-             -- The engine's last opening: the kernel's boot id then (NULL: unknown, every send
-             -- was synced) and whether it was closed cleanly (see `Engine::open`).
-             CREATE TABLE IF NOT EXISTS static_session (
-                 id INTEGER PRIMARY KEY CHECK (id = 0),
-                 boot_id TEXT,
-                 clean INTEGER NOT NULL
-             );
-             -- Groups in which we must not encrypt until a commit of ours moved them to a new
-             -- epoch: after the machine went down, sends not yet on disk may have been lost.
-             CREATE TABLE IF NOT EXISTS static_fresh_epoch_needed (
-                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
-             );",
-        )?;
-        crate::outbox::create_tables(&conn)?;
-        // Inboxes of an older version: the message's epoch and the publishing account came later
-        // (an old row reads as epoch 0, account unknown).
-        for (column, ddl) in [
-            (
-                "epoch",
-                "ALTER TABLE static_inbox ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
-            ),
-            (
-                "account",
-                "ALTER TABLE static_inbox ADD COLUMN account TEXT",
-            ),
-        ] {
-            let present: bool = conn.query_row(
-                "SELECT count(*) > 0 FROM pragma_table_info('static_inbox') WHERE name = ?1",
-                [column],
-                |row| row.get(0),
-            )?;
-            if !present {
-                conn.execute_batch(ddl)?;
-            }
-        }
+        crate::schema::create_tables(&conn)?;
         check_identity_file(data_dir, &path, read_identity(&conn)?)?;
         // After the schema exists: the checkpointer's connection needs the database in WAL mode.
         let checkpointer = Checkpointer::start(&path)?;
@@ -1038,17 +951,6 @@ pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result
     Ok(to_u64(n))
 }
 
-const INBOX_SLOTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS static_inbox_slots (
-         name TEXT PRIMARY KEY,
-         slot INTEGER NOT NULL UNIQUE
-     );
-     -- The hand-out marks file's own id, as the client recorded it (see `static-client`):
-     -- from then on the file must be there, with that id, and a mark for every slot.
-     CREATE TABLE IF NOT EXISTS static_inbox_marks (
-         id INTEGER PRIMARY KEY CHECK (id = 0),
-         file_id BLOB NOT NULL
-     );";
-
 /// The channel's slot in the hand-out marks file (see `static-client`), assigned on first use
 /// and kept for good. A new slot is given to `init` (which writes its first mark) before it is
 /// recorded, so every recorded slot has a mark: a slot of the file without one is damage.
@@ -1057,7 +959,7 @@ pub fn inbox_slot(
     name: &str,
     init: impl FnOnce(u64) -> Result<(), StoreError>,
 ) -> Result<u64, StoreError> {
-    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    conn.execute_batch(crate::schema::INBOX_SLOTS_TABLE)?;
     let known: Option<i64> = conn
         .query_row(
             "SELECT slot FROM static_inbox_slots WHERE name = ?1",
@@ -1084,7 +986,7 @@ pub fn inbox_slot(
 /// How many slots the hand-out marks file has (see [`inbox_slot`]), and the file's id if the
 /// client recorded one ([`record_inbox_marks`]).
 pub fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreError> {
-    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    conn.execute_batch(crate::schema::INBOX_SLOTS_TABLE)?;
     let slots: i64 = conn.query_row(
         "SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots",
         [],
@@ -1102,7 +1004,7 @@ pub fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreErr
 
 /// Records the id of the hand-out marks file (see [`inbox_marks`]).
 pub fn record_inbox_marks(conn: &Connection, file_id: &[u8]) -> Result<(), StoreError> {
-    conn.execute_batch(INBOX_SLOTS_TABLE)?;
+    conn.execute_batch(crate::schema::INBOX_SLOTS_TABLE)?;
     conn.execute(
         "INSERT OR REPLACE INTO static_inbox_marks (id, file_id) VALUES (0, ?1)",
         [file_id],

@@ -1,0 +1,117 @@
+//! Making groups: a key package for others to add us with, a new group, joining by Welcome.
+
+use super::*;
+
+/// Why a Welcome is refused, in words: above all, a Welcome for someone else's key package.
+fn welcome_error<S: std::fmt::Debug + std::fmt::Display>(err: WelcomeError<S>) -> JoinError {
+    match err {
+        WelcomeError::NoMatchingKeyPackage => JoinError::NotForUs,
+        err => JoinError::Invalid {
+            detail: openmls_detail(&err),
+        },
+    }
+}
+
+impl Engine {
+    /// A fresh key package (an `MLSMessage`), its private keys stored until a Welcome uses it.
+    pub fn generate_key_package(&self) -> Result<Vec<u8>> {
+        let db = lock(&self.db);
+        db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let bundle = KeyPackage::builder()
+                .build(
+                    CIPHERSUITE,
+                    &provider,
+                    &self.signer,
+                    self.credential.clone(),
+                )
+                .map_err(|e| KeyPackageError::Create {
+                    detail: openmls_detail(&e),
+                })?;
+            serialize(&MlsMessageOut::from(bundle.key_package().clone()))
+        })
+    }
+
+    /// Creates the group of `channel` (group id = the name's UTF-8 bytes) with us as its only
+    /// member, at epoch 0.
+    pub fn create_group(&self, channel: &str) -> Result<()> {
+        validate_channel_name(channel)?;
+        let slot = self.new_slot(channel)?;
+        let slot = lock(&slot);
+        let db = lock(&self.db);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let group = MlsGroup::new_with_group_id(
+                &provider,
+                &self.signer,
+                &create_config(),
+                group_id_of(channel),
+                self.credential.clone(),
+            )
+            .map_err(|e| CreateGroupError::Create {
+                channel: channel.to_owned(),
+                detail: openmls_detail(&e),
+            })?;
+            store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::After(0))?;
+            Ok::<_, Error>(group)
+        });
+        self.install_group(slot, channel, group)
+    }
+
+    /// Joins `channel` from a Welcome (an `MLSMessage`, or a bare Welcome) that must be for
+    /// that channel and carry the ratchet tree.
+    pub fn join_group(&self, channel: &str, welcome: &[u8]) -> Result<()> {
+        validate_channel_name(channel)?;
+        check_len(welcome, JoinError::Empty, |len| JoinError::TooLarge { len })?;
+        let welcome = match MlsMessageIn::tls_deserialize_exact(welcome) {
+            Ok(msg) => match msg.extract() {
+                MlsMessageBodyIn::Welcome(w) => w,
+                _ => return Err(JoinError::NotAWelcome.into()),
+            },
+            Err(_) => {
+                Welcome::tls_deserialize_exact(welcome).map_err(|e| JoinError::Malformed {
+                    detail: decode_detail(&e),
+                })?
+            }
+        };
+        if welcome.ciphersuite() != CIPHERSUITE {
+            return Err(JoinError::Ciphersuite {
+                found: welcome.ciphersuite(),
+            }
+            .into());
+        }
+        let slot = self.new_slot(channel)?;
+        let slot = lock(&slot);
+        let db = lock(&self.db);
+        let expected = group_id_of(channel);
+        let group = db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let wrong_channel = |group: &GroupId| JoinError::WrongChannel {
+                group: String::from_utf8_lossy(group.as_slice()).into_owned(),
+                channel: channel.to_owned(),
+            };
+            let processed = ProcessedWelcome::new_from_welcome(&provider, &join_config(), welcome)
+                .map_err(welcome_error)?;
+            let claimed = processed.unverified_group_info().group_id().clone();
+            if claimed != expected {
+                return Err(wrong_channel(&claimed).into());
+            }
+            let staged = processed
+                .into_staged_welcome(&provider, None)
+                .map_err(welcome_error)?;
+            if staged.group_context().group_id() != &expected {
+                return Err(wrong_channel(staged.group_context().group_id()).into());
+            }
+            let group = staged
+                .into_group(&provider)
+                .map_err(|e| JoinError::Invalid {
+                    detail: openmls_detail(&e),
+                })?;
+            store::insert_group(conn, channel)?;
+            store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
+            Ok(group)
+        });
+        self.install_group(slot, channel, group)
+    }
+}
