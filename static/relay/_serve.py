@@ -1,4 +1,4 @@
-"""``serve_relay``: the relay of ``static serve``, the Rust data plane (``static._native``'s
+"""``serve_relay``: the relay of ``static serve``, the Rust data plane (``static._native.relay``'s
 ``RelayServer``) driven from trio.
 
 The gRPC service, the channel logs and their group-committing writer run on a tokio runtime of
@@ -16,7 +16,7 @@ from functools import partial
 
 import trio
 
-from static._native import RelayServer
+from static._native.relay import RelayServer
 from static._settings import Address, ServerSettings
 from static.api import AuthFailureLimiter
 from static.auth import TokenVerifier
