@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from static._native import Engine
+from static._native.mls import Engine
 from tests.relay._generated import relay_pb2 as pb
 from tests.support.api import Api
 from tests.support.server import ServerProcess

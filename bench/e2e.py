@@ -18,7 +18,8 @@ SDK agents in separate processes (Alice sends, Bob receives), 1 KiB payloads. Me
 * round trip: Alice sends, Bob's agent answers from its ``messages()`` loop, Alice reads the
   answer: median and p99;
 * where a round trip's time goes: per-stage medians over a few hundred round trips, from the
-  timestamps the SDK keeps of each channel's latest message (``_native.Channel.timings``,
+  timestamps the SDK keeps of each channel's latest message
+  (``static._native.client.Channel.timings``,
   system clock, comparable across the two processes);
 * the machine's own floor, in the same run: a durable 4 KiB write and the wake-up of an idle
   process, each at a round trip's pace (one every millisecond). A round trip holds two durable

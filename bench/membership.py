@@ -13,7 +13,7 @@ One SDK client (identity ``creator``) creates ``bench/membership/group``. A seco
 (identity ``member``, in its own process) joins it at once and stays a live member: every
 commit is also received and applied by it (``--no-member`` leaves it out). The group is then
 grown, size by size in increasing order, with ``Channel.add_member`` (one commit each, through
-the relay) of synthetic key packages (``static._native._synthetic_key_packages``: throwaway
+the relay) of synthetic key packages (``static._native.bench.synthetic_key_packages``: throwaway
 identities ``member-<i>`` built like ``generate_key_package``'s, whose private keys are
 dropped; they never join). N counts every leaf: creator, live member and synthetic members.
 
@@ -40,7 +40,7 @@ of its commits (an add carries an update path too) encrypts the new path secrets
 leaf: N - 1 HPKE encryptions, the worst case of RFC 9420's tree. A group whose members also
 commit now and then fills those nodes in and costs less; this measures the bound.
 
-For reference, the same commits by the MLS engine alone (``static._native.Engine``: create +
+For reference, the same commits by the MLS engine alone (``static._native.mls.Engine``: create +
 merge, durable SQLite writes, no relay, no SDK) on a group of the same size built in one
 commit (``--no-engine`` skips it).
 
@@ -368,15 +368,16 @@ def measure_size(driver: Driver, joiner: object, size: Size, repeat: int, warmup
 
 def engine_reference(root: Path, size: Size, repeat: int, warmup: int) -> None:
     """The same commits by the MLS engine alone (create + merge; durable; no relay)."""
-    from static import _native
+    from static._native.bench import synthetic_key_packages
+    from static._native.mls import Engine
 
     channel = "bench/membership/engine"
-    creator = _native.Engine(root / f"engine-{size.n}", b"creator")
-    joiner = _native.Engine(root / f"engine-joiner-{size.n}", JOINER)
+    creator = Engine(root / f"engine-{size.n}", b"creator")
+    joiner = Engine(root / f"engine-joiner-{size.n}", JOINER)
     try:
         creator.create_group(channel)
         if size.n > 1:
-            creator.add_members(channel, _native._synthetic_key_packages(size.n - 1))
+            creator.add_members(channel, synthetic_key_packages(size.n - 1))
             creator.merge_pending_commit(channel)
         for i in range(warmup + repeat):
             key_package = joiner.generate_key_package()
@@ -439,6 +440,7 @@ def mlsrs_reference(size: Size, repeat: int, warmup: int) -> None:
 def run(args: argparse.Namespace, sizes: list[int], tmp: str) -> tuple[list[Size], list[float]]:
     import static
     from static import _native
+    from static._native.bench import synthetic_key_packages
     from static_sdk import StaticClient
 
     native_path = _native.__file__ or "?"
@@ -484,7 +486,7 @@ def run(args: argparse.Namespace, sizes: list[int], tmp: str) -> tuple[list[Size
             receiver.start()
             assert receiver.pid is not None
             pids["member"] = receiver.pid
-        filler = _native._synthetic_key_packages(max(sizes))
+        filler = synthetic_key_packages(max(sizes))
         with (
             StaticClient(server.relay_url, f"{tmp}/creator", b"creator") as client,
             StaticClient(server.relay_url, f"{tmp}/joiner", JOINER) as joiner,
@@ -505,7 +507,7 @@ def run(args: argparse.Namespace, sizes: list[int], tmp: str) -> tuple[list[Size
                 conn = ours
             print(
                 f"creator + {'live member (own process) + ' if conn else ''}synthetic members"
-                f" (key packages of static._native._synthetic_key_packages, added one by one"
+                f" (key packages of static._native.bench.synthetic_key_packages, added one by one"
                 f" with Channel.add_member); measured adds: fresh key packages of a real"
                 f" StaticClient, removed again after each add (N held)",
                 flush=True,
@@ -627,7 +629,7 @@ def report(results: list[Size], disk: list[float], args: argparse.Namespace) -> 
             f" {s.grow_s:>6.1f} {s.others_cores:>6.2f}"
         )
     print(
-        "engine = static._native.Engine alone (create the commit + merge it, durable SQLite"
+        "engine = static._native.mls.Engine alone (create the commit + merge it, durable SQLite"
         " writes; no relay, no SDK) on a group of the same size; mls-rs add = the same add by"
         " mls-rs (agentvault-mls-rs-uniffi, in memory: no disk) and its commit applied; CPU ="
         " this process's CPU time per add (all threads; without the disk's waits);"

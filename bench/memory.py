@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from static import _native
+from static._native.mls import Engine
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay.mls_vectors import sized_application
 from tests.support.server import ServerProcess
@@ -75,7 +75,7 @@ def create_channels(target: str, names: list[str]) -> None:
         response_deserializer=pb.CreateChannelResponse.FromString,
     )
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as directory:
-        engine = _native.Engine(directory, b"bench-memory")
+        engine = Engine(directory, b"bench-memory")
         try:
             for name in names:
                 engine.create_group(name)

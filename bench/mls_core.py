@@ -20,15 +20,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from static import _native
+from static._native.bench import (
+    ed25519_sign_verify_ns,
+    rust_encrypt_decrypt,
+    synthetic_key_packages,
+)
+from static._native.mls import Engine
 
 CH = "bench/mls/core"
 PAYLOAD = 1024
 
 
-def pair(root: Path, tag: str) -> tuple[_native.Engine, _native.Engine]:
-    a = _native.Engine(root / f"{tag}-a", b"alice")
-    b = _native.Engine(root / f"{tag}-b", b"bob")
+def pair(root: Path, tag: str) -> tuple[Engine, Engine]:
+    a = Engine(root / f"{tag}-a", b"alice")
+    b = Engine(root / f"{tag}-b", b"bob")
     a.create_group(CH)
     _, welcome = a.add_member(CH, b.generate_key_package())
     a.merge_pending_commit(CH)
@@ -36,7 +41,7 @@ def pair(root: Path, tag: str) -> tuple[_native.Engine, _native.Engine]:
     return a, b
 
 
-def python_loop(a: _native.Engine, b: _native.Engine, iterations: int) -> tuple[float, float]:
+def python_loop(a: Engine, b: Engine, iterations: int) -> tuple[float, float]:
     payload = bytes(PAYLOAD)
     messages: list[bytes] = []
     start = time.perf_counter_ns()
@@ -50,7 +55,7 @@ def python_loop(a: _native.Engine, b: _native.Engine, iterations: int) -> tuple[
 
 
 def per_message(root: Path, iterations: int, rounds: int = 3) -> None:
-    floor_ns = _native._bench_ed25519_sign_verify_ns(PAYLOAD, iterations)
+    floor_ns = ed25519_sign_verify_ns(PAYLOAD, iterations)
     # The same two engines for both loops, alternated, best round of each: the figures are
     # dominated by the fsync of each durable write, which is noisy.
     a, b = pair(root, "msg")
@@ -58,7 +63,7 @@ def per_message(root: Path, iterations: int, rounds: int = 3) -> None:
     py: list[tuple[float, float]] = []
     rust: list[tuple[float, float]] = []
     for _ in range(rounds):
-        rust.append(_native._bench_rust_encrypt_decrypt(a, b, CH, PAYLOAD, iterations))
+        rust.append(rust_encrypt_decrypt(a, b, CH, PAYLOAD, iterations))
         py.append(python_loop(a, b, iterations))
     a.close()
     b.close()
@@ -81,12 +86,12 @@ def per_message(root: Path, iterations: int, rounds: int = 3) -> None:
 EPOCHS_BEFORE = 6
 
 
-def static_group(root: Path, n: int) -> tuple[_native.Engine, _native.Engine]:
+def static_group(root: Path, n: int) -> tuple[Engine, Engine]:
     """A sender and a receiver in a group of ``n`` (the rest synthetic), EPOCHS_BEFORE epochs on."""
-    a = _native.Engine(root / f"n{n}-a", b"alice")
-    b = _native.Engine(root / f"n{n}-b", b"bob")
+    a = Engine(root / f"n{n}-a", b"alice")
+    b = Engine(root / f"n{n}-b", b"bob")
     a.create_group(CH)
-    key_packages = [b.generate_key_package(), *_native._synthetic_key_packages(n - 2)]
+    key_packages = [b.generate_key_package(), *synthetic_key_packages(n - 2)]
     _, welcome = a.add_members(CH, key_packages)
     a.merge_pending_commit(CH)
     b.join_group(CH, welcome)
@@ -128,7 +133,7 @@ def mlsrs_group(n: int) -> tuple[Any, Any] | None:
 Round = tuple[float, float]
 
 
-def static_round(pair: tuple[_native.Engine, _native.Engine], iterations: int) -> Round:
+def static_round(pair: tuple[Engine, Engine], iterations: int) -> Round:
     a, b = pair
     payload = bytes(PAYLOAD)
     start, cpu = time.perf_counter_ns(), time.thread_time_ns()
@@ -199,16 +204,16 @@ def message_sizes(root: Path, sizes: list[int], iterations: int, rounds: int = 5
 def group_sizes(root: Path, sizes: list[int], repeats: int) -> None:
     print("add-member commit and Welcome processing (group of N members adds one more)")
     for n in sizes:
-        creator = _native.Engine(root / f"size-{n}", b"creator")
+        creator = Engine(root / f"size-{n}", b"creator")
         creator.create_group(CH)
         if n > 1:
-            creator.add_members(CH, _native._synthetic_key_packages(n - 1))
+            creator.add_members(CH, synthetic_key_packages(n - 1))
             creator.merge_pending_commit(CH)
         commit_ms: list[float] = []
         welcome_ms: list[float] = []
         commit_size = welcome_size = 0
         for r in range(repeats):
-            joiner = _native.Engine(root / f"join-{n}-{r}", f"joiner-{r}".encode())
+            joiner = Engine(root / f"join-{n}-{r}", f"joiner-{r}".encode())
             kp = joiner.generate_key_package()
             start = time.perf_counter()
             commit, welcome = creator.add_member(CH, kp)

@@ -14,7 +14,7 @@ Sections (each a function below; ``--sections`` picks some, always in this order
   costs paid), right after the traffic (busy), at its peak (VmHWM) and after the idle wait;
   ratios against the start.
 * ``mls``: encrypt and decrypt of a 1 KiB application message at N = 2, 32, 128, 512 members,
-  by the MLS engine (``static._native.Engine``: durable, each call an fsync'd SQLite write) and
+  by the MLS engine (``static._native.mls.Engine``: durable, each call an fsync'd SQLite write) and
   by mls-rs (``mls_rs_uniffi``, the ``agentvault-mls-rs-uniffi`` package of the dev extra, its
   state in memory) in the same run: wall time, and this process's CPU time (what the calls
   compute, without the disk's waits, which dominate the wall time on a busy disk); ratios
@@ -72,6 +72,8 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from static import _native
+from static._native.bench import synthetic_key_packages
+from static._native.mls import Engine
 from static.store import relay_database, sqlite_url
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay.client import Relay
@@ -347,7 +349,7 @@ class Creator:
     its leaf bound to the anonymous account), as the relay requires."""
 
     def __init__(self, directory: Path) -> None:
-        self.engine = _native.Engine(directory, b"bench-scale")
+        self.engine = Engine(directory, b"bench-scale")
 
     def create(self, relay: Relay, channel: str) -> None:
         self.engine.create_group(channel)
@@ -539,12 +541,12 @@ class MlsRs:
         return group, joined
 
 
-def _pair(root: Path, n: int) -> tuple[_native.Engine, _native.Engine]:
+def _pair(root: Path, n: int) -> tuple[Engine, Engine]:
     """Two engines in a group of ``n`` (the others synthetic), made in one commit."""
-    a = _native.Engine(root / f"a-{n}", b"alice")
-    b = _native.Engine(root / f"b-{n}", b"bob")
+    a = Engine(root / f"a-{n}", b"alice")
+    b = Engine(root / f"b-{n}", b"bob")
     a.create_group(CHANNEL)
-    kps = [b.generate_key_package(), *_native._synthetic_key_packages(n - 2)]
+    kps = [b.generate_key_package(), *synthetic_key_packages(n - 2)]
     _, welcome = a.add_members(CHANNEL, kps)
     a.merge_pending_commit(CHANNEL)
     b.join_group(CHANNEL, welcome)
@@ -729,14 +731,14 @@ class Ops:
 
 def _engine_ops(root: Path, n: int, repeats: int) -> Ops:
     ops = Ops()
-    creator = _native.Engine(root / f"creator-{n}", b"creator")
+    creator = Engine(root / f"creator-{n}", b"creator")
     try:
         creator.create_group(CHANNEL)
         if n > 1:
-            creator.add_members(CHANNEL, _native._synthetic_key_packages(n - 1))
+            creator.add_members(CHANNEL, synthetic_key_packages(n - 1))
             creator.merge_pending_commit(CHANNEL)
         for i in range(repeats + 1):  # the first of each untimed
-            joiner = _native.Engine(root / f"joiner-{n}-{i}", b"joiner")
+            joiner = Engine(root / f"joiner-{n}-{i}", b"joiner")
             try:
                 kp = joiner.generate_key_package()
                 started, cpu, wrote = time.perf_counter(), time.process_time(), written()

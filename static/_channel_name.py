@@ -3,12 +3,12 @@ the SDK and the relay through the native extension."""
 
 from typing import Final
 
-from static import _native
 from static._errors import InvalidChannelNameError
+from static._native import mls
 
 __all__ = ["MAX_CHANNEL_NAME_LENGTH", "validate_channel_name"]
 
-MAX_CHANNEL_NAME_LENGTH: Final[int] = _native.MAX_CHANNEL_NAME_LENGTH
+MAX_CHANNEL_NAME_LENGTH: Final[int] = mls.MAX_CHANNEL_NAME_LENGTH
 
 
 def validate_channel_name(name: object) -> str:
@@ -17,6 +17,6 @@ def validate_channel_name(name: object) -> str:
     The message names the offending value and the expected form.
     """
     if not isinstance(name, str):
-        raise InvalidChannelNameError(f"{name!r} is not a string; {_native.CHANNEL_NAME_FORM}")
-    _native.validate_channel_name(name)
+        raise InvalidChannelNameError(f"{name!r} is not a string; {mls.CHANNEL_NAME_FORM}")
+    mls.validate_channel_name(name)
     return name

@@ -1,6 +1,6 @@
 """Logging of ``static serve``: levelled records on stderr, as text or JSON lines, for the
 Python side and the relay alike (the relay's Rust records come through the extension's bridge,
-``static._native.init_logging``). Configured once, by ``static.cli.main``.
+``static._native.relay.init_logging``). Configured once, by ``static.cli.main``.
 
 Loggers: ``static.access`` (the HTTP access log), ``static.relay.access`` (the relay's: refusals
 at INFO, every call at DEBUG), ``static.relay``, ``static.api``, ``static.store``. Records carry
@@ -85,7 +85,7 @@ def configure_logging(level: str, log_format: str) -> None:
     # Our records at the level asked for; other libraries' (hypercorn, asyncpg) from WARNING.
     root.setLevel(max(LOG_LEVELS[level], logging.WARNING))
     logging.getLogger("static").setLevel(LOG_LEVELS[level])
-    from static._native import init_logging
+    from static._native.relay import init_logging
 
     # Records below the level are dropped in Rust, before they are formatted or need the GIL.
     init_logging(LOG_LEVELS[level])

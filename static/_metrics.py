@@ -1,5 +1,6 @@
 """The server's Prometheus metrics on the Python side (prometheus-client), and the exposition
-that appends the relay's (``static._native.RelayServer.metrics()``, the Rust ``prometheus`` crate).
+that appends the relay's (``static._native.relay.RelayServer.metrics()``, the Rust
+``prometheus`` crate).
 
 Labels are bounded: an HTTP route is its template (``/v1/keys/<key_id>``, or ``unmatched``),
 a method one of HTTP's own (else ``OTHER``), a token check's result one of

@@ -109,7 +109,7 @@ class ApiSettings:
 class RelaySettings:
     """The relay's knobs. Its tunable settings (limits, intervals, rates) are not repeated here:
     their names, defaults, bounds and flags are the relay's one table
-    (``static._native.relay_settings()``, ``crates/relay/src/settings.rs``)."""
+    (``static._native.relay.relay_settings()``, ``crates/relay/src/settings.rs``)."""
 
     #: Accept relay calls without a token (``--allow-anonymous``).
     allow_anonymous: bool = False

@@ -65,8 +65,9 @@ _METAVARS: Final = {"count": "N", "real": "NUMBER", "seconds": "SECONDS"}
 
 @dataclass(frozen=True)
 class _RelayOption:
-    """A tunable setting of the relay, from its one table (``static._native.relay_settings()``):
-    its name, flag, kind, default, bounds and help. The environment variable is the flag's name."""
+    """A tunable setting of the relay, from its one table
+    (``static._native.relay.relay_settings()``): its name, flag, kind, default, bounds and help.
+    The environment variable is the flag's name."""
 
     name: str
     flag: str
@@ -101,7 +102,7 @@ class _RelayOption:
 
 
 def _relay_options() -> list[_RelayOption]:
-    from static._native import relay_settings
+    from static._native.relay import relay_settings
 
     return [_RelayOption(*row) for row in relay_settings()]
 
@@ -302,7 +303,7 @@ def _tls(cert: Path | str | None, key: Path | str | None) -> TlsSettings | None:
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together: give both or neither")
-    from static._native import check_tls_files
+    from static._native.relay import check_tls_files
 
     tls = TlsSettings(Path(cert), Path(key))
     try:

@@ -1,6 +1,7 @@
 """The HTTP port's observability (docs/design.md "Observability"): the access log and request
 metrics (hooks on the app), credential checks counted, ``GET /metrics``, ``GET /healthz``
-(live) and ``GET /readyz`` (ready), and :func:`serve_metrics` for ``--metrics ADDR``.
+(live) and ``GET /readyz`` (ready); :func:`metrics_response` is ``/metrics``'s answer wherever it is
+served (here, or alone on ``--metrics ADDR``: :func:`static.api.serve_metrics`).
 
 Who may call them: anyone who reaches the port. ``/healthz`` does nothing but answer;
 ``/readyz`` runs at most one store write probe per :data:`READY_CACHE_SECONDS` whatever the
@@ -26,7 +27,13 @@ from static._settings import ServerSettings
 from static.auth import INVALID_KEY, INVALID_TOKEN, Unauthenticated, is_api_key
 from static.store import AccountStore, DatabaseError, KeyOwner
 
-__all__ = ["READY_CACHE_SECONDS", "RelayStatus", "authenticated", "install", "serve_metrics"]
+__all__ = [
+    "READY_CACHE_SECONDS",
+    "RelayStatus",
+    "authenticated",
+    "install",
+    "metrics_response",
+]
 
 _access = logging.getLogger("static.access")
 _log = logging.getLogger("static.api")
@@ -112,7 +119,8 @@ class _Readiness:
         return None if reason is None else f"relay: {reason}"
 
 
-def _metrics_response(relay: RelayStatus | None) -> Response:
+def metrics_response(relay: RelayStatus | None) -> Response:
+    """``GET /metrics``: the Python side's metrics, then the relay's (when it runs here)."""
     body = _metrics.exposition(None if relay is None else relay.metrics_text)
     return Response(body, status=200, content_type=_metrics.CONTENT_TYPE)
 
@@ -184,34 +192,4 @@ def install(
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            return _metrics_response(relay)
-
-
-async def serve_metrics(
-    settings: ServerSettings,
-    relay: RelayStatus | None,
-    shutdown: trio.Event,
-    *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``GET /metrics`` alone on ``settings.metrics`` (``--metrics ADDR``) until
-    ``shutdown`` is set; report the bound URL."""
-    from static.api._serve import hypercorn_config, serve_app
-
-    assert settings.metrics is not None
-    app = QuartTrio("static.metrics", static_folder=None)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return _metrics_response(relay)
-
-    @app.errorhandler(Exception)
-    async def any_error(exc: Exception) -> Response:
-        code = getattr(exc, "code", None)
-        status = code if isinstance(code, int) and 400 <= code < 500 else 500
-        body = json.dumps({"error": "not found" if status == 404 else "error"})
-        return Response(body, status=status, content_type="application/json")
-
-    config = hypercorn_config(settings)
-    config.bind = [str(settings.metrics)]
-    await serve_app(app, config, shutdown, task_status=task_status)
+            return metrics_response(relay)

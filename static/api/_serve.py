@@ -1,7 +1,8 @@
-"""``serve_http``: hypercorn's trio worker running the app until shutdown."""
+"""``serve_http`` and ``serve_metrics``: hypercorn's trio worker running an app until shutdown."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import weakref
@@ -11,16 +12,18 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 from hypercorn.trio.tcp_server import TCPServer
+from quart import Response
+from quart_trio import QuartTrio
 
 from static._settings import ServerSettings
 from static.api._app import create_app
 from static.api._connections import ConnectionCaps
 from static.api._h11 import install as install_h11_fixes
-from static.api._observe import RelayStatus
+from static.api._observe import RelayStatus, metrics_response
 from static.auth import Authority
 from static.store import Database
 
-__all__ = ["hypercorn_config", "serve_app", "serve_http"]
+__all__ = ["hypercorn_config", "serve_app", "serve_http", "serve_metrics"]
 
 _log = logging.getLogger("static.api")
 
@@ -69,6 +72,34 @@ async def serve_http(
         caps=ConnectionCaps(settings.api.max_connections, settings.api.max_connections_per_address),
         task_status=task_status,
     )
+
+
+async def serve_metrics(
+    settings: ServerSettings,
+    relay: RelayStatus | None,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``GET /metrics`` alone on ``settings.metrics`` (``--metrics ADDR``) until
+    ``shutdown`` is set; report the bound URL."""
+    assert settings.metrics is not None
+    app = QuartTrio("static.metrics", static_folder=None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return metrics_response(relay)
+
+    @app.errorhandler(Exception)
+    async def any_error(exc: Exception) -> Response:
+        code = getattr(exc, "code", None)
+        status = code if isinstance(code, int) and 400 <= code < 500 else 500
+        body = json.dumps({"error": "not found" if status == 404 else "error"})
+        return Response(body, status=status, content_type="application/json")
+
+    config = hypercorn_config(settings)
+    config.bind = [str(settings.metrics)]
+    await serve_app(app, config, shutdown, task_status=task_status)
 
 
 class _ShieldFinalSend:

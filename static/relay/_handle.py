@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from static._native import RelayServer
+from static._native.relay import RelayServer
 
 __all__ = ["RelayHandle"]
 

@@ -22,9 +22,9 @@ from typing import Final, ParamSpec, Protocol, Self, TypeVar
 import anyio
 import anyio.to_thread
 
-from static import _native
 from static._channel_name import validate_channel_name
 from static._errors import AuthError
+from static._native import client as native_client
 from static.sdk._tokens import TokenSource, resolve_ca_file
 
 __all__ = [
@@ -42,7 +42,7 @@ __all__ = [
 
 #: Largest payload ``Channel.send`` accepts, in bytes (the relay's 1 MiB message limit less room
 #: for the MLS framing). Larger payloads raise ``TransportError`` before anything is sent.
-MAX_PAYLOAD: Final[int] = _native.MAX_PAYLOAD
+MAX_PAYLOAD: Final[int] = native_client.MAX_PAYLOAD
 
 _MESSAGE, _EMPTY, _END = 0, 1, 2
 #: How long an async wait for pipelined sends holds a worker thread at a time (seconds).
@@ -101,7 +101,7 @@ async def _first(iterator: _Waiting[_T], channel: str) -> _T:
         iterator.close()
 
 
-def _message(fields: _native.MessageFields) -> Message:
+def _message(fields: native_client.MessageFields) -> Message:
     payload, sender, account, seq, epoch = fields
     return Message(payload, sender, account, seq, epoch)
 
@@ -248,7 +248,7 @@ class StaticClient(_Closeable):
             provider = TokenSource(api_url, api_key, ca_path)
             first = provider()
         _warn_if_open_to_others(os.fspath(data_dir))
-        self._native = _native.Client(
+        self._native = native_client.Client(
             endpoint,
             os.fspath(data_dir),
             identity,
@@ -382,7 +382,7 @@ class Channel(_Closeable):
     messages.
     """
 
-    def __init__(self, native: _native.Channel) -> None:
+    def __init__(self, native: native_client.Channel) -> None:
         self._native = native
 
     @property
@@ -627,7 +627,7 @@ class SendHandle:
 
     __slots__ = ("_native",)
 
-    def __init__(self, native: _native.SendHandle) -> None:
+    def __init__(self, native: native_client.SendHandle) -> None:
         self._native = native
 
     def done(self) -> bool:
@@ -663,7 +663,7 @@ class MessageIterator:
     message goes to exactly one of them.
     """
 
-    def __init__(self, native: _native.Channel) -> None:
+    def __init__(self, native: native_client.Channel) -> None:
         self._native = native
 
     def __iter__(self) -> MessageIterator:
@@ -680,7 +680,7 @@ class SenderMessageIterator:
     """Blocking iterator over a channel's incoming messages as :class:`Message` (payload,
     sender, account, seq, epoch); otherwise exactly :class:`MessageIterator`."""
 
-    def __init__(self, native: _native.Channel) -> None:
+    def __init__(self, native: native_client.Channel) -> None:
         self._native = native
 
     def __iter__(self) -> SenderMessageIterator:
@@ -697,9 +697,9 @@ class _AsyncInbox:
     """Waits for a channel's next message without a thread: on a readiness socket the channel
     writes to when messages arrive. Cancelling a wait consumes nothing."""
 
-    def __init__(self, native: _native.Channel) -> None:
+    def __init__(self, native: native_client.Channel) -> None:
         self._native = native
-        self._waker: _native.Waker | None = native.waker()
+        self._waker: native_client.Waker | None = native.waker()
 
     async def _next(self, poll: Callable[[], tuple[int, _T | None]]) -> _T | None:
         """The next item ``poll`` takes, or None once the channel has ended."""

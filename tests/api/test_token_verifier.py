@@ -24,7 +24,7 @@ from static.auth import (
     open_authority,
 )
 from static.auth._tokens import TokenVerifierCore
-from static.relay._rust import _check
+from static.relay._verify import _check
 from static.store import AccountStore, KeyOwner, NewKey, open_database
 
 

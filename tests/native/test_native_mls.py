@@ -11,17 +11,18 @@ import pytest
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from static import _native
 from static._errors import InternalError, InvalidChannelNameError, MLSEngineError
+from static._native.bench import synthetic_key_packages
+from static._native.mls import PAST_EPOCHS, Engine, validate_channel_name
 
 CH = "acme/agents/planner"
 
 
-def make(tmp_path: Path, name: str) -> _native.Engine:
-    return _native.Engine(str(tmp_path / name), name.encode())
+def make(tmp_path: Path, name: str) -> Engine:
+    return Engine(str(tmp_path / name), name.encode())
 
 
-def pair(tmp_path: Path) -> tuple[_native.Engine, _native.Engine]:
+def pair(tmp_path: Path) -> tuple[Engine, Engine]:
     a, b = make(tmp_path, "alice"), make(tmp_path, "bob")
     a.create_group(CH)
     commit, welcome = a.add_member(CH, b.generate_key_package())
@@ -76,7 +77,7 @@ def test_reopen_keeps_groups_and_key(tmp_path: Path) -> None:
     a.close()
     with pytest.raises(InternalError):
         a.epoch(CH)
-    with _native.Engine(tmp_path / "alice", b"alice") as again:
+    with Engine(tmp_path / "alice", b"alice") as again:
         assert again.groups() == [CH]
         assert again.epoch(CH) == 1
         assert again.signature_public_key == key
@@ -104,8 +105,8 @@ def test_error_classes_and_prefixes(tmp_path: Path) -> None:
     assert "not-a-channel" in text and "org/namespace/service" in text
     assert isinstance(name_err.value, RuntimeError)
     with pytest.raises(InvalidChannelNameError):
-        _native.validate_channel_name("a/b")
-    _native.validate_channel_name(CH)
+        validate_channel_name("a/b")
+    validate_channel_name(CH)
 
     bad_inputs: list[bytes] = [b"", b"\x00", b"\x00\x01\x00\x02garbage", os.urandom(200)]
     for bad in bad_inputs:
@@ -258,15 +259,15 @@ def test_public_state_and_leaf_binding(tmp_path: Path) -> None:
 
 def test_one_identity_one_leaf(tmp_path: Path) -> None:
     a, _ = pair(tmp_path)
-    other_bob = _native.Engine(str(tmp_path / "bob2"), b"bob")
+    other_bob = Engine(str(tmp_path / "bob2"), b"bob")
     with pytest.raises(MLSEngineError) as err:
         a.add_member(CH, other_bob.generate_key_package())
     assert str(err.value).startswith(
         "MLS engine error: cannot add b'bob': a member with this identity is already in channel"
     )
     assert not a.has_pending_commit(CH)
-    dave1 = _native.Engine(str(tmp_path / "dave1"), b"dave")
-    dave2 = _native.Engine(str(tmp_path / "dave2"), b"dave")
+    dave1 = Engine(str(tmp_path / "dave1"), b"dave")
+    dave2 = Engine(str(tmp_path / "dave2"), b"dave")
     with pytest.raises(MLSEngineError, match="twice in one commit"):
         a.add_members(CH, [dave1.generate_key_package(), dave2.generate_key_package()])
     a.add_member(CH, dave1.generate_key_package())
@@ -282,12 +283,10 @@ def _written_per_message(tmp_path: Path, n: int) -> tuple[int, int]:
     enough commits to keep its full count of past epochs."""
     a, b = make(tmp_path, f"a{n}"), make(tmp_path, f"b{n}")
     a.create_group(CH)
-    _, welcome = a.add_members(
-        CH, [b.generate_key_package(), *_native._synthetic_key_packages(n - 2)]
-    )
+    _, welcome = a.add_members(CH, [b.generate_key_package(), *synthetic_key_packages(n - 2)])
     a.merge_pending_commit(CH)
     b.join_group(CH, welcome)
-    for _ in range(_native.PAST_EPOCHS + 1):
+    for _ in range(PAST_EPOCHS + 1):
         commit = a.self_update(CH)
         a.merge_pending_commit(CH)  # an epoch change truncates the WAL...
         b.process_incoming(CH, commit)  # ...on both sides

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from static._native import Engine
+from static._native.mls import Engine
 from tests.relay._generated import relay_pb2 as pb
 from tests.relay._generated import relay_pb2_grpc as pb_grpc
 

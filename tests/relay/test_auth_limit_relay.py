@@ -14,7 +14,7 @@ import trio.testing
 from static._settings import RateLimit
 from static.api import AuthFailureLimiter
 from static.auth import Principal, Unauthenticated
-from static.relay._rust import _check
+from static.relay._verify import _check
 from static.store import DatabaseError
 from tests.api.test_auth_limit import DEFAULT_RATE, GUESSERS, GUESSES, bound, guess_at_once
 from tests.relay._generated import relay_pb2_grpc as pb_grpc

@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from static._native import RelayServer
+from static._native.relay import RelayServer
 from static.store import relay_database, sqlite_url
 from tests.relay.client import Relay, status_of
 from tests.support.server import ServerProcess

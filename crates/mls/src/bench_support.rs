@@ -1,5 +1,5 @@
 //! Measurement helpers shared by `cargo bench` and `bench/mls_core.py` (through
-//! `static._native._bench_*`), so Rust and Python figures come from the same code and run.
+//! `static._native.bench`), so Rust and Python figures come from the same code and run.
 //! Not part of the product API.
 
 use std::time::Instant;

@@ -1,4 +1,4 @@
-//! `static._native.RelayServer`: the relay's data plane (`static-relay`) in the `static serve`
+//! `static._native.relay`: `RelayServer`, the relay's data plane (`static-relay`) in the `static serve`
 //! process, on a tokio runtime of its own. Python keeps what is not per message: it passes a
 //! `verify(token, peer)` callable (called once per call, from a blocking thread of that
 //! runtime, with the GIL), runs the revocation checks (`live_keys` / `end_streams_of_key`), and
@@ -106,7 +106,7 @@ struct Running {
 }
 
 /// A running relay; `shutdown()` stops it gracefully (dropping it aborts it).
-#[pyclass(frozen, module = "static._native")]
+#[pyclass(frozen, module = "static._native.relay")]
 struct RelayServer {
     running: Mutex<Option<Running>>,
     port: u16,

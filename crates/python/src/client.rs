@@ -1,0 +1,447 @@
+//! `static._native.client`: the SDK's native client (`static-client`): `Client`, its open
+//! `Channel`s, a pipelined send's `SendHandle`, and the `Waker` async waiters poll.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use static_client::{
+    Channel as CoreChannel, Client as CoreClient, ClientOptions, Message, Next,
+    SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
+};
+
+use crate::convert::{bytes, native};
+use crate::exit;
+use crate::token::PyTokenProvider;
+
+/// The SDK's native client: engine + relay transport on a runtime of its own.
+#[pyclass(frozen, module = "static._native.client")]
+struct Client {
+    inner: Arc<CoreClient>,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (
+        endpoint, data_dir, identity, token_provider=None, initial_token=None,
+        connect_timeout=None, retry_timeout=None, ca_file=None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        endpoint: &str,
+        data_dir: PathBuf,
+        identity: &[u8],
+        token_provider: Option<Py<PyAny>>,
+        initial_token: Option<(String, f64)>,
+        connect_timeout: Option<f64>,
+        retry_timeout: Option<f64>,
+        ca_file: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let mut options = ClientOptions::from_env();
+        options.ca_file = ca_file;
+        if let Some(seconds) = connect_timeout {
+            options.connect_timeout = seconds_arg("connect_timeout", seconds)?;
+        }
+        if let Some(seconds) = retry_timeout {
+            options.retry_timeout = seconds_arg("retry_timeout", seconds)?;
+        }
+        let provider = token_provider
+            .map(|callable| Arc::new(PyTokenProvider { callable }) as Arc<dyn TokenProvider>);
+        let initial = initial_token.map(|(value, expires_in)| Token {
+            value,
+            expires_in: Duration::from_secs_f64(expires_in.clamp(0.0, 1e9)),
+        });
+        let client = exit::without_gil(py, || {
+            CoreClient::open(endpoint, &data_dir, identity, provider, initial, options)
+        });
+        Ok(Self {
+            inner: Arc::new(native(client)?),
+        })
+    }
+
+    #[getter]
+    fn identity(&self, py: Python<'_>) -> Py<PyBytes> {
+        bytes(py, self.inner.identity())
+    }
+
+    #[getter]
+    fn data_dir(&self) -> String {
+        self.inner.data_dir().to_string_lossy().into_owned()
+    }
+
+    fn generate_key_package(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let kp = native(exit::without_gil(py, move || inner.generate_key_package()))?;
+        Ok(bytes(py, &kp))
+    }
+
+    fn channels(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.channels()))
+    }
+
+    fn create_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(exit::without_gil(py, move || inner.create_channel(name)))?;
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
+    }
+
+    fn join_channel(&self, py: Python<'_>, name: &str, welcome: &[u8]) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(exit::without_gil(py, move || {
+            inner.join_channel(name, welcome)
+        }))?;
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
+    }
+
+    fn open_channel(&self, py: Python<'_>, name: &str) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let channel = native(exit::without_gil(py, move || inner.open_channel(name)))?;
+        Ok(Channel {
+            inner: channel,
+            _client: Arc::clone(&self.inner),
+        })
+    }
+
+    /// Stops all background work and releases the data directory.
+    fn close(&self, py: Python<'_>) {
+        let inner = Arc::clone(&self.inner);
+        exit::without_gil(py, move || inner.close());
+    }
+}
+
+/// A timeout argument in seconds (finite, >= 0).
+fn seconds_arg(name: &str, seconds: f64) -> PyResult<Duration> {
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(Duration::from_secs_f64(seconds.min(1e9)))
+    } else {
+        Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{name} must be a finite number of seconds >= 0"
+        )))
+    }
+}
+
+/// Waits with `wait(slice)` in slices of at most 50 ms with the GIL released, checking for
+/// signals (Ctrl-C) between slices, until it answers `Some` or `timeout` (forever if None)
+/// passes.
+fn wait_in_slices<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    wait: impl Fn(Duration) -> static_client::Result<Option<T>> + Sync,
+) -> PyResult<Option<T>> {
+    let timeout = timeout.map(|t| seconds_arg("timeout", t)).transpose()?;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let mut slice = Duration::from_millis(50);
+        if let Some(deadline) = deadline {
+            slice = slice.min(deadline.saturating_duration_since(Instant::now()));
+        }
+        if let Some(done) = native(exit::without_gil(py, || wait(slice)))? {
+            return Ok(Some(done));
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(None);
+        }
+    }
+}
+
+/// Outcome codes of `Channel.poll_next` / `Channel.next_message`.
+const NEXT_MESSAGE: u8 = 0;
+const NEXT_EMPTY: u8 = 1;
+const NEXT_END: u8 = 2;
+
+/// A message as Python gets it: its payload, or with `detailed` the tuple
+/// (payload, sender, account, seq, epoch).
+fn message_object(py: Python<'_>, message: &Message, detailed: bool) -> PyResult<PyObject> {
+    let payload = bytes(py, &message.payload);
+    if !detailed {
+        return Ok(payload.into_any());
+    }
+    let fields = (
+        payload,
+        bytes(py, &message.sender),
+        message.account.clone(),
+        message.seq,
+        message.epoch,
+    );
+    Ok(fields.into_pyobject(py)?.into_any().unbind())
+}
+
+fn next_tuple(py: Python<'_>, next: Next, detailed: bool) -> PyResult<(u8, Option<PyObject>)> {
+    Ok(match next {
+        Next::Message(message) => (NEXT_MESSAGE, Some(message_object(py, &message, detailed)?)),
+        Next::Empty => (NEXT_EMPTY, None),
+        Next::End => (NEXT_END, None),
+    })
+}
+
+/// One open channel of a `Client`.
+#[pyclass(frozen, module = "static._native.client")]
+struct Channel {
+    inner: Arc<CoreChannel>,
+    /// Keeps the client open while the channel (or one of its iterators) lives, even when
+    /// the program kept no reference to the client: dropping the last one closes it.
+    _client: Arc<CoreClient>,
+}
+
+#[pymethods]
+impl Channel {
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// (applied_seq, epoch, head_seq, connected)
+    fn progress(&self) -> (u64, u64, u64, bool) {
+        let p = self.inner.progress();
+        (p.applied_seq, p.epoch, p.head_seq, p.connected)
+    }
+
+    /// When the latest message passed each stage, in ns of the system clock: (send started,
+    /// encrypted, acknowledged, entries received, applied, handed out). For benchmarks.
+    fn timings(&self) -> (u64, u64, u64, u64, u64, u64) {
+        let t = self.inner.timings();
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            get(&t.send_started),
+            get(&t.send_encrypted),
+            get(&t.send_acked),
+            get(&t.received),
+            get(&t.applied),
+            get(&t.handed_out),
+        )
+    }
+
+    fn send(&self, py: Python<'_>, payload: &[u8]) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.send(payload.to_vec())))
+    }
+
+    /// Queues `payload` on the channel's pipeline (see `Channel::send_pipelined` in the core);
+    /// None when `block` is false and the pipeline is full.
+    #[pyo3(signature = (payload, block=true))]
+    fn send_pipelined(
+        &self,
+        py: Python<'_>,
+        payload: &[u8],
+        block: bool,
+    ) -> PyResult<Option<SendHandle>> {
+        let inner = Arc::clone(&self.inner);
+        let payload = payload.to_vec();
+        let handle = if block {
+            native(exit::without_gil(py, move || {
+                inner.send_pipelined(payload, true)
+            }))?
+        } else {
+            // Never waits (one write to the journal): no need to release the GIL.
+            native(inner.send_pipelined(payload, false))?
+        };
+        Ok(handle.map(|inner| SendHandle { inner }))
+    }
+
+    /// How many messages `send_pipelined` ever accepted on this channel (its outbox's count).
+    fn pipelined_count(&self) -> u64 {
+        self.inner.pipelined_count()
+    }
+
+    /// Waits until every pipelined send so far is settled; false on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn flush(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let target = self.inner.pipelined();
+        let flushed = wait_in_slices(py, timeout, |slice| {
+            Ok(self.inner.flush_until(target, slice)?.then_some(()))
+        })?;
+        Ok(flushed.is_some())
+    }
+
+    fn add_member(&self, py: Python<'_>, key_package: &[u8]) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let welcome = native(exit::without_gil(py, move || {
+            inner.add_member(key_package.to_vec())
+        }))?;
+        Ok(bytes(py, &welcome))
+    }
+
+    fn remove_member(&self, py: Python<'_>, identity: &[u8]) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || {
+            inner.remove_member(identity.to_vec())
+        }))
+    }
+
+    fn rotate_keys(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.rotate_keys()))
+    }
+
+    fn leave(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.leave()))
+    }
+
+    fn members(&self, py: Python<'_>) -> PyResult<Vec<Py<PyBytes>>> {
+        let inner = Arc::clone(&self.inner);
+        let members = native(exit::without_gil(py, move || inner.members()))?;
+        Ok(members.iter().map(|m| bytes(py, &m.identity)).collect())
+    }
+
+    /// The members as the relay attests them: (epoch, [(leaf_index, identity, account)]).
+    #[allow(clippy::type_complexity)]
+    fn roster(&self, py: Python<'_>) -> PyResult<(u64, Vec<(u32, Py<PyBytes>, Option<String>)>)> {
+        let inner = Arc::clone(&self.inner);
+        let (epoch, members) = native(exit::without_gil(py, move || inner.roster()))?;
+        let members = members
+            .into_iter()
+            .map(|m| (m.leaf_index, bytes(py, &m.identity), m.account))
+            .collect();
+        Ok((epoch, members))
+    }
+
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.epoch()))
+    }
+
+    fn epoch_authenticator(&self, py: Python<'_>) -> PyResult<Py<PyBytes>> {
+        let inner = Arc::clone(&self.inner);
+        let auth = native(exit::without_gil(py, move || inner.epoch_authenticator()))?;
+        Ok(bytes(py, &auth))
+    }
+
+    fn pending(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.pending()))
+    }
+
+    /// The next message without waiting: (0, payload), (1, None) nothing yet, (2, None) ended
+    /// (with `detailed`, the payload is the tuple (payload, sender, account, seq, epoch)).
+    #[pyo3(signature = (detailed=false))]
+    fn poll_next(&self, py: Python<'_>, detailed: bool) -> PyResult<(u8, Option<PyObject>)> {
+        let inner = Arc::clone(&self.inner);
+        let next = native(exit::without_gil(py, move || inner.poll_next()))?;
+        next_tuple(py, next, detailed)
+    }
+
+    /// Waits for the next message (up to `timeout` seconds, forever if None) in slices of at
+    /// most 50 ms with the GIL released, checking for signals (Ctrl-C) between slices.
+    #[pyo3(signature = (timeout=None, detailed=false))]
+    fn next_message(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+        detailed: bool,
+    ) -> PyResult<(u8, Option<PyObject>)> {
+        let deadline = timeout.map(|t| Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9)));
+        loop {
+            let mut slice = Duration::from_millis(50);
+            if let Some(deadline) = deadline {
+                slice = slice.min(deadline.saturating_duration_since(Instant::now()));
+            }
+            let inner = Arc::clone(&self.inner);
+            let next = native(exit::without_gil(py, move || inner.wait_next(slice)))?;
+            if !matches!(next, Next::Empty) {
+                return next_tuple(py, next, detailed);
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok((NEXT_EMPTY, None));
+            }
+        }
+    }
+
+    /// The next message, waiting as long as it takes (like `next_message(None)`), or None once
+    /// the channel has ended: what `MessageIterator.__next__` calls, without a tuple per
+    /// message.
+    #[pyo3(signature = (detailed=false))]
+    fn next_payload(&self, py: Python<'_>, detailed: bool) -> PyResult<Option<PyObject>> {
+        loop {
+            let inner = Arc::clone(&self.inner);
+            let next = native(exit::without_gil(py, move || {
+                inner.wait_next(Duration::from_millis(50))
+            }))?;
+            match next {
+                Next::Message(message) => {
+                    return Ok(Some(message_object(py, &message, detailed)?));
+                }
+                Next::End => return Ok(None),
+                Next::Empty => py.check_signals()?,
+            }
+        }
+    }
+
+    /// A readiness socket for one async waiter.
+    fn waker(&self) -> PyResult<Waker> {
+        Ok(Waker {
+            inner: native(self.inner.waker())?,
+        })
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let inner = Arc::clone(&self.inner);
+        exit::without_gil(py, move || inner.close());
+    }
+}
+
+/// One pipelined send.
+#[pyclass(frozen, module = "static._native.client")]
+struct SendHandle {
+    inner: CoreSendHandle,
+}
+
+#[pymethods]
+impl SendHandle {
+    fn done(&self) -> bool {
+        self.inner.done()
+    }
+
+    /// True once the message is in the log (raises its failure instead); false on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let done = wait_in_slices(py, timeout, |slice| {
+            Ok(self.inner.wait(slice)?.then_some(()))
+        })?;
+        Ok(done.is_some())
+    }
+}
+
+/// A socket that becomes readable when the channel's inbox may have gained messages.
+#[pyclass(frozen, module = "static._native.client")]
+struct Waker {
+    inner: CoreWaker,
+}
+
+#[pymethods]
+impl Waker {
+    fn fileno(&self) -> i32 {
+        self.inner.fileno()
+    }
+
+    fn drain(&self) {
+        self.inner.drain();
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add_class::<Channel>()?;
+    m.add_class::<Waker>()?;
+    m.add_class::<SendHandle>()?;
+    m.add("MAX_PAYLOAD", static_client::MAX_PAYLOAD)?;
+    Ok(())
+}

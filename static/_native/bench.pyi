@@ -1,0 +1,9 @@
+# static._native.bench (crates/python/src/bench.rs): figures measured inside Rust for the
+# benchmarks (bench/); not part of the SDK surface.
+from static._native.mls import Engine
+
+def synthetic_key_packages(n: int) -> list[bytes]: ...
+def rust_encrypt_decrypt(
+    sender: Engine, receiver: Engine, channel: str, payload_len: int, iterations: int
+) -> tuple[float, float]: ...
+def ed25519_sign_verify_ns(payload_len: int, iterations: int) -> float: ...

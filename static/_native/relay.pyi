@@ -1,0 +1,67 @@
+# static._native.relay (crates/python/src/relay.rs, logging.rs): the relay's data plane, its
+# settings table, its TLS file check, and its log records into Python's logging.
+import os
+from collections.abc import Callable, Mapping
+from typing import final
+
+@final
+class RelayServer:
+    """The relay's data plane (Rust), listening once constructed; ``shutdown()`` stops it.
+
+    ``verify(token, peer)`` is called from a thread of the relay's runtime, once per call
+    carrying a token, with the caller's ``ip:port``: it returns ``(account_id, key_id,
+    expires_at)`` (Unix seconds, or None; one the clock cannot hold, negative or not finite is
+    None too), or refuses with ``(code, message)``, code 16 (UNAUTHENTICATED) or 14
+    (UNAVAILABLE), or with ``(8, message, retry_after_seconds)`` (RESOURCE_EXHAUSTED, with the
+    relay's retry-after trailer). ``database`` is a
+    SQLite file or a ``postgresql://`` URL (several relays may share one PostgreSQL database).
+    ``settings`` sets tunable settings by name (see :func:`relay_settings`), the others keep
+    their defaults. Construction raises ``OSError`` when the relay cannot start (address in use,
+    database unreachable or without the relay's tables), ``ValueError`` for a setting unknown or
+    out of its bounds, or a TLS certificate or key that cannot serve (``tls_cert`` and
+    ``tls_key``: PEM files, both or neither; with them the port serves TLS only).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        database: str,
+        verify: Callable[
+            [str, str],
+            tuple[str, str, float | None] | tuple[int, str] | tuple[int, str, int],
+        ]
+        | None,
+        allow_anonymous: bool,
+        settings: Mapping[str, float],
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+    ) -> None: ...
+    @property
+    def port(self) -> int: ...
+    def live_keys(self) -> list[str]:
+        """The API keys behind live streams."""
+    def end_streams_of_key(self, key_id: str, reason: str) -> int:
+        """End the live streams of ``key_id`` with UNAUTHENTICATED ``reason``; how many."""
+    def health(self) -> str | None:
+        """None while the relay serves and its store can write (its gRPC health status is
+        SERVING), else why not (a store write probe failed, draining, stopped)."""
+    def metrics(self) -> str:
+        """The relay's metrics in Prometheus's text format."""
+    def shutdown(self) -> None:
+        """Stop accepting, end subscriptions (UNAVAILABLE), let in-flight calls finish within
+        the graceful timeout, close connections and the log. Blocks; a second call is a no-op."""
+
+def init_logging(level: int) -> None:
+    """Send the relay's log records at ``level`` (a :mod:`logging` level number) and above to
+    Python's :mod:`logging` (loggers ``static.relay``, ``static.relay.access``); again to move
+    the level."""
+
+def check_tls_files(cert: str | os.PathLike[str], key: str | os.PathLike[str]) -> None:
+    """``ValueError`` naming the file at fault unless the PEM certificate chain ``cert`` and the
+    private key ``key`` can serve TLS on the relay's port (as :class:`RelayServer` loads them)."""
+
+def relay_settings() -> list[tuple[str, str, str, float, float, float, str]]:
+    """The relay's tunable settings, its one table: ``(name, flag, kind, default, low, high,
+    help)`` each, kind ``"count"``, ``"real"`` or ``"seconds"``, high ``inf`` for no bound."""
