@@ -115,4 +115,11 @@ impl From<RelayError> for Status {
     }
 }
 
+/// The log's refusal once the relay is shutting down (its writer stopped).
+pub(crate) fn shutting_down() -> RelayError {
+    RelayError::Unavailable(SHUTTING_DOWN.to_owned())
+}
+
+const SHUTTING_DOWN: &str = "relay is shutting down";
+
 pub type Result<T, E = RelayError> = std::result::Result<T, E>;

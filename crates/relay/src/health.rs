@@ -16,11 +16,8 @@ use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
 use crate::log::ChannelLog;
-
-/// The health service's name, as in its request paths.
-pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
-/// The relay's service name: a Check may name it, or "" (the server as a whole).
-pub const RELAY_SERVICE: &str = "static.relay.v1.Relay";
+// A Check may name the relay's service, or "" (the server as a whole).
+use crate::pb::relay_server::SERVICE_NAME as RELAY_SERVICE;
 
 /// The relay's health status and the gRPC service that reports it.
 pub(crate) struct Health {

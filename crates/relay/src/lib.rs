@@ -4,10 +4,11 @@
 //! ([`Verify`], once per call), the revocation checks (which end streams through
 //! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
 //!
-//! Layout: `framing`, `rules` and `group` (a channel's public MLS group state: handshakes
-//! checked as a member would) are pure; `members` is who may reach a channel (bound leaves);
-//! `log` is the channel logs (memory, the group-committing writer); `store` is the log's I/O,
-//! one module per database; `memory` gives freed memory back to the OS;
+//! Layout: `framing`, `rules`, `fence` (a group commit's decision) and `group` (a channel's
+//! public MLS group state: handshakes checked as a member would) are pure; `clock` is unix ms;
+//! `members` is who may reach a channel (bound leaves); `log` is the channel logs (memory, the
+//! group-committing writer); `store` is the log's I/O over plain rows, one module per database
+//! (it imports nothing above it); `memory` gives freed memory back to the OS;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
 //! terminates TLS); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
 //! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
@@ -18,7 +19,9 @@
 
 mod access;
 pub mod auth;
+mod clock;
 pub mod error;
+mod fence;
 pub mod framing;
 pub mod group;
 pub mod health;

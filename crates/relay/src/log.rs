@@ -39,17 +39,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::{oneshot, watch};
 
-use crate::error::{RelayError, Result};
+use crate::clock::now_ms;
+use crate::error::{shutting_down, RelayError, Result};
+use crate::fence::{Decision, Plan, Tentative};
 use crate::framing::MessageHeader;
 use crate::group::GroupState;
 use crate::members::{GroupChange, Membership, Reach};
 use crate::metrics;
-use crate::retention::{now_ms, Policy, PruneStep};
-use crate::rules::{check_fence, epoch_after};
 use crate::store::{
-    self, Binding, ChannelRow, Creation, Database, LogReader, LogWriter, NewChannel, RetentionRow,
-    StoredGroup,
+    self, Append, Binding, Change, ChannelRow, Creation, Database, LogReader, LogWriter,
+    NewChannel, Policy, PruneStep, RetentionRow, StoredGroup,
 };
+pub use crate::store::{Entry, WelcomeKey, WelcomeRecord};
 
 /// Most publishes one group commit takes.
 const MAX_BATCH: usize = 512;
@@ -57,7 +58,6 @@ const MAX_BATCH: usize = 512;
 /// bytes), the message's own allocation and the budget's queue item (24), rounded up. Bounds
 /// the entries count too: 64 MiB holds at most 524,288 entries, however small.
 const ENTRY_OVERHEAD: usize = 128;
-const SHUTTING_DOWN: &str = "relay is shutting down";
 
 pub struct LogSettings {
     /// The database; its relay tables exist already.
@@ -111,30 +111,6 @@ pub struct Accepted {
     pub epoch: u64,
     /// The idempotency key was already in the log: nothing was appended.
     pub duplicate: bool,
-}
-
-/// One entry of a channel's log.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
-    pub seq: u64,
-    /// The message's own epoch (from its header).
-    pub epoch: u64,
-    pub content_type: u32,
-    pub message: Bytes,
-    /// Who published it ("" when anonymous or logged before accounts were recorded).
-    pub account: Arc<str>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WelcomeRecord {
-    pub welcome: Bytes,
-    pub commit_seq: u64,
-    pub epoch: u64,
-}
-
-pub enum WelcomeKey {
-    Digest(Vec<u8>),
-    KeyPackageRef(Vec<u8>),
 }
 
 /// Resolves once the publish is decided and (if appended) durable. A dropped sender means a
@@ -337,6 +313,12 @@ impl Channel {
     }
 }
 
+impl store::Memory for Channel {
+    fn heads(&self) -> (u64, u64) {
+        (self.head_seq(), self.epoch())
+    }
+}
+
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Channel")
@@ -497,6 +479,16 @@ struct RegistryState {
     /// or as they were when unloaded), so that none is missed between reading a row and
     /// remembering its channel. Emptied when no load is in flight.
     announced: HashMap<i64, (u64, u64)>,
+}
+
+impl store::Heads for Registry {
+    fn loaded_ids(&self) -> Vec<i64> {
+        Registry::loaded_ids(self)
+    }
+
+    fn advance(&self, id: i64, head: u64, epoch: u64) {
+        Registry::advance(self, id, head, epoch);
+    }
 }
 
 impl Registry {
@@ -710,7 +702,8 @@ impl ChannelLog {
     /// Open the database and start the writer.
     pub async fn open(settings: LogSettings) -> Result<ChannelLog> {
         let registry = Arc::new(Registry::new(settings.cache_bytes));
-        let opened = store::open(&settings.database, &registry).await?;
+        let heads: Arc<dyn store::Heads> = Arc::clone(&registry) as Arc<dyn store::Heads>;
+        let opened = store::open(&settings.database, heads).await?;
         let queue = Arc::new(Queue {
             state: Mutex::new(QueueState::default()),
             wake: Condvar::new(),
@@ -1318,10 +1311,6 @@ fn publish_jobs(items: Vec<(Arc<Channel>, Checked)>) -> (Vec<Job>, Vec<Outcome>)
         .unzip()
 }
 
-pub(crate) fn shutting_down() -> RelayError {
-    RelayError::Unavailable(SHUTTING_DOWN.to_owned())
-}
-
 // -- the queue --------------------------------------------------------------------------------
 
 pub(crate) struct Publish {
@@ -1488,30 +1477,6 @@ impl Drop for StopGuard {
 
 // -- the writer -------------------------------------------------------------------------------
 
-/// What the writer decided for one publish of a batch.
-pub(crate) enum Decision {
-    Append {
-        seq: u64,
-        channel_epoch: u64,
-        starts_epoch: bool,
-    },
-    Duplicate {
-        seq: u64,
-        channel_epoch: u64,
-    },
-    Refused(RelayError),
-}
-
-/// A channel's head and epoch as a batch would leave them.
-pub(crate) struct Tentative {
-    /// A publish of the batch on this channel (for its `Arc<Channel>`).
-    index: usize,
-    pub head: u64,
-    pub epoch: u64,
-    /// The batch appends to this channel.
-    appended: bool,
-}
-
 /// The writer thread: commits what the submitters could not (the writer was busy), until
 /// closed; then closes the writer (its connection and checkpointer).
 fn run_writer(queue: &Queue, writer: &Mutex<Option<Writer>>) {
@@ -1633,7 +1598,7 @@ impl Writer {
     fn publish(&mut self, batch: &mut Vec<Publish>) {
         let metrics = metrics::metrics();
         let started = Instant::now();
-        let appended = self.store.append(batch, self.window);
+        let appended = self.store.append(&appends(batch), self.window);
         metrics
             .store_commit
             .observe(started.elapsed().as_secs_f64());
@@ -1657,8 +1622,7 @@ impl Writer {
         committed(batch, &plan);
         // Answers before wake-ups: what a publisher was told is already readable (heads moved
         // above), and its answer does not wait behind the deliveries it causes.
-        let changed: Vec<Arc<Channel>> = plan
-            .changed(batch)
+        let changed: Vec<Arc<Channel>> = changed(batch, &plan)
             .map(|(channel, _)| Arc::clone(channel))
             .collect();
         for (p, decision) in batch.drain(..).zip(plan.decisions) {
@@ -1702,6 +1666,46 @@ impl Writer {
     }
 }
 
+/// The channels `plan` appends to, with their new head and epoch.
+fn changed<'a>(
+    batch: &'a [Publish],
+    plan: &'a Plan,
+) -> impl Iterator<Item = (&'a Arc<Channel>, &'a Tentative)> + 'a {
+    plan.changed()
+        .filter_map(|(_, t)| Some((&batch.get(t.index)?.channel, t)))
+}
+
+/// The publishes of `batch` as the store decides and appends them.
+fn appends(batch: &[Publish]) -> Vec<Append<'_>> {
+    batch
+        .iter()
+        .map(|p| {
+            let change = match &p.checked.group {
+                GroupCheck::Valid(Some(change)) => Some(Change {
+                    epoch: change.epoch,
+                    state: &change.state,
+                    removed: &change.removed,
+                    added: &change.added,
+                }),
+                _ => None,
+            };
+            Append {
+                channel_id: p.channel.id(),
+                memory: &*p.channel,
+                legacy: p.channel.is_legacy(),
+                header: &p.checked.header,
+                key: &p.checked.key,
+                message: &p.checked.message,
+                welcome: &p.checked.welcome,
+                welcome_refs: &p.checked.welcome_refs,
+                account: &p.checked.account,
+                other_epoch: matches!(p.checked.group, GroupCheck::OtherEpoch),
+                change,
+            }
+        })
+        .collect()
+}
+
 /// The batch is durable: rings, heads and epochs (the subscribers are woken once the
 /// publishers are answered).
 fn committed(batch: &[Publish], plan: &Plan) {
@@ -1733,129 +1737,9 @@ fn committed(batch: &[Publish], plan: &Plan) {
             }
         }
     }
-    for (channel, t) in plan.changed(batch) {
+    for (channel, t) in changed(batch, plan) {
         channel.move_forward(t.head, t.epoch);
         channel.touch(channel.cache().now());
-    }
-}
-
-/// The writer's decisions for a batch: per publish, and the channels' tentative heads.
-pub(crate) struct Plan {
-    pub decisions: Vec<Decision>,
-    tentative: HashMap<i64, Tentative>,
-}
-
-impl Plan {
-    /// The channels the batch appends to, with their new head and epoch.
-    pub(crate) fn changed<'a>(
-        &'a self,
-        batch: &'a [Publish],
-    ) -> impl Iterator<Item = (&'a Arc<Channel>, &'a Tentative)> + 'a {
-        self.tentative.values().filter_map(move |t| {
-            let channel = &batch.get(t.index)?.channel;
-            t.appended.then_some((channel, t))
-        })
-    }
-
-    /// Whether the batch appends anything.
-    pub(crate) fn appends(&self) -> bool {
-        self.tentative.values().any(|t| t.appended)
-    }
-}
-
-/// Fence and number `batch` in order, from each channel's `(head, epoch)` as `base` gives it.
-/// `found`: per publish, where its key already is in the log (None: not looked up). A key
-/// seen earlier in the batch (or found) answers as a duplicate of that entry, before the
-/// fence: a retry is never refused.
-pub(crate) fn decide(
-    batch: &[Publish],
-    base: impl Fn(&Channel) -> (u64, u64),
-    found: Option<&[Option<(u64, u64)>]>,
-    window: u64,
-) -> Plan {
-    let mut tentative: HashMap<i64, Tentative> = HashMap::new();
-    let mut seen: HashMap<(i64, &[u8]), (u64, u64)> = HashMap::new();
-    if let Some(found) = found {
-        for (p, place) in batch.iter().zip(found) {
-            if let Some(place) = place {
-                seen.insert((p.channel.id, &p.checked.key), *place);
-            }
-        }
-    }
-    let decisions = batch
-        .iter()
-        .enumerate()
-        .map(|(index, p)| {
-            let channel = &p.channel;
-            let t = tentative.entry(channel.id).or_insert_with(|| {
-                let (head, epoch) = base(channel);
-                Tentative {
-                    index,
-                    head,
-                    epoch,
-                    appended: false,
-                }
-            });
-            let key = (channel.id, p.checked.key.as_slice());
-            if let Some(&(seq, channel_epoch)) = seen.get(&key) {
-                return Decision::Duplicate { seq, channel_epoch };
-            }
-            if let Err(err) = check_fence(&p.checked.header, t.epoch, window) {
-                return Decision::Refused(err);
-            }
-            if matches!(p.checked.group, GroupCheck::OtherEpoch) {
-                // Checked against no state (its epoch was not the state's), and not a retry.
-                return Decision::Refused(RelayError::StaleEpoch {
-                    message_epoch: p.checked.header.epoch,
-                    current_epoch: t.epoch,
-                });
-            }
-            let new_epoch = epoch_after(&p.checked.header, t.epoch);
-            let starts_epoch = new_epoch != t.epoch;
-            t.head += 1;
-            t.epoch = new_epoch;
-            t.appended = true;
-            seen.insert(key, (t.head, new_epoch));
-            Decision::Append {
-                seq: t.head,
-                channel_epoch: new_epoch,
-                starts_epoch,
-            }
-        })
-        .collect();
-    Plan {
-        decisions,
-        tentative,
-    }
-}
-
-/// A loaded channel at seq 0, epoch 0 (for the stores' tests).
-#[cfg(test)]
-pub(crate) fn test_channel(id: i64) -> Arc<Channel> {
-    let row = ChannelRow {
-        id,
-        epoch: 0,
-        head_seq: 0,
-        scope: String::new(),
-        legacy_owner: None,
-        horizon: 0,
-    };
-    Arc::new(Channel::new(
-        "org/ns/service",
-        row,
-        &Arc::new(Cache::new(1024 * 1024)),
-    ))
-}
-
-/// A publish whose answer nobody waits for (for the stores' tests).
-#[cfg(test)]
-pub(crate) fn test_publish(channel: &Arc<Channel>, checked: Checked) -> Publish {
-    let (tx, _) = oneshot::channel();
-    Publish {
-        channel: Arc::clone(channel),
-        checked,
-        submitted: metrics::now_ns(),
-        tx,
     }
 }
 
@@ -1869,11 +1753,6 @@ pub(crate) fn test_entry(seq: u64, size: usize) -> Entry {
         message: Bytes::from(vec![0u8; size]),
         account: Arc::from(""),
     }
-}
-
-#[cfg(test)]
-pub(crate) fn test_committed(batch: &[Publish], plan: &Plan) {
-    committed(batch, plan);
 }
 
 #[cfg(test)]

@@ -47,13 +47,13 @@ pub fn method_label(path: &str) -> &'static str {
         .trim_start_matches('/')
         .rsplit_once('/')
         .unwrap_or(("", ""));
-    let name = if service == crate::health::HEALTH_SERVICE {
+    let name = if service == tonic_health::pb::health_server::SERVICE_NAME {
         match method {
             "Check" => "Health/Check",
             "Watch" => "Health/Watch",
             _ => "other",
         }
-    } else if service == crate::health::RELAY_SERVICE {
+    } else if service == crate::pb::relay_server::SERVICE_NAME {
         METHODS
             .iter()
             .find(|m| **m == method)

@@ -12,13 +12,15 @@
 //! (entries younger than it stay, so a retry within it gets its original seq) and the oldest
 //! Welcome still kept (its joiner subscribes from its commit).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::clock::now_ms;
 use crate::error::Result;
 use crate::log::ChannelLog;
-use crate::settings::RelayConfig;
+pub use crate::store::Policy;
+pub(crate) use crate::store::PruneStep;
 use crate::store::RetentionRow;
 
 /// Channels read per page of a pass.
@@ -26,42 +28,7 @@ const CHANNEL_PAGE: usize = 256;
 /// The largest max_age a policy may set (about 31,700 years): its milliseconds fit the store.
 pub const MAX_AGE_SECONDS: u64 = 1_000_000_000_000;
 
-/// A retention policy. Per limit: None follows the server's default, Some(0) is no limit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Policy {
-    /// Entries appended longer ago than this go.
-    pub max_age_seconds: Option<u64>,
-    /// Only the newest this many entries stay.
-    pub max_entries: Option<u64>,
-    /// Only the newest entries holding at most this many message bytes stay.
-    pub max_bytes: Option<u64>,
-}
-
-impl Policy {
-    /// Keep everything (the server's default policy unless configured).
-    pub const KEEP_ALL: Policy = Policy {
-        max_age_seconds: None,
-        max_entries: None,
-        max_bytes: None,
-    };
-
-    /// The limits that apply: `self`'s, else `default`'s, per limit; zeros (no limit) dropped.
-    pub fn over(&self, default: &Policy) -> Policy {
-        let pick = |own: Option<u64>, default: Option<u64>| own.or(default).filter(|v| *v > 0);
-        Policy {
-            max_age_seconds: pick(self.max_age_seconds, default.max_age_seconds),
-            max_entries: pick(self.max_entries, default.max_entries),
-            max_bytes: pick(self.max_bytes, default.max_bytes),
-        }
-    }
-
-    /// No limit applies (after [`Policy::over`]).
-    pub fn keeps_all(&self) -> bool {
-        self.max_age_seconds.is_none() && self.max_entries.is_none() && self.max_bytes.is_none()
-    }
-}
-
-/// The relay's retention settings, from its [`RelayConfig`].
+/// The relay's retention settings (built from its `RelayConfig` by `settings`).
 #[derive(Debug, Clone)]
 pub struct RetentionSettings {
     /// Per limit, for channels that set none.
@@ -79,39 +46,6 @@ pub struct RetentionSettings {
     pub prune_batch: usize,
 }
 
-impl From<&RelayConfig> for RetentionSettings {
-    /// The relay's settings (`crates/relay/src/settings.rs`, where the defaults are).
-    fn from(config: &RelayConfig) -> Self {
-        let limit = |v: u64| Some(v).filter(|v| *v > 0);
-        RetentionSettings {
-            default_policy: Policy {
-                // Whole seconds, rounded up: a limit is never shorter than asked.
-                max_age_seconds: limit(
-                    config.retention_max_age.as_secs()
-                        + u64::from(config.retention_max_age.subsec_nanos() > 0),
-                ),
-                max_entries: limit(config.retention_max_entries),
-                max_bytes: limit(config.retention_max_bytes),
-            },
-            welcome_ttl: Some(config.welcome_ttl).filter(|ttl| !ttl.is_zero()),
-            used_welcome_grace: config.used_welcome_grace,
-            idempotency_window: config.idempotency_window,
-            prune_interval: config.prune_interval,
-            prune_batch: config.prune_batch,
-        }
-    }
-}
-
-/// One bounded prune of one channel (see [`crate::store::LogWriter::prune`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PruneStep {
-    pub channel_id: i64,
-    /// The horizon the step was planned from.
-    pub horizon: u64,
-    /// The new horizon: entries up to it go.
-    pub to: u64,
-}
-
 /// What one pass did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PassReport {
@@ -121,14 +55,6 @@ pub struct PassReport {
     pub welcomes: u64,
     /// Channels whose horizon moved.
     pub channels: u64,
-}
-
-/// Now, in unix milliseconds (the time entries and Welcomes are stamped with).
-pub(crate) fn now_ms() -> i64 {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
 }
 
 fn millis(d: Duration) -> i64 {

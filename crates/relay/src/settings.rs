@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::retention::{Policy, RetentionSettings};
 use crate::store::Database;
 
 /// A setting the table refuses.
@@ -379,6 +380,29 @@ impl RelayConfig {
     /// Every tunable at its default, over `database`, on 127.0.0.1 and a free port.
     pub fn new(database: impl Into<Database>) -> RelayConfig {
         RelayConfig::with_defaults("127.0.0.1".to_owned(), 0, database.into(), false, None)
+    }
+}
+
+impl From<&RelayConfig> for RetentionSettings {
+    /// The relay's settings (`crates/relay/src/settings.rs`, where the defaults are).
+    fn from(config: &RelayConfig) -> Self {
+        let limit = |v: u64| Some(v).filter(|v| *v > 0);
+        RetentionSettings {
+            default_policy: Policy {
+                // Whole seconds, rounded up: a limit is never shorter than asked.
+                max_age_seconds: limit(
+                    config.retention_max_age.as_secs()
+                        + u64::from(config.retention_max_age.subsec_nanos() > 0),
+                ),
+                max_entries: limit(config.retention_max_entries),
+                max_bytes: limit(config.retention_max_bytes),
+            },
+            welcome_ttl: Some(config.welcome_ttl).filter(|ttl| !ttl.is_zero()),
+            used_welcome_grace: config.used_welcome_grace,
+            idempotency_window: config.idempotency_window,
+            prune_interval: config.prune_interval,
+            prune_batch: config.prune_batch,
+        }
     }
 }
 

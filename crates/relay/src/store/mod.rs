@@ -1,9 +1,9 @@
-//! The log's stores: thin I/O under [`crate::log`], one implementation per database, same
-//! schema (`static/store/migrations/0002_relay.*.sql`, created by the Python store's
+//! The log's stores: thin I/O under the channel logs, over plain rows, one implementation per
+//! database, same schema (`static/store/migrations/0002_relay.*.sql`, created by the Python store's
 //! migrations before the relay opens the database).
 //!
 //! * [`LogWriter`]: the writer's side, owned by one writer at a time and blocking. It decides
-//!   a group commit (through [`crate::log::decide`]) against the heads it trusts, and stores it
+//!   a group commit (through [`crate::fence::decide`]) against the heads it trusts, and stores it
 //!   in one transaction.
 //! * [`LogReader`]: reads, shared and async.
 //!
@@ -24,10 +24,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::error::Result;
-use crate::framing::ContentType;
-use crate::log::{Entry, GroupCheck, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
-use crate::members::GroupChange;
-use crate::retention::{Policy, PruneStep};
+use crate::fence::{Candidate, Decision, Plan};
+use crate::framing::{ContentType, MessageHeader};
 
 /// Where the relay keeps its logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,6 +57,75 @@ impl From<&Path> for Database {
     fn from(path: &Path) -> Database {
         Database::Sqlite(path.to_owned())
     }
+}
+
+/// One entry of a channel's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub seq: u64,
+    /// The message's own epoch (from its header).
+    pub epoch: u64,
+    pub content_type: u32,
+    pub message: Bytes,
+    /// Who published it ("" when anonymous or logged before accounts were recorded).
+    pub account: Arc<str>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WelcomeRecord {
+    pub welcome: Bytes,
+    pub commit_seq: u64,
+    pub epoch: u64,
+}
+
+pub enum WelcomeKey {
+    Digest(Vec<u8>),
+    KeyPackageRef(Vec<u8>),
+}
+
+/// A retention policy. Per limit: None follows the server's default, Some(0) is no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Policy {
+    /// Entries appended longer ago than this go.
+    pub max_age_seconds: Option<u64>,
+    /// Only the newest this many entries stay.
+    pub max_entries: Option<u64>,
+    /// Only the newest entries holding at most this many message bytes stay.
+    pub max_bytes: Option<u64>,
+}
+
+impl Policy {
+    /// Keep everything (the server's default policy unless configured).
+    pub const KEEP_ALL: Policy = Policy {
+        max_age_seconds: None,
+        max_entries: None,
+        max_bytes: None,
+    };
+
+    /// The limits that apply: `self`'s, else `default`'s, per limit; zeros (no limit) dropped.
+    pub fn over(&self, default: &Policy) -> Policy {
+        let pick = |own: Option<u64>, default: Option<u64>| own.or(default).filter(|v| *v > 0);
+        Policy {
+            max_age_seconds: pick(self.max_age_seconds, default.max_age_seconds),
+            max_entries: pick(self.max_entries, default.max_entries),
+            max_bytes: pick(self.max_bytes, default.max_bytes),
+        }
+    }
+
+    /// No limit applies (after [`Policy::over`]).
+    pub fn keeps_all(&self) -> bool {
+        self.max_age_seconds.is_none() && self.max_entries.is_none() && self.max_bytes.is_none()
+    }
+}
+
+/// One bounded prune of one channel (see [`crate::store::LogWriter::prune`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PruneStep {
+    pub channel_id: i64,
+    /// The horizon the step was planned from.
+    pub horizon: u64,
+    /// The new horizon: entries up to it go.
+    pub to: u64,
 }
 
 /// A read's answer, awaited on the relay's runtime.
@@ -157,7 +224,7 @@ pub(crate) trait LogWriter: Send {
     /// Decide `batch` (fence, numbers, duplicates) and store what it appends, in one
     /// transaction. The plan is final: a refusal in it is not the retry of a logged message.
     /// On error nothing was stored.
-    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan>;
+    fn append(&mut self, batch: &[Append<'_>], window: u64) -> Result<Plan>;
 
     /// One bounded prune of one channel, in one transaction: its entries after
     /// `step.horizon` up to `step.to` go, its horizon moves to `step.to` (never back), the
@@ -244,13 +311,99 @@ pub(crate) struct Opened {
     pub reader: Arc<dyn LogReader>,
 }
 
-/// Open `database` for the log whose channels are `registry` (PostgreSQL wakes them on the
-/// other relays' commits).
-pub(crate) async fn open(database: &Database, registry: &Arc<Registry>) -> Result<Opened> {
+/// What a store shared with other relays (PostgreSQL) tells of their commits: registered
+/// when it opens, called from its listener (as a store's handlers are registered with it).
+pub(crate) trait Heads: Send + Sync + 'static {
+    /// The channels loaded here, whose heads are worth telling.
+    fn loaded_ids(&self) -> Vec<i64>;
+    /// A committed head (and the epoch after it) of channel `id`, from any relay.
+    fn advance(&self, id: i64, head: u64, epoch: u64);
+}
+
+/// Open `database`; `heads` hears of the other relays' commits (PostgreSQL wakes the loaded
+/// channels with them).
+pub(crate) async fn open(database: &Database, heads: Arc<dyn Heads>) -> Result<Opened> {
     match database {
         Database::Sqlite(path) => sqlite::open(path),
-        Database::Postgres(url) => postgres::open(url, registry).await,
+        Database::Postgres(url) => postgres::open(url, heads).await,
     }
+}
+
+/// A channel's head as memory holds it: `(head_seq, epoch)`, read when a batch is decided.
+pub(crate) trait Memory: Sync {
+    fn heads(&self) -> (u64, u64);
+}
+
+/// A commit's change to its channel's group, as stored with it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Change<'a> {
+    /// The epoch the commit starts.
+    pub epoch: u64,
+    /// The next state, in its stored form.
+    pub state: &'a [u8],
+    /// The leaves the commit removes.
+    pub removed: &'a [u32],
+    /// The leaves the commit adds (its Welcome's joiners).
+    pub added: &'a [u32],
+}
+
+/// A publish of a group commit, as the store decides and appends it.
+pub(crate) struct Append<'a> {
+    pub channel_id: i64,
+    /// Its channel's head in memory.
+    pub memory: &'a dyn Memory,
+    /// A legacy channel (it keeps no proposals).
+    pub legacy: bool,
+    pub header: &'a MessageHeader,
+    /// Its idempotency key.
+    pub key: &'a [u8],
+    pub message: &'a [u8],
+    /// Empty, or the Welcome kept with this commit.
+    pub welcome: &'a [u8],
+    pub welcome_refs: &'a [Vec<u8>],
+    /// Who publishes it.
+    pub account: &'a str,
+    /// A handshake its group state could not check (another epoch): only a retry may pass.
+    pub other_epoch: bool,
+    /// A commit's change to the channel's group.
+    pub change: Option<Change<'a>>,
+}
+
+impl Append<'_> {
+    /// What the decision ([`crate::fence::decide`]) needs of it.
+    pub(crate) fn candidate(&self) -> Candidate<'_> {
+        Candidate {
+            channel_id: self.channel_id,
+            key: self.key,
+            header: self.header,
+            other_epoch: self.other_epoch,
+        }
+    }
+}
+
+/// Decide `batch` (see [`crate::fence::decide`]) from the heads `base` gives per publish.
+pub(crate) fn decide(
+    batch: &[Append<'_>],
+    base: impl Fn(&Append<'_>) -> (u64, u64),
+    found: Option<&[Option<(u64, u64)>]>,
+    window: u64,
+) -> Plan {
+    crate::fence::decide(
+        batch.iter().map(Append::candidate),
+        |index| batch.get(index).map_or((0, 0), &base),
+        found,
+        window,
+    )
+}
+
+/// The heads the SQLite writer (and PostgreSQL's fast path) decides from: memory's.
+pub(crate) fn in_memory(append: &Append<'_>) -> (u64, u64) {
+    append.memory.heads()
+}
+
+/// The `(id, head_seq, epoch)` of each channel `plan` appends to.
+pub(crate) fn new_heads(plan: &Plan) -> impl Iterator<Item = (i64, u64, u64)> + '_ {
+    plan.changed().map(|(id, t)| (id, t.head, t.epoch))
 }
 
 /// One entry a group commit appends.
@@ -275,12 +428,11 @@ pub(crate) struct NewEntry<'a> {
     /// A proposal to keep for the commits of its epoch.
     pub keep_proposal: bool,
     /// A commit's change to the channel's group.
-    pub change: Option<&'a GroupChange>,
+    pub change: Option<Change<'a>>,
 }
 
 /// The entries `plan` appends, in order.
-pub(crate) fn new_entries<'a>(batch: &'a [Publish], plan: &Plan) -> Vec<NewEntry<'a>> {
-    use crate::log::Decision;
+pub(crate) fn new_entries<'a>(batch: &[Append<'a>], plan: &Plan) -> Vec<NewEntry<'a>> {
     batch
         .iter()
         .zip(&plan.decisions)
@@ -290,27 +442,20 @@ pub(crate) fn new_entries<'a>(batch: &'a [Publish], plan: &Plan) -> Vec<NewEntry
                 channel_epoch,
                 starts_epoch,
             } => Some(NewEntry {
-                channel_id: p.channel.id(),
+                channel_id: p.channel_id,
                 seq,
-                epoch: p.checked.header.epoch,
-                content_type: p.checked.header.content_type as u32,
+                epoch: p.header.epoch,
+                content_type: p.header.content_type as u32,
                 channel_epoch,
                 starts_epoch,
-                key: &p.checked.key,
-                message: &p.checked.message,
-                welcome: &p.checked.welcome,
-                welcome_refs: &p.checked.welcome_refs,
-                welcome_leaves: match &p.checked.group {
-                    GroupCheck::Valid(Some(change)) => &change.added,
-                    _ => &[],
-                },
-                account: &p.checked.account,
-                keep_proposal: p.checked.header.content_type == ContentType::Proposal
-                    && !p.channel.is_legacy(),
-                change: match &p.checked.group {
-                    GroupCheck::Valid(Some(change)) => Some(change),
-                    _ => None,
-                },
+                key: p.key,
+                message: p.message,
+                welcome: p.welcome,
+                welcome_refs: p.welcome_refs,
+                welcome_leaves: p.change.map_or(&[], |change| change.added),
+                account: p.account,
+                keep_proposal: p.header.content_type == ContentType::Proposal && !p.legacy,
+                change: p.change,
             }),
             _ => None,
         })

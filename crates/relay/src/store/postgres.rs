@@ -42,13 +42,14 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
+use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::log::{decide, Entry, Plan, Publish, Registry, WelcomeKey, WelcomeRecord};
-use crate::retention::{now_ms, Policy, PruneStep};
+use crate::fence::{Decision, Plan};
 use crate::rules::org_key;
 use crate::store::{
-    new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, Opened,
-    RetentionRow, StoreFuture, StoredBinding, StoredGroup,
+    decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
+    LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, StoreFuture, StoredBinding,
+    StoredGroup, WelcomeKey, WelcomeRecord,
 };
 
 /// The NOTIFY channel of commits.
@@ -215,7 +216,7 @@ fn from_db(value: i64) -> u64 {
 }
 
 /// Opens the listener, the read pool and the writer on the database at `url`.
-pub(crate) async fn open(url: &str, registry: &Arc<Registry>) -> Result<Opened> {
+pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
     let mut config = Config::from_str(url)
         .map_err(|e| RelayError::store(format!("invalid PostgreSQL URL: {e}")))?;
     config.application_name("static-relay");
@@ -233,7 +234,7 @@ pub(crate) async fn open(url: &str, registry: &Arc<Registry>) -> Result<Opened> 
     // A first read connection now: a wrong URL or a missing schema fails the start.
     reader.connection().await.map_err(store_error)?;
     let (ready_tx, ready) = tokio::sync::oneshot::channel();
-    let listener = tokio::spawn(listen(config.clone(), Arc::clone(registry), ready_tx));
+    let listener = tokio::spawn(listen(config.clone(), heads, ready_tx));
     *reader
         .listener
         .lock()
@@ -440,7 +441,7 @@ impl LogWriter for PgWriter {
             .map_err(store_error)
     }
 
-    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
+    fn append(&mut self, batch: &[Append<'_>], window: u64) -> Result<Plan> {
         let (runtime, conn) = self.connected()?;
         match runtime.block_on(conn.append_optimistically(batch, window)) {
             Ok(Some(plan)) => return Ok(plan),
@@ -617,15 +618,14 @@ impl WriteConnection {
     /// when it appends nothing.
     async fn append_optimistically(
         &self,
-        batch: &[Publish],
+        batch: &[Append<'_>],
         window: u64,
     ) -> PgResult<Option<Plan>> {
-        let in_memory = |channel: &crate::log::Channel| (channel.head_seq(), channel.epoch());
         let plan = decide(batch, in_memory, None, window);
         let refuses = plan
             .decisions
             .iter()
-            .any(|d| matches!(d, crate::log::Decision::Refused(_)));
+            .any(|d| matches!(d, Decision::Refused(_)));
         if refuses || !plan.appends() {
             return Ok(None);
         }
@@ -638,7 +638,7 @@ impl WriteConnection {
     }
 
     /// The locked path: lock and read, decide, write, NOTIFY, COMMIT (rolled back on error).
-    async fn append(&self, batch: &[Publish], window: u64) -> PgResult<Plan> {
+    async fn append(&self, batch: &[Append<'_>], window: u64) -> PgResult<Plan> {
         let result = self.decide_and_write(batch, window).await;
         if result.is_err() {
             // Best effort: a broken connection ends the transaction anyway.
@@ -647,12 +647,12 @@ impl WriteConnection {
         result
     }
 
-    async fn decide_and_write(&self, batch: &[Publish], window: u64) -> PgResult<Plan> {
-        let mut ids: Vec<i64> = batch.iter().map(|p| p.channel.id()).collect();
+    async fn decide_and_write(&self, batch: &[Append<'_>], window: u64) -> PgResult<Plan> {
+        let mut ids: Vec<i64> = batch.iter().map(|p| p.channel_id).collect();
         ids.sort_unstable();
         ids.dedup();
-        let key_channels: Vec<i64> = batch.iter().map(|p| p.channel.id()).collect();
-        let keys: Vec<&[u8]> = batch.iter().map(|p| p.checked.key.as_slice()).collect();
+        let key_channels: Vec<i64> = batch.iter().map(|p| p.channel_id).collect();
+        let keys: Vec<&[u8]> = batch.iter().map(|p| p.key).collect();
         let (_, locked, logged) = try_join3(
             self.client.batch_execute("BEGIN"),
             self.client.query(&self.lock, &[&ids]),
@@ -677,18 +677,14 @@ impl WriteConnection {
             .collect();
         let found: Vec<Option<(u64, u64)>> = batch
             .iter()
-            .map(|p| {
-                logged
-                    .get(&(p.channel.id(), p.checked.key.as_slice()))
-                    .copied()
-            })
+            .map(|p| logged.get(&(p.channel_id, p.key)).copied())
             .collect();
         // Every channel of the batch has its row (rows are never deleted).
-        let base = |channel: &crate::log::Channel| {
+        let base = |p: &Append<'_>| {
             heads
-                .get(&channel.id())
+                .get(&p.channel_id)
                 .copied()
-                .unwrap_or((channel.head_seq(), channel.epoch()))
+                .unwrap_or_else(|| p.memory.heads())
         };
         let plan = decide(batch, base, Some(&found), window);
         if !plan.appends() {
@@ -703,7 +699,7 @@ impl WriteConnection {
     /// Welcomes: most batches) outside a transaction is one statement, its own transaction.
     async fn write(
         &self,
-        batch: &[Publish],
+        batch: &[Append<'_>],
         plan: &Plan,
         transaction: Transaction,
     ) -> PgResult<()> {
@@ -739,7 +735,7 @@ impl WriteConnection {
                 changes.push((
                     e.channel_id,
                     to_db(change.epoch),
-                    &change.state,
+                    change.state,
                     removed,
                     to_db(e.seq),
                 ));
@@ -768,14 +764,14 @@ impl WriteConnection {
         }
         let mut heads = HeadColumns::default();
         let mut notices = Vec::new();
-        let mut changed: Vec<_> = plan.changed(batch).collect();
+        let mut changed: Vec<_> = plan.changed().collect();
         // Rows locked in id order, as the locked path does: two relays never deadlock.
-        changed.sort_unstable_by_key(|(channel, _)| channel.id());
-        for (channel, t) in changed {
-            heads.channel_id.push(channel.id());
+        changed.sort_unstable_by_key(|(id, _)| *id);
+        for (id, t) in changed {
+            heads.channel_id.push(id);
             heads.head_seq.push(to_db(t.head));
             heads.epoch.push(to_db(t.epoch));
-            notices.push(format!("{} {} {}", channel.id(), t.head, t.epoch));
+            notices.push(format!("{} {} {}", id, t.head, t.epoch));
         }
 
         let client = &self.client;
@@ -1285,14 +1281,14 @@ impl LogReader for PgReader {
 /// forward; reconnects for as long as the relay runs. `ready` hears how the first LISTEN went.
 async fn listen(
     config: Config,
-    registry: Arc<Registry>,
+    heads: Arc<dyn Heads>,
     ready: tokio::sync::oneshot::Sender<std::result::Result<(), String>>,
 ) {
     let mut ready = Some(ready);
     // Said once per outage, not at every attempt.
     let mut down = false;
     loop {
-        let outcome = listen_once(&config, &registry, &mut ready, &mut down).await;
+        let outcome = listen_once(&config, &*heads, &mut ready, &mut down).await;
         if let Some(ready) = ready.take() {
             // The first connection failed: the start fails.
             let _ = ready.send(Err(match outcome {
@@ -1316,7 +1312,7 @@ async fn listen(
 /// One connection's worth of LISTEN: until it breaks.
 async fn listen_once(
     config: &Config,
-    registry: &Registry,
+    heads: &dyn Heads,
     ready: &mut Option<tokio::sync::oneshot::Sender<std::result::Result<(), String>>>,
     down: &mut bool,
 ) -> PgResult<()> {
@@ -1342,10 +1338,10 @@ async fn listen_once(
             .batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}"))
             .await?;
         // Whatever was committed before LISTEN took effect: read it.
-        let ids = registry.loaded_ids();
+        let ids = heads.loaded_ids();
         if !ids.is_empty() {
             for row in client.query(HEADS, &[&ids]).await? {
-                registry.advance(row.get(0), from_db(row.get(1)), from_db(row.get(2)));
+                heads.advance(row.get(0), from_db(row.get(1)), from_db(row.get(2)));
             }
         }
         PgResult::Ok(())
@@ -1365,7 +1361,7 @@ async fn listen_once(
         if let (Some(Ok(id)), Some(Ok(head)), Some(Ok(epoch))) =
             (fields.next(), fields.next(), fields.next())
         {
-            registry.advance(to_db(id), head, epoch);
+            heads.advance(to_db(id), head, epoch);
         }
     }
     drop(client);

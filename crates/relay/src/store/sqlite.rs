@@ -24,14 +24,15 @@ use bytes::Bytes;
 use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
 
+use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::log::{decide, Decision, Entry, Plan, Publish, WelcomeKey, WelcomeRecord};
-use crate::retention::{now_ms, Policy, PruneStep};
+use crate::fence::{Decision, Plan};
 use crate::rules::org_key;
 use crate::store::keys::Generations;
 use crate::store::{
-    new_entries, Binding, ChannelRow, Creation, LogReader, LogWriter, NewChannel, NewEntry, Opened,
-    RetentionRow, StoreFuture, StoredBinding, StoredGroup,
+    decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
+    LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow,
+    StoreFuture, StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
 };
 
 /// A background WAL checkpoint after this many group commits or message bytes, whichever
@@ -384,7 +385,7 @@ fn append(
                 ])?;
                 let mut unbind = tx.prepare_cached(UNBIND)?;
                 let mut depart = tx.prepare_cached(DEPART)?;
-                for leaf in &change.removed {
+                for leaf in change.removed {
                     let account: Option<String> = unbind
                         .query_row(params![e.channel_id, leaf], |row| row.get(0))
                         .optional()?;
@@ -701,11 +702,6 @@ struct SqliteWriter {
 /// Per publish of a batch, the (seq, channel_epoch) of the entry holding its key.
 type Found = Vec<Option<(u64, u64)>>;
 
-/// The heads the SQLite writer decides from: memory's.
-fn in_memory(channel: &crate::log::Channel) -> (u64, u64) {
-    (channel.head_seq(), channel.epoch())
-}
-
 impl LogWriter for SqliteWriter {
     fn commits_inline(&self) -> bool {
         true
@@ -766,7 +762,7 @@ impl LogWriter for SqliteWriter {
         Ok(())
     }
 
-    fn append(&mut self, batch: &[Publish], window: u64) -> Result<Plan> {
+    fn append(&mut self, batch: &[Append<'_>], window: u64) -> Result<Plan> {
         let mut looked_up = false;
         // Retries of older generations (the unique index only refuses the current one's).
         let older = self.find_older_keys(batch).map_err(RelayError::store)?;
@@ -797,7 +793,7 @@ impl LogWriter for SqliteWriter {
             // A refusal may be a retry of a message logged before (possibly now stale).
             for (p, decision) in batch.iter().zip(plan.decisions.iter_mut()) {
                 if matches!(decision, Decision::Refused(_)) {
-                    match self.find_key(p.channel.id(), &p.checked.key, false) {
+                    match self.find_key(p.channel_id, p.key, false) {
                         Ok(Some((seq, channel_epoch))) => {
                             *decision = Decision::Duplicate { seq, channel_epoch };
                         }
@@ -822,33 +818,35 @@ impl SqliteWriter {
     }
 
     /// The batch's keys already in the log: per publish, the (seq, channel_epoch) holding it.
-    fn find_keys(&self, batch: &[Publish]) -> rusqlite::Result<Found> {
+    fn find_keys(&self, batch: &[Append<'_>]) -> rusqlite::Result<Found> {
         batch
             .iter()
-            .map(|p| self.find_key(p.channel.id(), &p.checked.key, false))
+            .map(|p| self.find_key(p.channel_id, p.key, false))
             .collect()
     }
 
     /// The batch's keys found in older generations, None when there are none (the usual case:
     /// a filter check per older generation and publish, and a look-up for ~1% of them).
-    fn find_older_keys(&self, batch: &[Publish]) -> rusqlite::Result<Option<Found>> {
+    fn find_older_keys(&self, batch: &[Append<'_>]) -> rusqlite::Result<Option<Found>> {
         let found = batch
             .iter()
-            .map(|p| self.find_key(p.channel.id(), &p.checked.key, true))
+            .map(|p| self.find_key(p.channel_id, p.key, true))
             .collect::<rusqlite::Result<Vec<_>>>()?;
         Ok(found.iter().any(Option::is_some).then_some(found))
     }
 
     /// Stores the plan's entries and heads in one transaction (none when nothing is appended).
-    fn store(&mut self, batch: &[Publish], plan: &Plan) -> rusqlite::Result<()> {
+    fn store(&mut self, batch: &[Append<'_>], plan: &Plan) -> rusqlite::Result<()> {
         let entries = new_entries(batch, plan);
         if entries.is_empty() {
             return Ok(());
         }
-        let heads = plan
-            .changed(batch)
-            .map(|(channel, t)| (channel.id(), t.head, t.epoch));
-        append(&mut self.conn, &entries, heads, self.generations.current())
+        append(
+            &mut self.conn,
+            &entries,
+            new_heads(plan),
+            self.generations.current(),
+        )
     }
 
     fn count_commit(&mut self, bytes: usize) {
@@ -903,7 +901,7 @@ where
     Box::pin(async move {
         match tokio::task::spawn_blocking(move || reader.run(read)).await {
             Ok(result) => result.map_err(RelayError::store),
-            Err(err) if err.is_cancelled() => Err(crate::log::shutting_down()),
+            Err(err) if err.is_cancelled() => Err(crate::error::shutting_down()),
             // A panic in a read: a bug.
             Err(_) => Err(RelayError::Internal),
         }
@@ -1196,14 +1194,16 @@ mod tests {
         }
     }
 
+    /// A message to publish: its header, key and bytes.
+    struct Message {
+        header: crate::framing::MessageHeader,
+        key: Vec<u8>,
+        message: Bytes,
+    }
+
     /// Message `i` of epoch `epoch`, its key given (as the relay stores client-given keys).
-    fn message(
-        i: u64,
-        epoch: u64,
-        content_type: crate::framing::ContentType,
-    ) -> crate::log::Checked {
-        let message = Bytes::from(format!("message {i}"));
-        crate::log::Checked {
+    fn message(i: u64, epoch: u64, content_type: crate::framing::ContentType) -> Message {
+        Message {
             header: crate::framing::MessageHeader {
                 wire_format: 2,
                 group_id: b"g".to_vec(),
@@ -1211,12 +1211,50 @@ mod tests {
                 content_type,
             },
             key: format!("k:{i}").into_bytes(),
-            message,
-            welcome: Bytes::new(),
-            welcome_refs: Vec::new(),
-            account: Arc::from(""),
-            group: crate::log::GroupCheck::Unchecked,
+            message: Bytes::from(format!("message {i}")),
         }
+    }
+
+    /// A channel's head in memory, moved as the log moves it once a batch is durable.
+    #[derive(Default)]
+    struct Head(Mutex<(u64, u64)>);
+
+    impl crate::store::Memory for Head {
+        fn heads(&self) -> (u64, u64) {
+            *self.0.lock().unwrap()
+        }
+    }
+
+    impl Head {
+        fn committed(&self, plan: &Plan) {
+            for (_, t) in plan.changed() {
+                *self.0.lock().unwrap() = (t.head, t.epoch);
+            }
+        }
+
+        fn head_seq(&self) -> u64 {
+            self.0.lock().unwrap().0
+        }
+    }
+
+    /// `messages` as a batch on channel `id`.
+    fn batch<'a>(id: i64, head: &'a Head, messages: &'a [Message]) -> Vec<Append<'a>> {
+        messages
+            .iter()
+            .map(|m| Append {
+                channel_id: id,
+                memory: head,
+                legacy: false,
+                header: &m.header,
+                key: &m.key,
+                message: &m.message,
+                welcome: &[],
+                welcome_refs: &[],
+                account: "",
+                other_epoch: false,
+                change: None,
+            })
+            .collect()
     }
 
     /// A channel `org/ns/service` made through `writer`: its id.
@@ -1237,24 +1275,23 @@ mod tests {
     #[test]
     fn a_retry_gets_its_original_seq_from_any_key_generation() {
         use crate::framing::ContentType::{Application, Commit};
-        use crate::log::{test_channel, test_committed, test_publish};
         use crate::store::keys::GENERATION;
 
         let (_dir, path) = database();
         let mut writer = writer(&path);
         let id = created_channel(&mut writer);
-        let channel = test_channel(id);
+        let head = Head::default();
         // Generation 0 fills up, generation 1 gets 100 entries: message i has seq i + 1.
         let logged = GENERATION + 100;
         for first in (0..logged).step_by(512) {
-            let batch: Vec<_> = (first..logged.min(first + 512))
-                .map(|i| test_publish(&channel, message(i, 0, Application)))
+            let messages: Vec<_> = (first..logged.min(first + 512))
+                .map(|i| message(i, 0, Application))
                 .collect();
-            let plan = writer.append(&batch, 0).unwrap();
-            test_committed(&batch, &plan);
+            let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
+            head.committed(&plan);
         }
         assert_eq!(writer.generations.current(), 1);
-        assert_eq!(channel.head_seq(), logged);
+        assert_eq!(head.head_seq(), logged);
 
         let seqs = |plan: &Plan| -> Vec<String> {
             plan.decisions
@@ -1267,10 +1304,9 @@ mod tests {
                 .collect()
         };
         // Retries of both generations (twice one of them) beside a new message.
-        let batch = [3, GENERATION + 50, logged, 3]
-            .map(|i| test_publish(&channel, message(i, 0, Application)));
-        let plan = writer.append(&batch, 0).unwrap();
-        test_committed(&batch, &plan);
+        let messages = [3, GENERATION + 50, logged, 3].map(|i| message(i, 0, Application));
+        let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
+        head.committed(&plan);
         let expected = [
             "duplicate 4".to_owned(),
             format!("duplicate {}", GENERATION + 51),
@@ -1281,15 +1317,14 @@ mod tests {
 
         // A commit moves the epoch: retries of epoch 0 are stale now, and still get their seqs,
         // also once the filters are rebuilt from the index by a new writer.
-        let batch = [test_publish(&channel, message(logged + 1, 0, Commit))];
-        let plan = writer.append(&batch, 0).unwrap();
-        test_committed(&batch, &plan);
+        let messages = [message(logged + 1, 0, Commit)];
+        let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
+        head.committed(&plan);
         drop(writer);
         let mut writer = super::tests::writer(&path);
         assert_eq!(writer.generations.current(), 1);
-        let batch =
-            [5, GENERATION + 7, logged].map(|i| test_publish(&channel, message(i, 0, Application)));
-        let plan = writer.append(&batch, 0).unwrap();
+        let messages = [5, GENERATION + 7, logged].map(|i| message(i, 0, Application));
+        let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
         let expected = [
             "duplicate 6".to_owned(),
             format!("duplicate {}", GENERATION + 8),
@@ -1297,8 +1332,8 @@ mod tests {
         ];
         assert_eq!(seqs(&plan), expected);
         // A new message of the current epoch goes to the current generation.
-        let batch = [test_publish(&channel, message(logged + 2, 1, Application))];
-        let plan = writer.append(&batch, 0).unwrap();
+        let messages = [message(logged + 2, 1, Application)];
+        let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
         assert_eq!(seqs(&plan), [format!("append {}", logged + 3)]);
         let key_gen: u64 = writer
             .conn
@@ -1314,17 +1349,17 @@ mod tests {
     #[test]
     fn checkpoints_run_beside_the_writer() {
         use crate::framing::{ContentType, MessageHeader};
-        use crate::log::{test_channel, test_publish, Checked};
 
         let (_dir, path) = database();
         let mut writer = writer(&path);
-        let channel = test_channel(created_channel(&mut writer));
+        let id = created_channel(&mut writer);
+        let head = Head::default();
         let shared = Arc::clone(&writer.checkpointer.shared);
         let runs = || shared.0.lock().unwrap().runs;
         assert_eq!(runs(), 0);
         for epoch in 0..u64::from(CHECKPOINT_COMMITS) - 1 {
             let message = Bytes::from(format!("commit {epoch}"));
-            let checked = Checked {
+            let messages = [Message {
                 header: MessageHeader {
                     wire_format: 2,
                     group_id: b"g".to_vec(),
@@ -1333,14 +1368,9 @@ mod tests {
                 },
                 key: message.to_vec(),
                 message,
-                welcome: Bytes::new(),
-                welcome_refs: Vec::new(),
-                account: Arc::from(""),
-                group: crate::log::GroupCheck::Unchecked,
-            };
-            let batch = [test_publish(&channel, checked)];
-            let plan = writer.append(&batch, 0).unwrap();
-            crate::log::test_committed(&batch, &plan);
+            }];
+            let plan = writer.append(&batch(id, &head, &messages), 0).unwrap();
+            head.committed(&plan);
         }
         // The create and 63 group commits: one checkpoint requested, on its own thread.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -1348,6 +1378,6 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert_eq!(runs(), 1);
-        assert_eq!(channel.head_seq(), u64::from(CHECKPOINT_COMMITS) - 1);
+        assert_eq!(head.head_seq(), u64::from(CHECKPOINT_COMMITS) - 1);
     }
 }
