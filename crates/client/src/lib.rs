@@ -57,11 +57,12 @@ mod sync;
 mod tokens;
 pub mod transport;
 
-pub use channel::{Channel, Message, Next, RosterMember};
+pub use channel::{Channel, Next, RosterMember};
 pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
 pub use error::{Error, ErrorKind, Result};
+pub use inbox::Message;
 pub use pipeline::SendHandle;
 pub use refusal::Refusal;
 pub use tokens::{Token, TokenError, TokenProvider};
