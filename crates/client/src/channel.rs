@@ -12,6 +12,7 @@ use crate::commit::{CommitMaker, Committer};
 use crate::config::MAX_PAYLOAD;
 use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
+use crate::inbox::Message;
 use crate::journal::Journal;
 use crate::pipeline::SendHandle;
 use crate::publisher::{Destination, Outbound, Outcome};
@@ -33,21 +34,6 @@ pub struct RosterMember {
     pub account: Option<String>,
 }
 use static_mls::store::Cursor;
-
-/// A message another member sent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message {
-    pub payload: Vec<u8>,
-    /// The sender's identity, as MLS authenticated it (its leaf's credential).
-    pub sender: Vec<u8>,
-    /// The account that published it, as the relay attests it ("" for an anonymous caller);
-    /// None when unknown (received from a relay of an older release).
-    pub account: Option<String>,
-    /// Its place in the channel's log.
-    pub seq: u64,
-    /// The epoch it was sent in.
-    pub epoch: u64,
-}
 
 /// What a wait for the next message found.
 #[derive(Debug)]

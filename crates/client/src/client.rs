@@ -19,7 +19,7 @@ use crate::refusal::Refusal;
 use crate::retry::Retry;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
-use crate::sync::lock;
+use crate::sync::{join_within, lock};
 use crate::tokens::{Token, TokenProvider, Tokens};
 use crate::transport::{self, pb};
 use static_mls::engine::Engine;
@@ -320,17 +320,6 @@ impl Client {
         // Dropping the last reference checkpoints the store and releases the directory lock.
         lock(&self.shared.engine).take();
     }
-}
-
-/// Joins `thread` if it ends before `deadline`; otherwise leaves it to end on its own.
-pub(crate) fn join_within(thread: std::thread::JoinHandle<()>, deadline: Instant) {
-    while !thread.is_finished() {
-        if Instant::now() >= deadline {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let _ = thread.join();
 }
 
 impl Drop for Client {

@@ -1,7 +1,7 @@
 //! One entry of a channel's log as the client received it from the relay.
 
 /// The relay's content type of application messages.
-pub(crate) const APPLICATION: u32 = 1;
+pub(crate) use static_proto::content_type::APPLICATION;
 
 /// One entry of a channel's log as the client received it.
 pub(crate) struct LogItem {

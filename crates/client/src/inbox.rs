@@ -1,5 +1,5 @@
-//! A channel's inbox as its readers see it: the hand-out [`Marks`] and the read-ahead
-//! ([`Inbox`]).
+//! A channel's inbox as its readers see it: the hand-out [`Marks`], the read-ahead
+//! ([`Inbox`]) and what a reader takes from it ([`Message`]).
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -8,6 +8,33 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, Result};
 use crate::sync::lock;
 use static_mls::engine::Engine;
+
+/// A message another member sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub payload: Vec<u8>,
+    /// The sender's identity, as MLS authenticated it (its leaf's credential).
+    pub sender: Vec<u8>,
+    /// The account that published it, as the relay attests it ("" for an anonymous caller);
+    /// None when unknown (received from a relay of an older release).
+    pub account: Option<String>,
+    /// Its place in the channel's log.
+    pub seq: u64,
+    /// The epoch it was sent in.
+    pub epoch: u64,
+}
+
+impl From<static_mls::store::InboxMessage> for Message {
+    fn from(m: static_mls::store::InboxMessage) -> Self {
+        Self {
+            payload: m.payload,
+            sender: m.sender,
+            account: m.account,
+            seq: m.seq,
+            epoch: m.epoch,
+        }
+    }
+}
 
 /// File of the hand-out marks inside the data directory.
 const MARKS_FILE: &str = "inbox.marks";

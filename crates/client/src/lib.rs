@@ -9,9 +9,9 @@
 //!   token source (`tokens`), and what its channels share (`shared`): one **publisher** task
 //!   (`publisher`) that keeps one `PublishBatches` call open for all channels, and a pool of
 //!   **applier** threads (`applier`).
-//! * One [`Channel`] per open channel (`channel`, the façade) around a core (`core`): the
-//!   state its workers share (progress, shutdown, wake-ups, our own messages). The workers get
-//!   the core and their own channel ends and never reach the façade:
+//! * One [`Channel`] per open channel (`channel`, the façade) around a core (`channel_core`):
+//!   the state its workers share (progress, shutdown, wake-ups, our own messages). The workers
+//!   get the core and their own channel ends and never reach the façade:
 //!   - the channel's **subscription** (`subscriber`) follows its log (in batches of up to
 //!     `SUBSCRIBE_BATCH` entries per response) after the last seq seen (or from the epoch we
 //!     joined at), and feeds the channel's follower (`reader`), which passes over our own
@@ -57,11 +57,12 @@ mod sync;
 mod tokens;
 pub mod transport;
 
-pub use channel::{Channel, Message, Next, RosterMember};
+pub use channel::{Channel, Next, RosterMember};
 pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
 pub use error::{Error, ErrorKind, Result};
+pub use inbox::Message;
 pub use pipeline::SendHandle;
 pub use refusal::Refusal;
 pub use tokens::{Token, TokenError, TokenProvider};

@@ -238,8 +238,8 @@ fn expire(queue: &mut VecDeque<Outbound>, why: &str) {
 const MAX_INFLIGHT_BATCHES: usize = 32;
 /// Most message bytes awaiting their answer on one call.
 const MAX_INFLIGHT_BYTES: usize = 8 * 1024 * 1024;
-/// Items per batch (the relay's limit).
-pub(crate) const MAX_BATCH_ITEMS: usize = 1024;
+/// Items per batch: the relay's limit.
+pub(crate) use static_proto::MAX_BATCH_ITEMS;
 /// Message bytes per batch: the relay reads requests of at most 1 MiB; leave room for the
 /// framing of each item. A larger single message goes alone.
 pub(crate) const MAX_BATCH_BYTES: usize = 1024 * 1024 - 64 * 1024;

@@ -34,7 +34,7 @@ use crate::pipeline::Queued;
 use crate::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
 use crate::refusal::Refusal;
 use crate::retry::Retry;
-use crate::sync::lock;
+use crate::sync::{join_within, lock};
 
 /// How long the thread waits for more before it ends (a new one starts on the next send).
 const IDLE: Duration = Duration::from_secs(1);
@@ -68,7 +68,7 @@ impl Sender {
     pub(crate) fn join(core: &ChannelCore, deadline: std::time::Instant) {
         let thread = lock(&core.pipeline.thread).take();
         if let Some(thread) = thread {
-            crate::client::join_within(thread, deadline);
+            join_within(thread, deadline);
         }
     }
 

@@ -12,10 +12,9 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tonic::Request;
 
-use crate::channel::Message;
 use crate::config::ClientOptions;
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, Marks};
+use crate::inbox::{Inbox, Marks, Message};
 use crate::refusal::Refusal;
 use crate::retry::{Retry, Step};
 use crate::sync::{lock, wait_value};
@@ -237,13 +236,7 @@ impl Shared {
     pub(crate) fn inbox_take(&self, engine: &Engine, name: &str) -> Result<Option<Message>> {
         let inbox = self.inbox(engine, name)?;
         let mut inbox = lock(&inbox);
-        Ok(inbox.take(engine, &self.marks, name)?.map(|m| Message {
-            payload: m.payload,
-            sender: m.sender,
-            account: m.account,
-            seq: m.seq,
-            epoch: m.epoch,
-        }))
+        Ok(inbox.take(engine, &self.marks, name)?.map(Message::from))
     }
 
     /// Whether the relay has answered this client at least once.

@@ -1,4 +1,5 @@
-//! Locking without poisoning, and reading a `watch` without keeping its lock.
+//! Locking without poisoning, reading a `watch` without keeping its lock, and joining a thread
+//! by a deadline.
 //!
 //! A panic on one thread must not make every later call fail, so [`lock`] ignores poisoning.
 //!
@@ -12,6 +13,7 @@
 #![allow(clippy::disallowed_methods)]
 
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
@@ -36,4 +38,15 @@ pub(crate) async fn wait_value<T: Clone>(
     ready: impl FnMut(&T) -> bool,
 ) -> Option<T> {
     rx.wait_for(ready).await.ok().map(|value| value.clone())
+}
+
+/// Joins `thread` if it ends before `deadline`; otherwise leaves it to end on its own.
+pub(crate) fn join_within(thread: std::thread::JoinHandle<()>, deadline: Instant) {
+    while !thread.is_finished() {
+        if Instant::now() >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = thread.join();
 }

@@ -23,3 +23,18 @@ pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
 /// Trailer carrying a channel's horizon (the last seq its retention pruned) on OUT_OF_RANGE
 /// (decimal ASCII).
 pub const HORIZON_TRAILER: &str = "static-horizon-seq";
+
+/// Items of one `PublishBatchRequest` at most: the relay refuses a larger batch with
+/// INVALID_ARGUMENT, so the client never sends one.
+pub const MAX_BATCH_ITEMS: usize = 1024;
+
+/// The content types of a log entry (`Entry.content_type`), RFC 9420's numbers: the relay
+/// writes them, the client tells its messages from handshakes by them.
+pub mod content_type {
+    /// An application message.
+    pub const APPLICATION: u32 = 1;
+    /// A proposal.
+    pub const PROPOSAL: u32 = 2;
+    /// A commit.
+    pub const COMMIT: u32 = 3;
+}

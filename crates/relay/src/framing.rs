@@ -7,6 +7,8 @@
 //! integer (RFC 9000 §16, as RFC 9420 §2.1.2 uses it) giving their length. The reader is plain
 //! indexing, so one path reads everything.
 
+use static_proto::content_type;
+
 /// `mls10`, the only protocol version.
 const MLS10: u64 = 1;
 
@@ -18,18 +20,19 @@ const KEY_PACKAGE: u16 = 5;
 
 /// RFC 9420 content types the relay tells apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
 pub enum ContentType {
-    Application = 1,
-    Proposal = 2,
-    Commit = 3,
+    Application = content_type::APPLICATION,
+    Proposal = content_type::PROPOSAL,
+    Commit = content_type::COMMIT,
 }
 
 impl ContentType {
     fn from_wire(value: u64) -> Result<ContentType, Malformed> {
-        match value {
-            1 => Ok(ContentType::Application),
-            2 => Ok(ContentType::Proposal),
-            3 => Ok(ContentType::Commit),
+        match u32::try_from(value) {
+            Ok(content_type::APPLICATION) => Ok(ContentType::Application),
+            Ok(content_type::PROPOSAL) => Ok(ContentType::Proposal),
+            Ok(content_type::COMMIT) => Ok(ContentType::Commit),
             _ => Err(malformed(format!("unknown content type {value}"))),
         }
     }

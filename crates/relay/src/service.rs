@@ -45,7 +45,7 @@ const MAX_BUCKETS: usize = 10_000;
 /// Publishes of one PublishStream call queued ahead of their answers.
 const PIPELINE_DEPTH: usize = 256;
 /// Items of one PublishBatches request, and requests of one call read ahead of their answers.
-const BATCH_ITEMS: usize = 1024;
+use static_proto::MAX_BATCH_ITEMS as BATCH_ITEMS;
 const BATCHES_AHEAD: usize = 64;
 /// Entries per Subscribe response when the subscriber asks for batches (and its max_batch).
 const SUBSCRIBE_BATCH_BYTES: usize = 1024 * 1024;
