@@ -1,6 +1,6 @@
 //! Static's relay data plane: the MLS delivery service of docs/design.md §5 (gRPC, `proto/relay.proto`)
 //! in Rust, over SQLite (one relay per file) or PostgreSQL (any number of relays on one database). `static serve` runs it in its process (through
-//! `static._native.RelayServer`) and keeps what is not per-message in Python: token checks
+//! `static._native.relay.RelayServer`) and keeps what is not per-message in Python: token checks
 //! ([`Verify`], once per call), the revocation checks (which end streams through
 //! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
 //!

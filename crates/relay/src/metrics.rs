@@ -1,5 +1,5 @@
 //! The relay's Prometheus metrics: one registry for the process, rendered as text by
-//! [`render`] (`static._native.relay_metrics()`, appended to the HTTP port's `/metrics`).
+//! [`render`] (`static._native.relay.RelayServer.metrics()`, appended to the HTTP port's `/metrics`).
 //!
 //! Labels are bounded: a gRPC method is one of the relay's own (anything else is `other`), a
 //! code one of gRPC's 17. No channel name, account or peer is ever a label. Updating a metric is

@@ -1,6 +1,6 @@
 //! The relay's configuration: [`RelayConfig`], and the one table of its tunable settings (name,
 //! `static serve` flag, default, bounds, help) that everything else reads: the defaults here, the
-//! Python binding (`static._native.relay_settings()`), the CLI's flags and the docs' `--help`.
+//! Python binding (`static._native.relay.relay_settings()`), the CLI's flags and the docs' `--help`.
 //!
 //! A setting is added in one place, the `settings!` invocation below; the binding, the CLI and
 //! `RelayConfig::set` pick it up by name.
