@@ -6,8 +6,8 @@
 //! At 9b2be07 CreateChannel built the group (every leaf's signature) before anything else was
 //! looked at, inline on a tokio worker: a 1 MiB tree of 6,472 leaves cost 305-372 ms of CPU
 //! and then was refused, and two loops of it took another account's round trip from 2.9 ms to
-//! 250 ms (issue 27). Now such a tree is refused by its size, unparsed, and a smaller crowded
-//! one after a parse (a new group holds its creator alone); what is verified runs in the pool.
+//! 250 ms (issue 27). Now such a tree is refused after a parse (a new group holds its creator
+//! alone), and what is verified runs in the pool.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,12 +26,6 @@ use crate::verify_pool::{PoolError, VerifyPool, RETRY_AFTER};
 /// A burst of creates may be this many seconds of the rate (a client making its channels at
 /// start).
 const CREATE_BURST_SECONDS: f64 = 10.0;
-
-/// The largest GroupInfo, and the largest ratchet tree, of a new channel. Its group holds its
-/// creator alone: the SDK's are ~0.3 KiB each (a leaf is ~180 bytes), so 64 KiB leaves room
-/// for a long identity and extensions, and bounds what the parse of a refused tree costs (a
-/// 1 MiB tree of 5,857 copies of one leaf was parsed whole before it was refused).
-pub(crate) const MAX_NEW_GROUP_BYTES: usize = 64 * 1024;
 
 /// How long one charged claim covers further creates of the same account in the same org
 /// while the first create is still on its way to the store: the claim budget's window.
@@ -176,11 +170,10 @@ pub(super) async fn create_channel(
             "binding is required: the creator's leaf binding (LeafBinding)".to_owned(),
         )
     })?;
-    let limit = inner.settings.max_message_bytes.min(MAX_NEW_GROUP_BYTES);
+    let limit = inner.settings.max_message_bytes;
     if request.group_info.len() > limit || request.ratchet_tree.len() > limit {
         return Err(RelayError::resource_exhausted(format!(
-            "group state larger than {limit} bytes (a new channel's group holds its creator \
-             alone)"
+            "group state larger than {limit} bytes"
         )));
     }
     let gate = &inner.gate;
