@@ -5,10 +5,8 @@ delivered or its loss is reported."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +16,7 @@ import pytest
 
 from static_sdk import InternalError, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support import sqlite_apart
 from tests.support.process import LineProcess
 from tests.support.server import ServerProcess, restartable_args
 
@@ -149,12 +148,10 @@ def test_a_damaged_journal_is_refused_naming_it(
 def _encrypted(data_dir: Path) -> int:
     """How many messages the sender has encrypted into the outbox, once it has some: its first
     batch, which it publishes (against a relay that is down) before it encrypts another."""
-    deadline = time.monotonic() + WAIT
-    with contextlib.closing(sqlite3.connect(data_dir / "mls.sqlite3")) as db:
-        while (count := db.execute("SELECT count(*) FROM static_outbox").fetchone()[0]) == 0:
-            assert time.monotonic() < deadline, "the sender encrypted nothing"
-            time.sleep(0.02)
-    assert isinstance(count, int)
+    count = sqlite_apart.poll_value(
+        data_dir / "mls.sqlite3", "SELECT count(*) FROM static_outbox", WAIT
+    )
+    assert count > 0, "the sender encrypted nothing"
     return count
 
 

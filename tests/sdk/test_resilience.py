@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +12,7 @@ import pytest
 
 from tests.conftest import BACKENDS
 from tests.sdk.conftest import WAIT, Clients, channel_name, receive_n
+from tests.support import sqlite_apart
 from tests.support.process import LineProcess
 from tests.support.server import ServerProcess, restartable_args
 
@@ -139,8 +138,7 @@ def test_machine_restart_moves_to_a_new_epoch_before_sending(
     assert receive_n(bobs, 1) == [b"one"]
     data_dir = tmp_path / "agent-alice"
     disk = tmp_path / "what-the-disk-keeps.sqlite3"
-    with contextlib.closing(sqlite3.connect(data_dir / "mls.sqlite3")) as db:
-        db.execute("VACUUM INTO ?", (str(disk),))
+    sqlite_apart.execute(data_dir / "mls.sqlite3", "VACUUM INTO ?", str(disk))
     alices.send(b"two")
     assert receive_n(bobs, 1) == [b"two"]
     epoch = alices.epoch()
