@@ -120,6 +120,6 @@ pub(crate) fn shutting_down() -> RelayError {
     RelayError::Unavailable(SHUTTING_DOWN.to_owned())
 }
 
-const SHUTTING_DOWN: &str = "relay is shutting down";
+pub(crate) const SHUTTING_DOWN: &str = "relay is shutting down";
 
 pub type Result<T, E = RelayError> = std::result::Result<T, E>;

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::watch;
 use tonic_health::pb::health_server::HealthServer;
 use tonic_health::server::{HealthReporter, HealthService};
 use tonic_health::ServingStatus;
 
 use crate::log::ChannelLog;
+use crate::shutdown::{Phase, Watch};
 // A Check may name the relay's service, or "" (the server as a whole).
 use crate::pb::relay_server::SERVICE_NAME as RELAY_SERVICE;
 
@@ -101,25 +101,17 @@ impl Health {
     /// NOT_SERVING for good: the relay drains.
     pub(crate) async fn drain(&self) {
         self.draining.store(true, Ordering::Release);
-        self.set(Some("relay is shutting down".to_owned())).await;
+        self.set(Some(crate::error::SHUTTING_DOWN.to_owned())).await;
     }
 }
 
-/// Probes every `interval` until `stop` is set.
-pub(crate) async fn run(
-    health: Arc<Health>,
-    log: ChannelLog,
-    interval: Duration,
-    mut stop: watch::Receiver<bool>,
-) {
+/// Probes every `interval` until the relay stops.
+pub(crate) async fn run(health: Arc<Health>, log: ChannelLog, interval: Duration, mut stop: Watch) {
     loop {
-        let stopped = tokio::select! {
-            stopped = stop.wait_for(|stop| *stop) => stopped.is_ok(),
-            () = tokio::time::sleep(interval) => false,
+        tokio::select! {
+            () = stop.reached(Phase::Stopped) => return,
+            () = tokio::time::sleep(interval) => {}
         };
-        if stopped || stop.has_changed().is_err() {
-            return;
-        }
         health.probe(&log).await;
     }
 }

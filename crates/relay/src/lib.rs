@@ -10,7 +10,7 @@
 //! group-committing writer); `store` is the log's I/O over plain rows, one module per database
 //! (it imports nothing above it); `memory` gives freed memory back to the OS;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
-//! terminates TLS); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
+//! terminates TLS; `shutdown` is the one stop signal every part watches, in phases); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
 //! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams (`lockout` remembers the addresses its verifier
 //! locked out); `error` maps every refusal to a status once.
@@ -35,6 +35,7 @@ pub mod rules;
 mod server;
 mod service;
 pub mod settings;
+mod shutdown;
 mod store;
 pub mod tls;
 mod verify_pool;

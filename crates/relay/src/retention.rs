@@ -14,11 +14,10 @@
 
 use std::time::Duration;
 
-use tokio::sync::watch;
-
 use crate::clock::now_ms;
 use crate::error::Result;
 use crate::log::ChannelLog;
+use crate::shutdown::{Phase, Watch};
 pub use crate::store::Policy;
 pub(crate) use crate::store::PruneStep;
 use crate::store::RetentionRow;
@@ -61,13 +60,9 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// The pruner task: a pass every `prune_interval` until `stop` turns true (the relay's
-/// shutdown; a pass under way is dropped between two steps).
-pub(crate) async fn run(
-    log: ChannelLog,
-    settings: RetentionSettings,
-    mut stop: watch::Receiver<bool>,
-) {
+/// The pruner task: a pass every `prune_interval` until the relay stops (a pass under way is
+/// dropped between two steps).
+pub(crate) async fn run(log: ChannelLog, settings: RetentionSettings, mut stop: Watch) {
     if settings.prune_interval.is_zero() {
         return;
     }
@@ -77,11 +72,11 @@ pub(crate) async fn run(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = stop.wait_for(|stop| *stop) => return,
+            () = stop.reached(Phase::Stopped) => return,
             _ = ticker.tick() => {}
         }
         tokio::select! {
-            _ = stop.wait_for(|stop| *stop) => return,
+            () = stop.reached(Phase::Stopped) => return,
             result = pass(&log, &settings) => {
                 if let Err(e) = result {
                     // The next pass tries again; a closing log ends the task above.

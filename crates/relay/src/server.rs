@@ -29,7 +29,7 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_rustls::TlsAcceptor;
 use tonic::body::Body;
@@ -39,7 +39,7 @@ use tonic_health::pb::health_server;
 
 use crate::access::CallRecord;
 use crate::auth::{Authenticator, Verify};
-use crate::error::{RelayError, Result};
+use crate::error::{shutting_down, RelayError, Result};
 use crate::health::{self, Health};
 use crate::log::{ChannelLog, LogSettings};
 use crate::metrics::{self, metrics};
@@ -47,8 +47,9 @@ use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
 use crate::rules::client_key;
 use crate::rules::TokenBucket;
-use crate::service::{self, Drain, GateSettings, Peer, Relay, ServiceSettings};
+use crate::service::{self, GateSettings, Peer, Relay, ServiceSettings};
 use crate::settings::RelayConfig;
+use crate::shutdown::{Phase, Shutdown, Watch};
 
 /// How long closing connections may take to flush after their GOAWAY (as in Python).
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -64,37 +65,18 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 /// (`docs/design.md` §5).
 pub const SEND_BUFFER_BYTES: usize = 256 * 1024;
 
-/// Where the server is in its life; connections and the acceptor watch it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Phase {
-    Serving,
-    /// No more connections; new calls refused, live ones winding down.
-    Draining,
-    /// GOAWAY on every connection.
-    Closing,
-}
-
-/// Resolves once the server reached `phase` (or is gone).
-async fn reached(rx: &mut watch::Receiver<Phase>, phase: Phase) {
-    // The watch's read guard must not live on in the caller's future (it is not Send).
-    let _ = rx.wait_for(|p| *p >= phase).await;
-}
-
 /// A running relay. Dropping it without [`RelayServer::shutdown`] aborts it.
 pub struct RelayServer {
     local_addr: SocketAddr,
     log: ChannelLog,
     auth: Arc<Authenticator>,
-    drain: Drain,
+    shutdown: Shutdown,
     calls: Arc<Calls>,
-    phase: watch::Sender<Phase>,
     /// The accept loop; it hands back the connections' tasks when it stops.
     acceptor: Option<JoinHandle<JoinSet<()>>>,
     graceful_timeout: Duration,
     retention: RetentionSettings,
-    /// The pruner task, and what stops it (and the health probes).
     pruner: Option<JoinHandle<()>>,
-    stop_pruner: watch::Sender<bool>,
     health: Arc<Health>,
     prober: Option<JoinHandle<()>>,
 }
@@ -127,7 +109,7 @@ impl RelayServer {
             config.allow_anonymous,
             config.max_streams_per_account,
         );
-        let drain = Drain::new();
+        let shutdown = Shutdown::new();
         let retention = RetentionSettings::from(&config);
         let settings = ServiceSettings {
             max_message_bytes: config.max_message_bytes,
@@ -145,7 +127,7 @@ impl RelayServer {
             },
         };
         let transport_limit = settings.transport_limit();
-        let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, drain.clone());
+        let relay = Relay::new(log.clone(), Arc::clone(&auth), settings, shutdown.clone());
         let grpc = GrpcServer::new(relay).max_decoding_message_size(transport_limit);
 
         let mut http = http2::Builder::new(TokioExecutor::new());
@@ -164,7 +146,7 @@ impl RelayServer {
             grpc,
             http,
             calls: Arc::clone(&calls),
-            drain: drain.clone(),
+            shutdown: shutdown.clone(),
             transport_limit,
             max_streams: config.max_streams_per_connection,
             reset_burst: f64::from(config.reset_burst),
@@ -178,28 +160,28 @@ impl RelayServer {
             handshakes_failed: Mutex::new(RateLimitedLog::new("TLS handshakes failed")),
             health: health.service(),
         });
-        let (phase, watching) = watch::channel(Phase::Serving);
-        let acceptor = tokio::spawn(accept(listeners, shared, watching));
-        let (stop_pruner, stopping) = watch::channel(false);
+        let acceptor = tokio::spawn(accept(listeners, shared, shutdown.watch()));
         let prober = tokio::spawn(health::run(
             Arc::clone(&health),
             log.clone(),
             config.health_interval,
-            stopping.clone(),
+            shutdown.watch(),
         ));
-        let pruner = tokio::spawn(retention::run(log.clone(), retention.clone(), stopping));
+        let pruner = tokio::spawn(retention::run(
+            log.clone(),
+            retention.clone(),
+            shutdown.watch(),
+        ));
         Ok(RelayServer {
             local_addr,
             log,
             auth,
-            drain,
+            shutdown,
             calls,
-            phase,
             acceptor: Some(acceptor),
             graceful_timeout: config.graceful_timeout,
             retention,
             pruner: Some(pruner),
-            stop_pruner,
             health,
             prober: Some(prober),
         })
@@ -252,7 +234,7 @@ impl RelayServer {
     /// connection, commit what was submitted, close the store.
     pub async fn shutdown(mut self) {
         self.health.drain().await;
-        self.phase.send_replace(Phase::Draining);
+        self.shutdown.advance(Phase::Draining);
         let connections = match self.acceptor.take() {
             Some(acceptor) => match acceptor.await {
                 Ok(connections) => Some(connections),
@@ -264,13 +246,13 @@ impl RelayServer {
             None => None,
         };
         // New calls are refused from here on; streaming calls stop reading and end.
-        self.drain.start();
-        self.auth.end_all(&service::shutting_down());
+        self.shutdown.advance(Phase::Refusing);
+        self.auth.end_all(&shutting_down());
         self.calls
             .wait_idle(tokio::time::Instant::now() + self.graceful_timeout)
             .await;
         // h2 sends nothing after its GOAWAY: that comes once the calls are done (or late).
-        self.phase.send_replace(Phase::Closing);
+        self.shutdown.advance(Phase::Closing);
         if let Some(mut connections) = connections {
             let closed = async { while connections.join_next().await.is_some() {} };
             if tokio::time::timeout(CLOSE_GRACE, closed).await.is_err() {
@@ -279,7 +261,7 @@ impl RelayServer {
             }
         }
         // The pruner stops between two steps (a step under way is the writer's to finish).
-        self.stop_pruner.send_replace(true);
+        self.shutdown.advance(Phase::Stopped);
         if let Some(pruner) = self.pruner.take() {
             let _ = pruner.await;
         }
@@ -370,7 +352,7 @@ struct Shared {
     grpc: GrpcServer<Relay>,
     http: http2::Builder<TokioExecutor>,
     calls: Arc<Calls>,
-    drain: Drain,
+    shutdown: Shutdown,
     transport_limit: usize,
     max_streams: u32,
     reset_burst: f64,
@@ -479,17 +461,13 @@ impl RateLimitedLog {
 }
 
 /// Accepts until the drain; returns the connections' tasks (dropping them aborts them).
-async fn accept(
-    listeners: Vec<TcpListener>,
-    shared: Arc<Shared>,
-    mut phase: watch::Receiver<Phase>,
-) -> JoinSet<()> {
+async fn accept(listeners: Vec<TcpListener>, shared: Arc<Shared>, mut phase: Watch) -> JoinSet<()> {
     let mut connections = JoinSet::new();
     let mut refused = RateLimitedLog::new("refused connections");
     let mut failed = RateLimitedLog::new("accept failed");
     loop {
         tokio::select! {
-            () = reached(&mut phase, Phase::Draining) => return connections,
+            () = phase.reached(Phase::Draining) => return connections,
             Some(done) = connections.join_next(), if !connections.is_empty() => {
                 if let Err(e) = done {
                     if e.is_panic() {
@@ -535,12 +513,7 @@ async fn accept_any(listeners: &[TcpListener]) -> std::io::Result<(TcpStream, So
 }
 
 /// One connection: its TLS handshake first when the port has TLS, then HTTP/2.
-async fn serve(
-    stream: TcpStream,
-    peer: SocketAddr,
-    admitted: Admitted,
-    mut phase: watch::Receiver<Phase>,
-) {
+async fn serve(stream: TcpStream, peer: SocketAddr, admitted: Admitted, mut phase: Watch) {
     // Small answers must leave at once (the latency target), not wait for Nagle.
     if let Err(e) = stream.set_nodelay(true) {
         ::log::warn!(target: "static.relay", "TCP_NODELAY on {peer}: {e}");
@@ -552,7 +525,7 @@ async fn serve(
     let handshake = tokio::select! {
         done = tokio::time::timeout(timeout, acceptor.accept(stream)) => done,
         // A connection still shaking hands holds no call: it goes with the drain.
-        () = reached(&mut phase, Phase::Draining) => return,
+        () = phase.reached(Phase::Draining) => return,
     };
     let failure = match handshake {
         Ok(Ok(tls)) => return serve_http(tls, peer, admitted, phase).await,
@@ -571,12 +544,8 @@ async fn serve(
 
 /// One connection's HTTP/2, until the peer leaves, it floods resets, it holds no call for the
 /// idle timeout, or the relay closes it.
-async fn serve_http<S>(
-    stream: S,
-    peer: SocketAddr,
-    admitted: Admitted,
-    mut phase: watch::Receiver<Phase>,
-) where
+async fn serve_http<S>(stream: S, peer: SocketAddr, admitted: Admitted, mut phase: Watch)
+where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let shared = Arc::clone(&admitted.shared);
@@ -610,7 +579,7 @@ async fn serve_http<S>(
                 Err(e) => break is_reset_flood(&e),
             },
             () = connection.flooded.notified() => break true,
-            () = reached(&mut phase, Phase::Closing), if !going_away => {
+            () = phase.reached(Phase::Closing), if !going_away => {
                 going_away = true;
                 conn.as_mut().graceful_shutdown();
             }
@@ -810,8 +779,8 @@ impl hyper::service::Service<http::Request<Incoming>> for CallGate {
                 Ok(counted(response, None, record))
             });
         }
-        if self.shared.drain.started() {
-            return refuse(&service::shutting_down(), record);
+        if self.shared.shutdown.reached(Phase::Refusing) {
+            return refuse(&shutting_down(), record);
         }
         let Some(slot) = CallSlot::open(&self.shared, &self.connection) else {
             return refuse(

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::Stream;
 use futures_util::FutureExt as _;
-use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Extensions, Request, Response, Status, Streaming};
 
 use crate::access::{line_budget, CallInfo, Suppressed, ACCESS_LOG};
 use crate::auth::{Authenticator, Caller, StreamGuard};
-use crate::error::{RelayError, Result};
+use crate::error::{shutting_down, RelayError, Result};
 use crate::framing::{self, ContentType};
 use crate::group::{GroupError, Handshake};
 use crate::log::{Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, Outcome, WelcomeKey};
@@ -32,6 +32,7 @@ use crate::metrics;
 use crate::pb;
 use crate::retention::{Policy, MAX_AGE_SECONDS};
 use crate::rules::{self, TokenBucket};
+use crate::shutdown::{Phase, Shutdown};
 
 mod create;
 mod many;
@@ -57,8 +58,6 @@ const READ_PAGE: usize = 256;
 /// bytes too, see [`ServiceSettings::queue_bytes`]). The body is polled (and so drains the
 /// queue) only when HTTP/2 flow control lets it send: this bounds what a slow peer costs.
 const RESPONSE_QUEUE: usize = 16;
-
-pub(crate) const SHUTTING_DOWN: &str = "relay is shutting down";
 
 /// What the service needs of the relay's configuration.
 #[derive(Debug, Clone)]
@@ -101,38 +100,6 @@ impl ServiceSettings {
     pub fn queue_bytes(&self) -> usize {
         (self.stream_buffer_bytes / 2).max(1)
     }
-}
-
-/// The relay's drain: once started, new calls are refused and live calls wind down.
-#[derive(Clone)]
-pub(crate) struct Drain(Arc<watch::Sender<bool>>);
-
-impl Drain {
-    pub fn new() -> Self {
-        Drain(Arc::new(watch::channel(false).0))
-    }
-
-    pub fn start(&self) {
-        self.0.send_replace(true);
-    }
-
-    pub fn started(&self) -> bool {
-        *self.0.borrow()
-    }
-
-    fn watch(&self) -> watch::Receiver<bool> {
-        self.0.subscribe()
-    }
-}
-
-/// Resolves once the drain has started (cancel-safe).
-async fn drained(rx: &mut watch::Receiver<bool>) {
-    // An error means the sender is gone with the relay: that is a drain too.
-    let _ = rx.wait_for(|started| *started).await;
-}
-
-pub(crate) fn shutting_down() -> RelayError {
-    RelayError::Unavailable(SHUTTING_DOWN.to_owned())
 }
 
 /// Where a call comes from (`ip:port`), put in each request's extensions by the server.
@@ -178,7 +145,7 @@ struct Inner {
     follows: Mutex<HashMap<String, usize>>,
     /// Rate limits of creates and org claims; the pool of costly group checks.
     gate: create::Gate,
-    drain: Drain,
+    shutdown: Shutdown,
 }
 
 impl Relay {
@@ -186,7 +153,7 @@ impl Relay {
         log: ChannelLog,
         auth: Arc<Authenticator>,
         settings: ServiceSettings,
-        drain: Drain,
+        shutdown: Shutdown,
     ) -> Relay {
         let gate = create::Gate::new(settings.gate.clone());
         Relay(Arc::new(Inner {
@@ -196,7 +163,7 @@ impl Relay {
             settings,
             buckets: Mutex::new(HashMap::new()),
             follows: Mutex::new(HashMap::new()),
-            drain,
+            shutdown,
         }))
     }
 
@@ -477,7 +444,7 @@ impl Inner {
     async fn decided(&self, outcome: &mut Outcome) -> Result<Accepted> {
         match outcome.await {
             Ok(result) => result,
-            Err(_) if self.drain.started() => Err(shutting_down()),
+            Err(_) if self.shutdown.reached(Phase::Refusing) => Err(shutting_down()),
             Err(_) => Err(internal("a publish was dropped without an answer")),
         }
     }
@@ -492,7 +459,7 @@ impl Inner {
         tx: Sender<Result<pb::PublishResponse, Status>>,
     ) {
         let mut requests = Lookahead::new(requests);
-        let mut drain = self.drain.watch();
+        let mut shutdown = self.shutdown.watch();
         let mut queue: VecDeque<Result<Outcome, Status>> = VecDeque::new();
         let mut reading = true;
         while reading || !queue.is_empty() {
@@ -523,7 +490,7 @@ impl Inner {
                         }
                     }
                 }
-                () = drained(&mut drain), if reading => {
+                () = shutdown.reached(Phase::Refusing), if reading => {
                     queue.push_back(Err(shutting_down().to_status()));
                     reading = false;
                 }
@@ -552,7 +519,7 @@ impl Inner {
         tx: Sender<Result<pb::PublishBatchResponse, Status>>,
     ) {
         let mut requests = Lookahead::new(requests);
-        let mut drain = self.drain.watch();
+        let mut shutdown = self.shutdown.watch();
         let mut queue: VecDeque<Result<Vec<Slot>, Status>> = VecDeque::new();
         let mut reading = true;
         while reading || !queue.is_empty() {
@@ -590,7 +557,7 @@ impl Inner {
                         }
                     }
                 }
-                () = drained(&mut drain), if reading => {
+                () = shutdown.reached(Phase::Refusing), if reading => {
                     queue.push_back(Err(shutting_down().to_status()));
                     reading = false;
                 }
@@ -706,14 +673,14 @@ impl Inner {
             .keepalive_interval
             .max(Duration::from_millis(1));
         let mut head = channel.watch_head();
-        let mut drain = self.drain.watch();
+        let mut shutdown = self.shutdown.watch();
         // A first keep-alive right away tells the client the subscription is live.
         if tx.send(Ok(keep_alive(channel.head_seq()))).await.is_err() {
             return None;
         }
         // Made once and polled in every wait below (cancel-safe). Revocation and expiry are
         // the call's guard's (see `Driven::new`).
-        let drained = drained(&mut drain);
+        let drained = shutdown.reached(Phase::Refusing);
         let idle = tokio::time::sleep(interval);
         tokio::pin!(drained, idle);
         let page_size = READ_PAGE.max(max_batch);

@@ -25,14 +25,15 @@ use tokio::time::{Instant, Sleep};
 use tonic::{Status, Streaming};
 
 use super::{
-    batches, channel_name, consecutive, delivered_live, drained, not_a_member, note_refusal,
-    shutting_down, Inner, READ_PAGE, SUBSCRIBE_BATCH_ENTRIES,
+    batches, channel_name, consecutive, delivered_live, not_a_member, note_refusal, Inner,
+    READ_PAGE, SUBSCRIBE_BATCH_ENTRIES,
 };
 use crate::auth::Caller;
-use crate::error::{RelayError, Result};
+use crate::error::{shutting_down, RelayError, Result};
 use crate::log::Channel;
 use crate::pb;
 use crate::pb::subscribe_many_response::Item;
+use crate::shutdown::Phase;
 
 type Sender = super::Sender<std::result::Result<pb::SubscribeManyResponse, Status>>;
 
@@ -101,7 +102,7 @@ impl Inner {
     ) {
         // Revocation and expiry are the call's guard's (see `Driven::new`), taken before the
         // drain is looked at: a shutdown either sees that guard or is seen by the stream.
-        let mut drain = self.drain.watch();
+        let mut shutdown = self.shutdown.watch();
         // A zero interval would make the stream spin on keep-alives.
         let interval = self
             .settings
@@ -123,7 +124,7 @@ impl Inner {
         };
         // Made once and polled around every step (cancel-safe): a step cut short by it ends
         // the stream anyway.
-        let drained = drained(&mut drain);
+        let drained = shutdown.reached(Phase::Refusing);
         tokio::pin!(drained);
         let stop = loop {
             tokio::select! {
