@@ -48,4 +48,7 @@ pub use retention::{PassReport, Policy, RetentionSettings};
 pub use server::RelayServer;
 pub use settings::{RelayConfig, Setting, SettingError};
 pub use store::Database;
+// The migrations' one list, for the integration tests' databases: not part of the API.
+#[doc(hidden)]
+pub use store::schema;
 pub use tls::TlsError;

@@ -17,14 +17,8 @@ use tonic::Code;
 
 use service_support::*;
 
-const SCHEMA: [&str; 6] = [
-    include_str!("../../../static/store/migrations/0002_relay.postgresql.sql"),
-    include_str!("../../../static/store/migrations/0003_membership.postgresql.sql"),
-    include_str!("../../../static/store/migrations/0004_retention.postgresql.sql"),
-    include_str!("../../../static/store/migrations/0007_relay_health.sql"),
-    include_str!("../../../static/store/migrations/0008_departures.postgresql.sql"),
-    include_str!("../../../static/store/migrations/0009_org_keys.sql"),
-];
+/// The relay's tables on PostgreSQL (the crate's one list of migrations).
+const SCHEMA: &[&str] = static_relay::schema::POSTGRESQL;
 
 /// A PostgreSQL cluster of the test's own, stopped when dropped.
 struct Cluster {

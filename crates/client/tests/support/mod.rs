@@ -59,15 +59,8 @@ impl Relay {
         let dir = tempfile::tempdir().unwrap();
         let db_path = dir.path().join("relay.db");
         let connection = rusqlite::Connection::open(&db_path).unwrap();
-        for schema in [
-            include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
-            include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
-            include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
-            include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
-            include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
-            include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
-            include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
-        ] {
+        // The relay's tables: the relay crate's one list of migrations.
+        for schema in static_relay::schema::SQLITE {
             connection.execute_batch(schema).unwrap();
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()

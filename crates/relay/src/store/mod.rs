@@ -10,10 +10,13 @@
 //! SQLite ([`sqlite`]) serves one relay per database file: memory is authoritative and the
 //! fence is decided from it. PostgreSQL ([`postgres`]) serves several relays on one database:
 //! each group commit locks its channels' rows and decides from them, and every commit is
-//! NOTIFYed so that the other relays wake their subscribers.
+//! NOTIFYed so that the other relays wake their subscribers. The statements both share are
+//! written once ([`sql`]), as is the list of migrations ([`schema`]).
 
 mod keys;
 pub(crate) mod postgres;
+pub mod schema;
+mod sql;
 pub(crate) mod sqlite;
 
 use std::future::Future;

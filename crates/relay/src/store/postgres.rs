@@ -46,6 +46,14 @@ use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::fence::{Decision, Plan};
 use crate::rules::org_key;
+use crate::store::sql::{
+    BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
+    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_EPOCH, INSERT_GROUP,
+    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
+    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
+    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
+    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+};
 use crate::store::{
     decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
     LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, StoreFuture, StoredBinding,
@@ -70,6 +78,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const SESSION: &str =
     "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
 
+// PostgreSQL's own statements; the shared ones are in `store/sql.rs`. Its writes take a
+// batch's rows at once (UNNEST of arrays, which SQLite lacks), its locked paths lock rows
+// (`FOR UPDATE`), and its reads decide more in one statement: each is a round trip.
+
 const LOCK: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1) \
      ORDER BY id FOR UPDATE";
 const FIND_KEYS: &str = "SELECT e.channel_id, e.idempotency_key, e.seq, e.channel_epoch \
@@ -84,58 +96,9 @@ const UPDATE_HEADS: &str = "UPDATE relay_channels c SET head_seq = u.head_seq, e
      WHERE c.id = u.id";
 const INSERT_EPOCHS: &str = "INSERT INTO relay_epochs (channel_id, epoch, start_seq) \
      SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[])";
-const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
-     epoch, welcome, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
-     ON CONFLICT (channel_id, digest) DO NOTHING";
 const INSERT_WELCOME_LEAVES: &str = "INSERT INTO relay_welcome_leaves (channel_id, leaf_index, \
      digest) SELECT $1, l, $3 FROM UNNEST($2::integer[]) AS l \
      ON CONFLICT (channel_id, leaf_index) DO UPDATE SET digest = excluded.digest";
-/// A bound leaf no longer awaited by its Welcome; the Welcome is used once none is awaited.
-const BOUND_WELCOME_LEAF: &str = "DELETE FROM relay_welcome_leaves \
-     WHERE channel_id = $1 AND leaf_index = $2 RETURNING digest";
-const MARK_USED: &str = "UPDATE relay_welcomes SET used_at = $3 \
-     WHERE channel_id = $1 AND digest = $2 AND used_at IS NULL AND NOT EXISTS \
-     (SELECT 1 FROM relay_welcome_leaves l WHERE l.channel_id = $1 AND l.digest = $2)";
-const EXPIRED_WELCOMES: &str = "SELECT channel_id, digest FROM relay_welcomes \
-     WHERE created_at < $1 UNION SELECT channel_id, digest FROM relay_welcomes \
-     WHERE used_at < $2 LIMIT $3";
-const DELETE_WELCOME: &str = "DELETE FROM relay_welcomes WHERE channel_id = $1 AND digest = $2";
-const DELETE_WELCOME_REFS: &str =
-    "DELETE FROM relay_welcome_refs WHERE channel_id = $1 AND digest = $2";
-const DELETE_WELCOME_LEAVES: &str =
-    "DELETE FROM relay_welcome_leaves WHERE channel_id = $1 AND digest = $2";
-const PRUNE_ENTRIES: &str =
-    "DELETE FROM relay_entries WHERE channel_id = $1 AND seq > $2 AND seq <= $3";
-const PRUNE_HORIZON: &str =
-    "UPDATE relay_channels SET horizon_seq = $2 WHERE id = $1 AND horizon_seq < $2";
-/// The starts of the epochs before the horizon: nobody can read from them any more.
-const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = $1 AND start_seq < $2";
-/// Proposals of past epochs: only a commit of their own epoch may reference them.
-const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = $1 \
-     AND epoch < (SELECT epoch FROM relay_channels WHERE id = $1)";
-/// The readiness probe's write (`static/store/migrations/0007_relay_health.sql`).
-const PROBE: &str = "INSERT INTO relay_health (part, checked_at) VALUES ('relay', $1) \
-     ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at";
-const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = $2, \
-     retention_max_entries = $3, retention_max_bytes = $4 WHERE id = $1";
-const RETENTION_ROWS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
-     retention_max_entries, retention_max_bytes FROM relay_channels WHERE id > $1 \
-     ORDER BY id LIMIT $2";
-const RETENTION_ROW: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
-     retention_max_entries, retention_max_bytes FROM relay_channels WHERE id = $1";
-const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = $1 AND seq > $2 \
-     AND seq <= $3 AND appended_at >= $4 ORDER BY seq LIMIT 1";
-/// The newest entry whose bytes, with those of the entries after it, pass the limit.
-const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(octet_length(message)) OVER \
-     (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = $1 AND seq > $2) k \
-     WHERE kept > $3 ORDER BY seq DESC LIMIT 1";
-const WELCOMES_DUE: &str = "SELECT EXISTS (SELECT 1 FROM relay_welcomes WHERE created_at < $1) \
-     OR EXISTS (SELECT 1 FROM relay_welcomes WHERE used_at < $2)";
-const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = $1";
-const ORG_OWNER_NOW: &str = "SELECT account FROM relay_orgs WHERE org = $1";
-const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
-     key_package_ref, digest) VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref) \
-     DO UPDATE SET digest = excluded.digest";
 const NOTIFY: &str = "SELECT pg_notify('static_relay', p) FROM UNNEST($1::text[]) AS p";
 /// A plain batch in one statement (its own transaction): entries, heads, NOTIFY. A failed
 /// INSERT fails it whole.
@@ -148,9 +111,6 @@ const APPEND_PLAIN: &str = "WITH entries AS (INSERT INTO relay_entries (channel_
      FROM UNNEST($10::bigint[], $11::bigint[], $12::bigint[]) AS u (id, head_seq, epoch) \
      WHERE c.id = u.id) \
      SELECT pg_notify('static_relay', p) FROM UNNEST($13::text[]) AS p";
-const INSERT_PROPOSAL: &str =
-    "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
-const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
 /// Removed leaves' bindings go; their accounts' departures are kept apart (migration 0008),
 /// where no later binding of the same leaf index overwrites them.
 const UNBIND: &str = "WITH gone AS (DELETE FROM relay_members \
@@ -162,33 +122,21 @@ const UNBIND: &str = "WITH gone AS (DELETE FROM relay_members \
      ON CONFLICT (channel_id, account) DO UPDATE \
      SET leaf_index = excluded.leaf_index, removed_seq = excluded.removed_seq \
      WHERE excluded.removed_seq > relay_departures.removed_seq";
-/// Creating a channel, in one transaction (rare: not prepared). The org is claimed if free,
-/// its owner read under a row lock.
-const CLAIM_ORG: &str =
-    "INSERT INTO relay_orgs (org, account) VALUES ($1, $2) ON CONFLICT (org) DO NOTHING";
-const ORG_OWNER: &str = "SELECT account FROM relay_orgs WHERE org = $1 FOR UPDATE";
+/// Creating a channel, in one transaction (rare: not prepared): the org's owner is read under a
+/// row lock. SQLite has no `FOR UPDATE`: its IMMEDIATE transaction holds the database's lock.
+const ORG_OWNER_LOCKED: &str = "SELECT account FROM relay_orgs WHERE org = $1 FOR UPDATE";
+/// A name taken skips the row (no id): a failed statement would abort the whole transaction,
+/// where SQLite's form fails and its caller rolls back.
 const CREATE_CHANNEL: &str = "INSERT INTO relay_channels (scope, name) VALUES ('', $1) \
      ON CONFLICT (scope, name) DO NOTHING RETURNING id";
-const INSERT_EPOCH_0: &str =
-    "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, 0, 0)";
-const INSERT_GROUP: &str = "INSERT INTO relay_groups (channel_id, epoch, state) VALUES ($1, 0, $2)";
-const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
-     VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) \
-     DO UPDATE SET account = excluded.account, removed_seq = NULL";
+/// The channel's epoch under a row lock (SQLite has no `FOR UPDATE`; see `ORG_OWNER_LOCKED`).
 const LOCK_CHANNEL: &str = "SELECT epoch FROM relay_channels WHERE id = $1 FOR UPDATE";
-/// The account's own legacy channel of that name first ('legacy:...' sorts after '').
-const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, horizon_seq \
-     FROM relay_channels \
-     WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
-const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
+/// A typed NULL (`::bytea`, a cast SQLite cannot parse): tokio-postgres checks the column's type.
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL::bytea FROM relay_groups WHERE channel_id = $1";
-/// The bound leaves, then each departed account's last removal.
+/// The bound leaves, then each departed account's last removal (a typed NULL, as above).
 const LOAD_BINDINGS: &str = "SELECT leaf_index, account, NULL::bigint FROM relay_members \
      WHERE channel_id = $1 UNION ALL SELECT leaf_index, account, removed_seq \
      FROM relay_departures WHERE channel_id = $1";
-const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
-     ORDER BY seq";
-const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
 const HEADS: &str = "SELECT id, head_seq, epoch FROM relay_channels WHERE id = ANY($1)";
 /// A page: up to $3 entries, and none more once their messages reach $4 bytes (the first
 /// always comes), decided by the database so that no row past the page is sent.
@@ -197,13 +145,11 @@ const READ: &str = "SELECT seq, epoch, content_type, message, account FROM \
       sum(octet_length(message)) OVER (ORDER BY seq) - octet_length(message) AS before \
       FROM relay_entries WHERE channel_id = $1 AND seq > $2 ORDER BY seq LIMIT $3) page \
      WHERE before < $4 ORDER BY seq";
-const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
+/// The Welcome by its key package's ref in one round trip (SQLite looks up the digest first).
 const WELCOME_BY_REF: &str = "SELECT w.welcome, w.commit_seq, w.epoch \
      FROM relay_welcome_refs r JOIN relay_welcomes w \
      ON w.channel_id = r.channel_id AND w.digest = r.digest \
      WHERE r.channel_id = $1 AND r.key_package_ref = $2";
-const WELCOME_BY_DIGEST: &str = "SELECT welcome, commit_seq, epoch FROM relay_welcomes \
-     WHERE channel_id = $1 AND digest = $2";
 
 /// Seqs and epochs are u64 in the relay, BIGINT in the database. Both grow by one per entry
 /// (or commit) from 0, so they never reach i64::MAX; saturate rather than wrap.
@@ -494,7 +440,7 @@ impl WriteConnection {
         // Orgs are owned by their key: look-alikes are one org (migration 0009).
         let org = org_key(new.org);
         client.execute(CLAIM_ORG, &[&org, &new.account]).await?;
-        let owner: String = client.query_one(ORG_OWNER, &[&org]).await?.get(0);
+        let owner: String = client.query_one(ORG_OWNER_LOCKED, &[&org]).await?.get(0);
         if owner != new.account {
             return Ok((Creation::OrgTaken, false));
         }
@@ -503,8 +449,10 @@ impl WriteConnection {
         };
         let id: i64 = row.get(0);
         let leaf = i32::try_from(new.leaf).unwrap_or(i32::MAX);
-        client.execute(INSERT_EPOCH_0, &[&id]).await?;
-        client.execute(INSERT_GROUP, &[&id, &new.state]).await?;
+        client.execute(INSERT_EPOCH, &[&id, &0i64, &0i64]).await?;
+        client
+            .execute(INSERT_GROUP, &[&id, &0i64, &new.state])
+            .await?;
         client.execute(BIND, &[&id, &leaf, &new.account]).await?;
         Ok((Creation::Done(id), true))
     }
@@ -1250,7 +1198,7 @@ impl LogReader for PgReader {
         self.run(move |conn| {
             let org = org.clone();
             async move {
-                let row = conn.client.query_opt(ORG_OWNER_NOW, &[&org]).await?;
+                let row = conn.client.query_opt(ORG_OWNER, &[&org]).await?;
                 Ok(row.map(|row| row.get(0)))
             }
         })

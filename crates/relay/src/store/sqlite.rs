@@ -29,6 +29,15 @@ use crate::error::{RelayError, Result};
 use crate::fence::{Decision, Plan};
 use crate::rules::org_key;
 use crate::store::keys::Generations;
+// The shared statements, in SQLite's `?N` form (rewritten at compile time).
+use crate::store::sql::sqlite::{
+    BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
+    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_EPOCH, INSERT_GROUP,
+    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
+    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
+    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
+    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+};
 use crate::store::{
     decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
     LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow,
@@ -46,60 +55,19 @@ const IDLE_READERS: usize = 4;
 const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 const STATEMENT_CACHE: usize = 32;
 
+// SQLite's own statements; the shared ones are in `store/sql.rs`. A row a statement: SQLite has
+// no arrays, and a cached statement in-process costs no round trip, where PostgreSQL's writes
+// take a batch's rows at once (UNNEST) and its reads decide more in one statement.
+
+/// Per entry, with its key's generation (`store/keys.rs`: SQLite's alone).
 const INSERT_ENTRY: &str = "INSERT INTO relay_entries (channel_id, seq, epoch, content_type, \
      channel_epoch, idempotency_key, message, account, key_gen, appended_at) \
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)";
 const UPDATE_HEAD: &str = "UPDATE relay_channels SET head_seq = ?2, epoch = ?3 WHERE id = ?1";
-const INSERT_EPOCH: &str =
-    "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES (?1, ?2, ?3)";
-const INSERT_WELCOME: &str = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
-     epoch, welcome, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
-     ON CONFLICT (channel_id, digest) DO NOTHING";
 const INSERT_WELCOME_LEAF: &str = "INSERT INTO relay_welcome_leaves (channel_id, leaf_index, \
      digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) \
      DO UPDATE SET digest = excluded.digest";
-/// A bound leaf no longer awaited by its Welcome; the Welcome is used once none is awaited.
-const BOUND_WELCOME_LEAF: &str = "DELETE FROM relay_welcome_leaves \
-     WHERE channel_id = ?1 AND leaf_index = ?2 RETURNING digest";
-const MARK_USED: &str = "UPDATE relay_welcomes SET used_at = ?3 \
-     WHERE channel_id = ?1 AND digest = ?2 AND used_at IS NULL AND NOT EXISTS \
-     (SELECT 1 FROM relay_welcome_leaves l WHERE l.channel_id = ?1 AND l.digest = ?2)";
-const EXPIRED_WELCOMES: &str = "SELECT channel_id, digest FROM relay_welcomes \
-     WHERE created_at < ?1 UNION SELECT channel_id, digest FROM relay_welcomes \
-     WHERE used_at < ?2 LIMIT ?3";
-const DELETE_WELCOME: &str = "DELETE FROM relay_welcomes WHERE channel_id = ?1 AND digest = ?2";
-const DELETE_WELCOME_REFS: &str =
-    "DELETE FROM relay_welcome_refs WHERE channel_id = ?1 AND digest = ?2";
-const DELETE_WELCOME_LEAVES: &str =
-    "DELETE FROM relay_welcome_leaves WHERE channel_id = ?1 AND digest = ?2";
-const PRUNE_ENTRIES: &str =
-    "DELETE FROM relay_entries WHERE channel_id = ?1 AND seq > ?2 AND seq <= ?3";
-const PRUNE_HORIZON: &str =
-    "UPDATE relay_channels SET horizon_seq = ?2 WHERE id = ?1 AND horizon_seq < ?2";
-/// The starts of the epochs before the horizon: nobody can read from them any more.
-const PRUNE_EPOCHS: &str = "DELETE FROM relay_epochs WHERE channel_id = ?1 AND start_seq < ?2";
-/// Proposals of past epochs: only a commit of their own epoch may reference them.
-const PRUNE_PROPOSALS: &str = "DELETE FROM relay_proposals WHERE channel_id = ?1 \
-     AND epoch < (SELECT epoch FROM relay_channels WHERE id = ?1)";
-/// The readiness probe's write (`static/store/migrations/0007_relay_health.sql`).
-const PROBE: &str = "INSERT INTO relay_health (part, checked_at) VALUES ('relay', ?1) \
-     ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at";
-const SET_RETENTION: &str = "UPDATE relay_channels SET retention_max_age = ?2, \
-     retention_max_entries = ?3, retention_max_bytes = ?4 WHERE id = ?1";
-const RETENTION_COLUMNS: &str = "SELECT id, head_seq, horizon_seq, retention_max_age, \
-     retention_max_entries, retention_max_bytes FROM relay_channels";
-const FIRST_SINCE: &str = "SELECT seq FROM relay_entries WHERE channel_id = ?1 AND seq > ?2 \
-     AND seq <= ?3 AND appended_at >= ?4 ORDER BY seq LIMIT 1";
-/// The newest entry whose bytes, with those of the entries after it, pass the limit.
-const BYTES_CUT: &str = "SELECT seq FROM (SELECT seq, SUM(length(message)) OVER \
-     (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = ?1 AND seq > ?2) \
-     WHERE kept > ?3 ORDER BY seq DESC LIMIT 1";
-const WELCOMES_DUE: &str = "SELECT EXISTS (SELECT 1 FROM relay_welcomes WHERE created_at < ?1) \
-     OR EXISTS (SELECT 1 FROM relay_welcomes WHERE used_at < ?2)";
-const WELCOME_FLOOR: &str = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = ?1";
-const INSERT_WELCOME_REF: &str = "INSERT INTO relay_welcome_refs (channel_id, \
-     key_package_ref, digest) VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, key_package_ref) \
-     DO UPDATE SET digest = excluded.digest";
+/// One key in one generation's part of the unique index.
 const FIND_KEY: &str = "SELECT seq, channel_epoch FROM relay_entries \
      WHERE key_gen = ?3 AND channel_id = ?1 AND idempotency_key = ?2";
 /// The generations of the log's keys and their sizes (at open; the index alone answers).
@@ -107,48 +75,35 @@ const KEY_GENERATIONS: &str =
     "SELECT key_gen, count(*) FROM relay_entries GROUP BY key_gen ORDER BY key_gen";
 const GENERATION_KEYS: &str =
     "SELECT channel_id, idempotency_key FROM relay_entries WHERE key_gen = ?1";
-const CLAIM_ORG: &str =
-    "INSERT INTO relay_orgs (org, account) VALUES (?1, ?2) ON CONFLICT (org) DO NOTHING";
-const ORG_OWNER: &str = "SELECT account FROM relay_orgs WHERE org = ?1";
+/// A name taken fails the INSERT (`is_constraint`) and the transaction is dropped; PostgreSQL's
+/// form skips the row instead, since a failed statement aborts its whole transaction.
 const CREATE_CHANNEL: &str =
     "INSERT INTO relay_channels (scope, name) VALUES ('', ?1) RETURNING id";
-const INSERT_GROUP: &str =
-    "INSERT INTO relay_groups (channel_id, epoch, state) VALUES (?1, ?2, ?3)";
-const UPDATE_GROUP: &str = "UPDATE relay_groups SET epoch = ?2, state = ?3 WHERE channel_id = ?1";
-const BIND: &str = "INSERT INTO relay_members (channel_id, leaf_index, account) \
-     VALUES (?1, ?2, ?3) ON CONFLICT (channel_id, leaf_index) \
-     DO UPDATE SET account = excluded.account, removed_seq = NULL";
 /// A removed leaf's binding goes; its account's departure is kept apart (migration 0008), where
-/// no later binding of the same leaf index overwrites it.
+/// no later binding of the same leaf index overwrites it. Per leaf, in two statements:
+/// PostgreSQL's form is one (an array of leaves, a data-modifying WITH).
 const UNBIND: &str = "DELETE FROM relay_members \
      WHERE channel_id = ?1 AND leaf_index = ?2 AND removed_seq IS NULL RETURNING account";
 const DEPART: &str = "INSERT INTO relay_departures (channel_id, account, leaf_index, removed_seq) \
      VALUES (?1, ?2, ?3, ?4) ON CONFLICT (channel_id, account) DO UPDATE \
      SET leaf_index = excluded.leaf_index, removed_seq = excluded.removed_seq \
      WHERE excluded.removed_seq > relay_departures.removed_seq";
-const INSERT_PROPOSAL: &str =
-    "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES (?1, ?2, ?3, ?4)";
+/// No `FOR UPDATE` (SQLite has no row locks): the IMMEDIATE transaction holds the write lock.
 const CHANNEL_EPOCH: &str = "SELECT epoch FROM relay_channels WHERE id = ?1";
-/// The account's own legacy channel of that name first ('legacy:...' sorts after '').
-const LOAD_CHANNEL: &str = "SELECT id, epoch, head_seq, scope, owner, legacy, horizon_seq \
-     FROM relay_channels \
-     WHERE name = ?2 AND (scope = '' OR scope = 'legacy:' || ?1) ORDER BY scope DESC LIMIT 1";
-const LOAD_GROUP: &str = "SELECT epoch, state FROM relay_groups WHERE channel_id = ?1";
+/// A bare NULL: PostgreSQL's form casts it (`NULL::bytea`), which SQLite cannot parse.
 const LOAD_GROUP_EPOCH: &str = "SELECT epoch, NULL FROM relay_groups WHERE channel_id = ?1";
-/// The bound leaves, then each departed account's last removal.
+/// The bound leaves, then each departed account's last removal (a bare NULL, as above).
 const LOAD_BINDINGS: &str = "SELECT leaf_index, account, NULL FROM relay_members \
      WHERE channel_id = ?1 UNION ALL SELECT leaf_index, account, removed_seq \
      FROM relay_departures WHERE channel_id = ?1";
-const PROPOSALS: &str = "SELECT message FROM relay_proposals WHERE channel_id = ?1 AND epoch = ?2 \
-     ORDER BY seq";
-const SHADOWED: &str = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
+/// The page's bytes are counted while stepping (`read`), not by the database as PostgreSQL's
+/// form does to spare the network the rows past the page.
 const READ: &str = "SELECT seq, epoch, content_type, message, account FROM relay_entries \
      WHERE channel_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3";
-const EPOCH_START: &str = "SELECT start_seq FROM relay_epochs WHERE channel_id = ?1 AND epoch = ?2";
+/// The digest, then the Welcome by `WELCOME_BY_DIGEST`: two cached look-ups in-process, where
+/// PostgreSQL joins them to save a round trip.
 const WELCOME_BY_REF: &str = "SELECT digest FROM relay_welcome_refs \
      WHERE channel_id = ?1 AND key_package_ref = ?2";
-const WELCOME_BY_DIGEST: &str = "SELECT welcome, commit_seq, epoch FROM relay_welcomes \
-     WHERE channel_id = ?1 AND digest = ?2";
 
 /// The writer's connection: WAL, and `synchronous=FULL` so that a commit is on disk (the WAL
 /// synced) before anything is answered. The database must exist (with its relay tables).
@@ -504,15 +459,13 @@ fn retention_rows(
     limit: usize,
 ) -> rusqlite::Result<Vec<RetentionRow>> {
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let sql = format!("{RETENTION_COLUMNS} WHERE id > ?1 ORDER BY id LIMIT ?2");
-    let mut stmt = conn.prepare_cached(&sql)?;
+    let mut stmt = conn.prepare_cached(RETENTION_ROWS)?;
     let rows = stmt.query_map(params![after_id, limit], retention_row)?;
     rows.collect()
 }
 
 fn retention_row_of(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<RetentionRow>> {
-    let sql = format!("{RETENTION_COLUMNS} WHERE id = ?1");
-    conn.prepare_cached(&sql)?
+    conn.prepare_cached(RETENTION_ROW)?
         .query_row(params![channel_id], retention_row)
         .optional()
 }
@@ -1084,16 +1037,7 @@ impl Drop for Checkpointer {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    const SCHEMA: &str = concat!(
-        include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
-        include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
-        include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
-        include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
-        include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
-        include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
-        include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
-    );
+    use crate::store::schema;
 
     fn pragma(conn: &Connection, name: &str) -> String {
         conn.query_row(&format!("PRAGMA {name}"), [], |row| {
@@ -1113,7 +1057,7 @@ mod tests {
         let path = dir.path().join("static.sqlite3");
         Connection::open(&path)
             .unwrap()
-            .execute_batch(SCHEMA)
+            .execute_batch(&schema::SQLITE.concat())
             .unwrap();
         (dir, path)
     }
@@ -1125,7 +1069,8 @@ mod tests {
     #[test]
     fn departures_and_org_keys_migrate() {
         let conn = Connection::open_in_memory().unwrap();
-        let (before, after) = SCHEMA.split_at(SCHEMA.find("-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)\n-- Departures").unwrap());
+        let schema = schema::SQLITE.concat();
+        let (before, after) = schema.split_at(schema.find("-- database: relay (SQLite keeps the relay's tables in a file of their own: static/store/_migrations.py)\n-- Departures").unwrap());
         conn.execute_batch(before).unwrap();
         conn.execute_batch(
             "INSERT INTO relay_channels (scope, name) VALUES ('', 'acme/a/b');

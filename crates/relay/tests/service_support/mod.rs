@@ -43,16 +43,8 @@ pub const COMMIT: u8 = 3;
 /// relay that skips an entry or never answers fails the test, it does not hang it).
 pub const WAIT: Duration = Duration::from_secs(10);
 
-/// The relay's tables, as the Python store's migrations make them.
-pub const SCHEMA: &[&str] = &[
-    include_str!("../../../../static/store/migrations/0002_relay.sqlite.sql"),
-    include_str!("../../../../static/store/migrations/0003_membership.sqlite.sql"),
-    include_str!("../../../../static/store/migrations/0004_retention.sqlite.sql"),
-    include_str!("../../../../static/store/migrations/0005_key_generations.sqlite.sql"),
-    include_str!("../../../../static/store/migrations/0007_relay_health.sql"),
-    include_str!("../../../../static/store/migrations/0008_departures.sqlite.sql"),
-    include_str!("../../../../static/store/migrations/0009_org_keys.sql"),
-];
+/// The relay's tables, as the Python store's migrations make them (the crate's one list).
+pub const SCHEMA: &[&str] = static_relay::schema::SQLITE;
 
 /// A relay serving a database of its own.
 pub struct Relay {

@@ -1,0 +1,179 @@
+//! Each statement the two stores share, written once, in PostgreSQL's `$N` form; [`sqlite`]
+//! holds the same texts in SQLite's `?N` form, rewritten at compile time. A statement whose
+//! dialects differ (row locks, arrays, casts, a different shape) stays in its store's file.
+
+/// `sql` with each placeholder `$N` written `?N` (rusqlite takes `?NNN` positional
+/// parameters). `$` and `?` are one byte each, so the text keeps its length `N` and the
+/// rewrite runs in a const: SQLite's texts are `&'static str`s made once, at compile time, the
+/// keys of rusqlite's statement cache. Only a `$` before a digit is a placeholder; the
+/// statements hold no other `$` (the tests check).
+const fn question_marks<const N: usize>(sql: &str) -> [u8; N] {
+    let bytes = sql.as_bytes();
+    assert!(bytes.len() == N, "the length given is not the statement's");
+    let mut out = [0u8; N];
+    let mut i = 0;
+    while i < N {
+        out[i] = if bytes[i] == b'$' && i + 1 < N && bytes[i + 1].is_ascii_digit() {
+            b'?'
+        } else {
+            bytes[i]
+        };
+        i += 1;
+    }
+    out
+}
+
+/// Declares each statement once (`$N`), and its SQLite form in [`sqlite`] under the same name.
+macro_rules! statements {
+    ($($(#[$attr:meta])* $name:ident = $sql:expr;)+) => {
+        $($(#[$attr])* pub(super) const $name: &str = $sql;)+
+
+        /// The statements above in SQLite's `?N` form, under the same names.
+        pub(super) mod sqlite {
+            $(pub(in crate::store) const $name: &str = {
+                const BYTES: [u8; super::$name.len()] = super::question_marks(super::$name);
+                // Only ASCII bytes were replaced: still UTF-8.
+                match std::str::from_utf8(&BYTES) {
+                    Ok(sql) => sql,
+                    Err(_) => panic!("a statement is not UTF-8"),
+                }
+            };)+
+
+            /// Every statement, for the tests.
+            #[cfg(test)]
+            pub(super) const ALL: &[&str] = &[$($name),+];
+        }
+
+        /// Every statement, for the tests.
+        #[cfg(test)]
+        const ALL: &[&str] = &[$($name),+];
+    };
+}
+
+statements! {
+    INSERT_WELCOME = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
+         epoch, welcome, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (channel_id, digest) DO NOTHING";
+    INSERT_WELCOME_REF = "INSERT INTO relay_welcome_refs (channel_id, \
+         key_package_ref, digest) VALUES ($1, $2, $3) ON CONFLICT (channel_id, key_package_ref) \
+         DO UPDATE SET digest = excluded.digest";
+    /// A bound leaf no longer awaited by its Welcome; the Welcome is used once none is awaited.
+    BOUND_WELCOME_LEAF = "DELETE FROM relay_welcome_leaves \
+         WHERE channel_id = $1 AND leaf_index = $2 RETURNING digest";
+    MARK_USED = "UPDATE relay_welcomes SET used_at = $3 \
+         WHERE channel_id = $1 AND digest = $2 AND used_at IS NULL AND NOT EXISTS \
+         (SELECT 1 FROM relay_welcome_leaves l WHERE l.channel_id = $1 AND l.digest = $2)";
+    EXPIRED_WELCOMES = "SELECT channel_id, digest FROM relay_welcomes \
+         WHERE created_at < $1 UNION SELECT channel_id, digest FROM relay_welcomes \
+         WHERE used_at < $2 LIMIT $3";
+    DELETE_WELCOME = "DELETE FROM relay_welcomes WHERE channel_id = $1 AND digest = $2";
+    DELETE_WELCOME_REFS = "DELETE FROM relay_welcome_refs WHERE channel_id = $1 AND digest = $2";
+    DELETE_WELCOME_LEAVES =
+        "DELETE FROM relay_welcome_leaves WHERE channel_id = $1 AND digest = $2";
+    WELCOMES_DUE = "SELECT EXISTS (SELECT 1 FROM relay_welcomes WHERE created_at < $1) \
+         OR EXISTS (SELECT 1 FROM relay_welcomes WHERE used_at < $2)";
+    WELCOME_FLOOR = "SELECT MIN(commit_seq) FROM relay_welcomes WHERE channel_id = $1";
+    WELCOME_BY_DIGEST = "SELECT welcome, commit_seq, epoch FROM relay_welcomes \
+         WHERE channel_id = $1 AND digest = $2";
+
+    PRUNE_ENTRIES = "DELETE FROM relay_entries WHERE channel_id = $1 AND seq > $2 AND seq <= $3";
+    PRUNE_HORIZON = "UPDATE relay_channels SET horizon_seq = $2 WHERE id = $1 AND horizon_seq < $2";
+    /// The starts of the epochs before the horizon: nobody can read from them any more.
+    PRUNE_EPOCHS = "DELETE FROM relay_epochs WHERE channel_id = $1 AND start_seq < $2";
+    /// Proposals of past epochs: only a commit of their own epoch may reference them.
+    PRUNE_PROPOSALS = "DELETE FROM relay_proposals WHERE channel_id = $1 \
+         AND epoch < (SELECT epoch FROM relay_channels WHERE id = $1)";
+    SET_RETENTION = "UPDATE relay_channels SET retention_max_age = $2, \
+         retention_max_entries = $3, retention_max_bytes = $4 WHERE id = $1";
+    RETENTION_ROWS = "SELECT id, head_seq, horizon_seq, retention_max_age, \
+         retention_max_entries, retention_max_bytes FROM relay_channels WHERE id > $1 \
+         ORDER BY id LIMIT $2";
+    RETENTION_ROW = "SELECT id, head_seq, horizon_seq, retention_max_age, \
+         retention_max_entries, retention_max_bytes FROM relay_channels WHERE id = $1";
+    FIRST_SINCE = "SELECT seq FROM relay_entries WHERE channel_id = $1 AND seq > $2 \
+         AND seq <= $3 AND appended_at >= $4 ORDER BY seq LIMIT 1";
+    /// The newest entry whose bytes, with those of the entries after it, pass the limit.
+    /// `length` of a BLOB (SQLite) or a BYTEA (PostgreSQL, where it is `octet_length`) counts
+    /// bytes; PostgreSQL wants the subquery named (`k`).
+    BYTES_CUT = "SELECT seq FROM (SELECT seq, SUM(length(message)) OVER \
+         (ORDER BY seq DESC) AS kept FROM relay_entries WHERE channel_id = $1 AND seq > $2) k \
+         WHERE kept > $3 ORDER BY seq DESC LIMIT 1";
+    /// The readiness probe's write (`static/store/migrations/0007_relay_health.sql`).
+    PROBE = "INSERT INTO relay_health (part, checked_at) VALUES ('relay', $1) \
+         ON CONFLICT (part) DO UPDATE SET checked_at = excluded.checked_at";
+
+    /// An org is claimed if free (migration 0009: by its key).
+    CLAIM_ORG =
+        "INSERT INTO relay_orgs (org, account) VALUES ($1, $2) ON CONFLICT (org) DO NOTHING";
+    ORG_OWNER = "SELECT account FROM relay_orgs WHERE org = $1";
+    INSERT_EPOCH = "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, $2, $3)";
+    INSERT_GROUP = "INSERT INTO relay_groups (channel_id, epoch, state) VALUES ($1, $2, $3)";
+    UPDATE_GROUP = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
+    BIND = "INSERT INTO relay_members (channel_id, leaf_index, account) \
+         VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) \
+         DO UPDATE SET account = excluded.account, removed_seq = NULL";
+    INSERT_PROPOSAL =
+        "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
+
+    /// The account's own legacy channel of that name first ('legacy:...' sorts after '').
+    LOAD_CHANNEL = "SELECT id, epoch, head_seq, scope, owner, legacy, horizon_seq \
+         FROM relay_channels \
+         WHERE name = $2 AND (scope = '' OR scope = 'legacy:' || $1) ORDER BY scope DESC LIMIT 1";
+    LOAD_GROUP = "SELECT epoch, state FROM relay_groups WHERE channel_id = $1";
+    PROPOSALS = "SELECT message FROM relay_proposals WHERE channel_id = $1 AND epoch = $2 \
+         ORDER BY seq";
+    SHADOWED = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
+    EPOCH_START = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn rewrite<const N: usize>(sql: &str) -> String {
+        String::from_utf8(question_marks::<N>(sql).to_vec()).unwrap()
+    }
+
+    #[test]
+    fn placeholders_become_question_marks() {
+        let sql = "SELECT $1, $10, $2 WHERE a = $1";
+        assert_eq!(
+            rewrite::<{ "SELECT $1, $10, $2 WHERE a = $1".len() }>(sql),
+            "SELECT ?1, ?10, ?2 WHERE a = ?1"
+        );
+        // A `$` before anything but a digit is no placeholder.
+        assert_eq!(rewrite::<6>("a $ b$"), "a $ b$");
+        assert_eq!(sqlite::PRUNE_HORIZON, PRUNE_HORIZON.replace('$', "?"));
+    }
+
+    /// No `$` but placeholders (none in a literal, no dollar quoting): the rewrite is exact,
+    /// and each SQLite form is the `$N` text with `?` for `$`, nothing else.
+    #[test]
+    fn statements_hold_no_other_dollar() {
+        assert_eq!(ALL.len(), sqlite::ALL.len());
+        for (postgres, sqlite) in ALL.iter().zip(sqlite::ALL) {
+            assert!(!postgres.contains("'$"), "{postgres}");
+            let bytes = postgres.as_bytes();
+            for (i, _) in postgres.match_indices('$') {
+                assert!(
+                    bytes.get(i + 1).is_some_and(u8::is_ascii_digit),
+                    "{postgres}"
+                );
+            }
+            assert_eq!(*sqlite, postgres.replace('$', "?"));
+            assert!(!sqlite.contains('$'), "{sqlite}");
+        }
+    }
+
+    /// Every SQLite form prepares on the relay's SQLite schema.
+    #[test]
+    fn sqlite_forms_prepare() {
+        let conn = rusqlite::Connection::open_in_memory().unwrap();
+        conn.execute_batch(&crate::store::schema::SQLITE.concat())
+            .unwrap();
+        for sql in sqlite::ALL {
+            conn.prepare(sql).unwrap();
+        }
+    }
+}
