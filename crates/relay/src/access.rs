@@ -127,11 +127,12 @@ impl CallRecord {
             None => ("-", "-"),
         };
         let suppressed = if refused {
-            // Who the line counts against: the account, else the peer's address (its port
-            // changes with each connection).
+            // Who the line counts against: the account, else the peer's address as the
+            // lockouts count it (its port changes with each connection; an IPv6 peer has a
+            // /64 to pick addresses from).
             let key = match self.who.0.get() {
                 Some((account, _)) => format!("account:{account}"),
-                None => format!("peer:{}", peer_address(&self.peer)),
+                None => format!("peer:{}", crate::lockout::address_of(&self.peer)),
             };
             match line_budget().admit(&key) {
                 Some(suppressed) => suppressed,
@@ -161,11 +162,6 @@ impl Drop for CallRecord {
         // Never finished: the peer reset the stream or went away.
         self.finish(Code::Cancelled, "");
     }
-}
-
-/// `ip` of an `ip:port` (the whole text when it has no port).
-fn peer_address(peer: &str) -> &str {
-    peer.rsplit_once(':').map_or(peer, |(ip, _)| ip)
 }
 
 /// A call's `grpc-message` as the line shows it: ` message="..."`, decoded from the wire's
