@@ -127,7 +127,7 @@ def test_a_damaged_journal_is_refused_naming_it(
     _encrypted(alice_dir)
     # What a kill leaves too: the journal as written (a close keeps what is queued).
     alice.close()
-    segment = alice_dir / "outbox" / f"{name.replace('/', '+')}.0"
+    segment = alice_dir / "journal" / f"{name.replace('/', '+')}.0"
     bytes_ = bytearray(segment.read_bytes())
     assert b"%06d" % (JOURNALED - 1) in bytes_
     # Message 2000's payload, and its record's header before it (docs/sdk.md, the outbox):
@@ -140,7 +140,7 @@ def test_a_damaged_journal_is_refused_naming_it(
     segment.write_bytes(bytes_)
     server.start()
     reopened = clients(server, b"alice", data_dir=alice_dir)
-    named = re.escape(f"/outbox/{segment.name}")
+    named = re.escape(f"/journal/{segment.name}")
     with pytest.raises(InternalError, match=rf"^runtime error: \S*{named} is damaged"):
         reopened.open_channel(name)
 

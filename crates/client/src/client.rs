@@ -14,6 +14,7 @@ use crate::channel::Channel;
 use crate::config::{ClientOptions, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::inbox::Marks;
+use crate::journal;
 use crate::publisher::{publisher, Outbound};
 use crate::refusal::Refusal;
 use crate::retry::Retry;
@@ -76,6 +77,7 @@ impl Client {
         let engine = Arc::new(Engine::open(&data_dir, identity)?);
         // Opened under the engine's directory lock.
         let marks = Marks::open(&data_dir, &engine)?;
+        journal::adopt_old_directory(&data_dir)?;
         // connect_lazy spawns onto the current runtime.
         let relay = {
             let _guard = runtime.enter();

@@ -10,7 +10,8 @@
 //! segment (a file of at most [`SEGMENT_BYTES`] of records) is deleted once everything in it is
 //! encrypted, usually well within a second, before the kernel writes it back to the disk.
 //!
-//! Files: `<data_dir>/outbox/<channel name, '/' as '+'>.<segment>`. A segment begins with
+//! Files: `<data_dir>/journal/<channel name, '/' as '+'>.<segment>` (`outbox/` before; see
+//! [`adopt_old_directory`]). A segment begins with
 //! [`MAGIC`] (written with its first record, in the same `write`); a record is
 //! `len: u32 | place: u64 | payload_crc: u32 | header_crc: u32 | payload` (little endian; `len`
 //! counts the payload; CRC32C, `header_crc` over the 16 bytes before it). Places are 1, 2, 3,
@@ -41,7 +42,9 @@ use crate::error::{Error, Result};
 use crate::sync::lock;
 
 /// The journal's directory inside the data directory.
-const DIR: &str = "outbox";
+const DIR: &str = "journal";
+/// Its name before: the same word as the engine's unrelated outbox table.
+const OLD_DIR: &str = "outbox";
 /// A segment's size past which the next record starts a new one: what the sender deletes at
 /// once when it has encrypted everything in it.
 const SEGMENT_BYTES: u64 = 1024 * 1024;
@@ -432,6 +435,20 @@ fn convert(path: &Path, records: &[Record]) -> Result<()> {
     std::fs::rename(&new, path).map_err(|e| io("cannot convert the outbox journal", path, e))
 }
 
+/// Moves a journal directory of an earlier release (`<data_dir>/outbox`) to its name now, once,
+/// when the client opens `data_dir` (under the engine's lock of it, before any channel opens: no
+/// journal can be written meanwhile).
+pub(crate) fn adopt_old_directory(data_dir: &Path) -> Result<()> {
+    let old = data_dir.join(OLD_DIR);
+    let dir = data_dir.join(DIR);
+    if !old.is_dir() || dir.exists() {
+        return Ok(());
+    }
+    std::fs::rename(&old, &dir)
+        .and_then(|()| File::open(data_dir)?.sync_all())
+        .map_err(|e| io("cannot move the journal to its new directory", &old, e))
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -446,7 +463,7 @@ mod tests {
         for place in 1..=n {
             journal.append(place, &[place as u8; 5]).unwrap();
         }
-        dir.join("outbox/a+b+c.0")
+        dir.join("journal/a+b+c.0")
     }
 
     fn records(n: i64) -> Vec<Record> {
@@ -548,7 +565,7 @@ mod tests {
         }
         // A segment that is not the newest, cut in its last record's length field.
         std::fs::write(&path, &whole[..at(2) + 2]).unwrap();
-        std::fs::write(dir.path().join("outbox/a+b+c.1"), b"").unwrap();
+        std::fs::write(dir.path().join("journal/a+b+c.1"), b"").unwrap();
         let text = refused(dir.path(), 0, &path);
         assert!(text.contains("cut short"), "{text}");
     }
@@ -587,16 +604,16 @@ mod tests {
         refused(dir.path(), 1, &path);
         // A segment lost between two others.
         std::fs::write(&path, segment(&[0])).unwrap();
-        std::fs::write(dir.path().join("outbox/a+b+c.2"), segment(&[2])).unwrap();
-        refused(dir.path(), 0, &dir.path().join("outbox/a+b+c.2"));
-        std::fs::write(dir.path().join("outbox/a+b+c.1"), segment(&[1])).unwrap();
+        std::fs::write(dir.path().join("journal/a+b+c.2"), segment(&[2])).unwrap();
+        refused(dir.path(), 0, &dir.path().join("journal/a+b+c.2"));
+        std::fs::write(dir.path().join("journal/a+b+c.1"), segment(&[1])).unwrap();
         assert_eq!(Journal::open(dir.path(), CHANNEL, 0).unwrap().1, records(3));
     }
 
     #[test]
     fn the_previous_releases_journal_is_converted_once() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("outbox")).unwrap();
+        std::fs::create_dir(dir.path().join("journal")).unwrap();
         let v1 = |places: std::ops::RangeInclusive<i64>| {
             let mut bytes = Vec::new();
             for place in places {
@@ -607,8 +624,8 @@ mod tests {
             bytes
         };
         let (first, second) = (
-            dir.path().join("outbox/a+b+c.3"),
-            dir.path().join("outbox/a+b+c.4"),
+            dir.path().join("journal/a+b+c.3"),
+            dir.path().join("journal/a+b+c.4"),
         );
         std::fs::write(&first, v1(1..=2)).unwrap();
         // Its last segment cut short by a kill, as that release left it.
@@ -621,7 +638,7 @@ mod tests {
             assert!(std::fs::read(path).unwrap().starts_with(MAGIC));
         }
         journal.append(5, &[5; 5]).unwrap();
-        assert!(dir.path().join("outbox/a+b+c.5").exists());
+        assert!(dir.path().join("journal/a+b+c.5").exists());
         drop(journal);
         assert_eq!(Journal::open(dir.path(), CHANNEL, 0).unwrap().1, records(5));
         // Converted: a segment in the old format now is damage.
@@ -638,7 +655,7 @@ mod tests {
             journal.append(place, &payload).unwrap();
         }
         let segments = || {
-            std::fs::read_dir(dir.path().join("outbox"))
+            std::fs::read_dir(dir.path().join("journal"))
                 .unwrap()
                 .filter(|e| {
                     !e.as_ref()
@@ -655,8 +672,8 @@ mod tests {
         {
             use std::os::unix::fs::PermissionsExt as _;
             let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-            assert_eq!(mode(&dir.path().join("outbox")), 0o700);
-            assert_eq!(mode(&dir.path().join("outbox/a+b+c.0")), 0o600);
+            assert_eq!(mode(&dir.path().join("journal")), 0o700);
+            assert_eq!(mode(&dir.path().join("journal/a+b+c.0")), 0o600);
         }
         journal.forget_upto(11);
         assert_eq!(segments(), 2);
@@ -666,7 +683,7 @@ mod tests {
         // deletes empty segments, which only the channel's sole opening may.
         assert_eq!(segments(), 1);
         assert_eq!(
-            std::fs::metadata(dir.path().join("outbox/a+b+c.2"))
+            std::fs::metadata(dir.path().join("journal/a+b+c.2"))
                 .unwrap()
                 .len(),
             0
@@ -677,5 +694,27 @@ mod tests {
             Journal::open(dir.path(), CHANNEL, 25).unwrap().1,
             vec![(26, b"x".to_vec())]
         );
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod adopt_tests {
+    use super::*;
+
+    #[test]
+    fn an_earlier_releases_journal_directory_is_adopted_with_its_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = Journal::open(dir.path(), "a/b/c", 0).unwrap();
+        journal.append(1, b"kept").unwrap();
+        drop(journal);
+        std::fs::rename(dir.path().join(DIR), dir.path().join(OLD_DIR)).unwrap();
+        adopt_old_directory(dir.path()).unwrap();
+        assert!(!dir.path().join(OLD_DIR).exists());
+        let (_, found) = Journal::open(dir.path(), "a/b/c", 0).unwrap();
+        assert_eq!(found.len(), 1);
+        // Once adopted (or when there is none), nothing more happens.
+        adopt_old_directory(dir.path()).unwrap();
+        assert!(dir.path().join(DIR).is_dir());
     }
 }
