@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
 
-use super::cache::{charge, Cache};
+use super::cache::{charge, Cache, Holder};
 use super::Entry;
 use crate::error::{RelayError, Result};
 use crate::members::{Membership, Reach};
@@ -222,6 +222,12 @@ impl Channel {
     }
 }
 
+impl Holder for Channel {
+    fn evict_through(&self, seq: u64) {
+        self.ring().evict_through(seq);
+    }
+}
+
 impl store::Memory for Channel {
     fn heads(&self) -> (u64, u64) {
         (self.head_seq(), self.epoch())
@@ -300,12 +306,12 @@ impl Drop for Ring {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-pub(super) mod tests {
+mod tests {
     use super::super::cache::ENTRY_OVERHEAD;
     use super::super::test_entry as entry;
     use super::*;
 
-    pub(in crate::log) fn channel(id: i64, cache: &Arc<Cache>) -> Arc<Channel> {
+    fn channel(id: i64, cache: &Arc<Cache>) -> Arc<Channel> {
         let row = ChannelRow {
             id,
             epoch: 0,
@@ -317,12 +323,12 @@ pub(super) mod tests {
         Arc::new(Channel::new(&format!("org/ns/c{id}"), row, cache))
     }
 
-    pub(in crate::log) fn cache(channel: &Arc<Channel>, seq: u64, size: usize) {
+    fn cache(channel: &Arc<Channel>, seq: u64, size: usize) {
         channel.ring().push(entry(seq, size));
         channel.cache().cached(channel, seq);
     }
 
-    pub(in crate::log) fn seqs(channel: &Channel) -> Vec<u64> {
+    fn seqs(channel: &Channel) -> Vec<u64> {
         channel.ring().entries.iter().map(|e| e.seq).collect()
     }
 
@@ -352,5 +358,69 @@ pub(super) mod tests {
         cache(&a, 5, 10);
         assert_eq!(seqs(&a), [5]);
         assert_eq!(budget.charged.load(Ordering::Acquire), 10 + ENTRY_OVERHEAD);
+    }
+
+    #[test]
+    fn the_rings_share_one_budget_the_oldest_entries_go_first() {
+        let per = 1000 + ENTRY_OVERHEAD;
+        let budget = Arc::new(Cache::new(10 * per));
+        let (a, b) = (channel(1, &budget), channel(2, &budget));
+        for seq in 1..=6 {
+            cache(&a, seq, 1000);
+        }
+        for seq in 1..=4 {
+            cache(&b, seq, 1000);
+        }
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+        // Over the budget: a's oldest go, whichever channel caches.
+        cache(&b, 5, 1000);
+        cache(&b, 6, 1000);
+        assert_eq!(seqs(&a), [3, 4, 5, 6]);
+        assert_eq!(seqs(&b), [1, 2, 3, 4, 5, 6]);
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+        // The ring reaches back to cursor 2 only: older cursors read the store.
+        assert!(a.ring_after(1, 10, usize::MAX).is_none());
+        let page = a.ring_after(2, 3, usize::MAX).unwrap();
+        assert_eq!(page.iter().map(|e| e.seq).collect::<Vec<_>>(), [3, 4, 5]);
+        assert!(a.ring_after(6, 10, usize::MAX).is_none());
+
+        // One entry larger than the whole budget leaves nothing cached anywhere.
+        cache(&a, 7, 11 * per);
+        assert!(seqs(&a).is_empty() && seqs(&b).is_empty());
+        assert_eq!(budget.charged.load(Ordering::Acquire), 0);
+        assert!(a.ring_after(6, 10, usize::MAX).is_none());
+
+        // An unloaded channel gives its charge back; its queued items are skipped later.
+        for seq in 8..=12 {
+            cache(&a, seq, 1000);
+        }
+        cache(&b, 7, 1000);
+        drop(a);
+        assert_eq!(budget.charged.load(Ordering::Acquire), per);
+        assert_eq!(budget.queued(), 6);
+        budget.forget_unloaded();
+        assert_eq!(budget.queued(), 1);
+        for seq in 8..=16 {
+            cache(&b, seq, 1000);
+        }
+        assert_eq!(seqs(&b), (7..=16).collect::<Vec<_>>());
+        assert_eq!(budget.charged.load(Ordering::Acquire), 10 * per);
+    }
+
+    #[test]
+    fn tiny_entries_are_bounded_in_count_too() {
+        let budget = Arc::new(Cache::new(100 * ENTRY_OVERHEAD));
+        let a = channel(1, &budget);
+        for seq in 1..=1000 {
+            cache(&a, seq, 0);
+        }
+        assert_eq!(a.ring().entries.len(), 100);
+        assert!(budget.queued() <= 100);
+        // No budget: nothing is cached at all.
+        let none = Arc::new(Cache::new(0));
+        let b = channel(2, &none);
+        cache(&b, 1, 10);
+        assert!(seqs(&b).is_empty());
+        assert_eq!(none.charged.load(Ordering::Acquire), 0);
     }
 }
