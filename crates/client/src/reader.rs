@@ -111,3 +111,98 @@ impl Follower {
             .await
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use static_mls::engine::Engine;
+
+    use super::*;
+    use crate::applier::Pool;
+    use crate::channel_core::End;
+    use crate::config::ClientOptions;
+    use crate::inbox::Marks;
+    use crate::shared::Shared;
+    use crate::sync::read;
+    use crate::tokens::Tokens;
+    use crate::transport;
+
+    /// The relay's final refusal arrives right behind the entries it sent before (as it does
+    /// for a member a commit removed while away, reopening): it must wait for them, so that
+    /// the member reads the messages and the removal ends the channel (not the refusal). A
+    /// threadless pool holds the entries, so the order is certain, not a race.
+    #[test]
+    fn a_final_refusal_waits_for_the_entries_before_it() {
+        let dirs = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let name = "acct/space/room";
+        let alice = Engine::open(dirs.0.path(), b"alice").unwrap();
+        let bob = Arc::new(Engine::open(dirs.1.path(), b"bob").unwrap());
+        alice.create_group(name).unwrap();
+        let added = alice
+            .add_member(name, &bob.generate_key_package().unwrap())
+            .unwrap();
+        alice.merge_pending_commit(name).unwrap();
+        bob.join_group(name, &added.welcome).unwrap();
+        // Seq 1 was the add; then 3 messages and the commit removing bob (kind 3).
+        let items: Vec<LogItem> = [b"one", b"two", b"six"]
+            .iter()
+            .map(|payload| (APPLICATION, alice.encrypt(name, &payload[..]).unwrap()))
+            .chain([(3, alice.remove_member(name, b"bob").unwrap())])
+            .zip(2..)
+            .map(|((kind, message), seq)| LogItem {
+                seq,
+                kind,
+                message,
+                account: String::new(),
+            })
+            .collect();
+        alice.merge_pending_commit(name).unwrap();
+
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let endpoint = transport::endpoint("http://127.0.0.1:9", None).unwrap();
+        let relay = {
+            let _guard = runtime.enter();
+            transport::connect_lazy(&endpoint)
+        };
+        let marks = Marks::open(dirs.1.path(), &bob).unwrap();
+        let shared = Arc::new(Shared::new(
+            Arc::clone(&bob),
+            relay,
+            Tokens::new(None, None),
+            runtime.handle().clone(),
+            endpoint.uri().to_string(),
+            ClientOptions::default(),
+            marks,
+        ));
+        let epoch = bob.epoch(name).unwrap();
+        let core = Arc::new(ChannelCore::new(shared, name, 1, epoch));
+        let pool = Pool::threadless();
+        let queue = ApplierQueue::new(Arc::clone(&core), Arc::clone(&pool)).unwrap();
+        let ended = || read(&core.progress, |p| p.ended.clone());
+
+        assert!(runtime.block_on(queue.hand_over(Received {
+            entries: items,
+            at: now_ns(),
+        })));
+        // As the subscription hands over the refusal (see `subscriber`).
+        Follower::new(Arc::clone(&core), Arc::clone(&queue), Cursor::After(5))
+            .fail(Error::Internal("refused: no longer a member".into()));
+        // Nothing is applied yet, and the refusal has not overtaken the entries.
+        assert!(ended().is_none(), "{:?}", ended());
+        pool.stop();
+        pool.work();
+        assert!(matches!(ended(), Some(End::Removed)), "{:?}", ended());
+        assert_eq!(bob.inbox_count_after(name, 0).unwrap(), 3);
+        // The group is gone from the engine; the channel still says at which epoch it went.
+        assert_eq!(
+            read(&core.progress, |p| p.epoch),
+            alice.epoch(name).unwrap()
+        );
+        let roster = lock(&core.removed_roster).clone().unwrap();
+        assert_eq!(roster, alice.members(name).unwrap());
+        assert!(roster.iter().all(|m| m.identity != b"bob"));
+    }
+}
