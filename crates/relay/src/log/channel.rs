@@ -312,14 +312,7 @@ mod tests {
     use super::*;
 
     fn channel(id: i64, cache: &Arc<Cache>) -> Arc<Channel> {
-        let row = ChannelRow {
-            id,
-            epoch: 0,
-            head_seq: 0,
-            scope: String::new(),
-            legacy_owner: None,
-            horizon: 0,
-        };
+        let row = ChannelRow::created(id);
         Arc::new(Channel::new(&format!("org/ns/c{id}"), row, cache))
     }
 

@@ -134,14 +134,7 @@ impl ChannelLog {
             refused.into_iter().for_each(Job::refuse);
         }
         let id = rx.await.map_err(|_| shutting_down())??;
-        let row = ChannelRow {
-            id,
-            epoch: 0,
-            head_seq: 0,
-            scope: String::new(),
-            legacy_owner: None,
-            horizon: 0,
-        };
+        let row = ChannelRow::created(id);
         let channel = self.inner.registry.remember(name, row);
         let mut membership = Membership::new(0);
         membership.bind(leaf, account);

@@ -149,6 +149,20 @@ pub(crate) struct ChannelRow {
     pub horizon: u64,
 }
 
+impl ChannelRow {
+    /// The row of channel `id` just created: nothing in it yet, holding its name.
+    pub fn created(id: i64) -> ChannelRow {
+        ChannelRow {
+            id,
+            epoch: 0,
+            head_seq: 0,
+            scope: String::new(),
+            legacy_owner: None,
+            horizon: 0,
+        }
+    }
+}
+
 /// What the pruner needs of a channel's row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RetentionRow {
