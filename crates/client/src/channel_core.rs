@@ -342,30 +342,12 @@ mod tests {
     use std::sync::mpsc;
 
     use super::*;
-    use crate::config::ClientOptions;
-    use crate::inbox::Marks;
-    use crate::tokens::Tokens;
-    use crate::transport;
     use static_mls::engine::Engine;
 
     /// A channel core on a throwaway engine; its relay (nobody listens there) is never dialled.
     fn core(runtime: &tokio::runtime::Runtime, dir: &std::path::Path) -> Arc<ChannelCore> {
         let engine = Arc::new(Engine::open(dir, b"waiter").unwrap());
-        let marks = Marks::open(dir, &engine).unwrap();
-        let endpoint = transport::endpoint("http://127.0.0.1:9", None).unwrap();
-        let relay = {
-            let _guard = runtime.enter();
-            transport::connect_lazy(&endpoint)
-        };
-        let shared = Arc::new(Shared::new(
-            engine,
-            relay,
-            Tokens::new(None, None),
-            runtime.handle().clone(),
-            endpoint.uri().to_string(),
-            ClientOptions::default(),
-            marks,
-        ));
+        let shared = Shared::offline(engine, dir, runtime);
         Arc::new(ChannelCore::new(shared, "org/ns/waiter", 0, 0))
     }
 

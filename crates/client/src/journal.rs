@@ -695,23 +695,17 @@ mod tests {
             vec![(26, b"x".to_vec())]
         );
     }
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod adopt_tests {
-    use super::*;
 
     #[test]
     fn an_earlier_releases_journal_directory_is_adopted_with_its_records() {
         let dir = tempfile::tempdir().unwrap();
-        let (journal, _) = Journal::open(dir.path(), "a/b/c", 0).unwrap();
+        let (journal, _) = Journal::open(dir.path(), CHANNEL, 0).unwrap();
         journal.append(1, b"kept").unwrap();
         drop(journal);
         std::fs::rename(dir.path().join(DIR), dir.path().join(OLD_DIR)).unwrap();
         adopt_old_directory(dir.path()).unwrap();
         assert!(!dir.path().join(OLD_DIR).exists());
-        let (_, found) = Journal::open(dir.path(), "a/b/c", 0).unwrap();
+        let (_, found) = Journal::open(dir.path(), CHANNEL, 0).unwrap();
         assert_eq!(found.len(), 1);
         // Once adopted (or when there is none), nothing more happens.
         adopt_old_directory(dir.path()).unwrap();

@@ -120,12 +120,8 @@ mod tests {
     use super::*;
     use crate::applier::Pool;
     use crate::channel_core::End;
-    use crate::config::ClientOptions;
-    use crate::inbox::Marks;
     use crate::shared::Shared;
     use crate::sync::read;
-    use crate::tokens::Tokens;
-    use crate::transport;
 
     /// The relay's final refusal arrives right behind the entries it sent before (as it does
     /// for a member a commit removed while away, reopening): it must wait for them, so that
@@ -162,21 +158,7 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let endpoint = transport::endpoint("http://127.0.0.1:9", None).unwrap();
-        let relay = {
-            let _guard = runtime.enter();
-            transport::connect_lazy(&endpoint)
-        };
-        let marks = Marks::open(dirs.1.path(), &bob).unwrap();
-        let shared = Arc::new(Shared::new(
-            Arc::clone(&bob),
-            relay,
-            Tokens::new(None, None),
-            runtime.handle().clone(),
-            endpoint.uri().to_string(),
-            ClientOptions::default(),
-            marks,
-        ));
+        let shared = Shared::offline(Arc::clone(&bob), dirs.1.path(), &runtime);
         let epoch = bob.epoch(name).unwrap();
         let core = Arc::new(ChannelCore::new(shared, name, 1, epoch));
         let pool = Pool::threadless();

@@ -98,6 +98,31 @@ impl InlineApplied {
 }
 
 impl Shared {
+    /// For the tests: `engine` (its inbox marks opened in `dir`) with a relay nobody listens at,
+    /// which is never dialled.
+    #[cfg(test)]
+    pub(crate) fn offline(
+        engine: Arc<Engine>,
+        dir: &std::path::Path,
+        runtime: &tokio::runtime::Runtime,
+    ) -> Arc<Self> {
+        let marks = Marks::open(dir, &engine).expect("the inbox marks open");
+        let endpoint = transport::endpoint("http://127.0.0.1:9", None).expect("an endpoint");
+        let relay = {
+            let _guard = runtime.enter();
+            transport::connect_lazy(&endpoint)
+        };
+        Arc::new(Self::new(
+            engine,
+            relay,
+            Tokens::new(None, None),
+            runtime.handle().clone(),
+            endpoint.uri().to_string(),
+            ClientOptions::default(),
+            marks,
+        ))
+    }
+
     pub(crate) fn new(
         engine: Arc<Engine>,
         (relay, health): (RelayClient, HealthClient),
