@@ -15,7 +15,7 @@
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::store::StoreError;
+use crate::store::{to_i64, to_u64, StoreError};
 
 /// One message of the outbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,14 +35,6 @@ pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-pub(crate) fn to_u64(v: i64) -> u64 {
-    u64::try_from(v).unwrap_or(0)
-}
-
-pub(crate) fn to_i64(v: u64) -> i64 {
-    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// How many messages the channel's outbox ever recorded: its last place.

@@ -438,6 +438,22 @@ impl<'a> Storage<'a> {
     }
 }
 
+/// Implements trait methods that go straight through to OpenMLS's own SQLite provider
+/// (`self.inner`): each entry is the method's signature less `&self` and the `Result`, with each
+/// generic parameter's bound named by its `openmls_traits::storage::traits` trait.
+macro_rules! forward {
+    ($(fn $name:ident<$($g:ident: $bound:ident),+>($($arg:ident: $ty:ty),+) -> $ret:ty;)+) => {
+        $(
+            fn $name<$($g: traits::$bound<CURRENT_VERSION>),+>(
+                &self,
+                $($arg: $ty),+
+            ) -> Result<$ret, Self::Error> {
+                self.inner.$name::<$($g),+>($($arg),+)
+            }
+        )+
+    };
+}
+
 impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
     type Error = rusqlite::Error;
 
@@ -529,49 +545,7 @@ impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
         self.inner.delete_message_secrets::<GroupId>(group_id)
     }
 
-    // Everything else goes straight through.
-
-    fn write_mls_join_config<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        MlsGroupJoinConfig: traits::MlsGroupJoinConfig<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        config: &MlsGroupJoinConfig,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_mls_join_config::<GroupId, MlsGroupJoinConfig>(group_id, config)
-    }
-
-    fn append_own_leaf_node<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        LeafNode: traits::LeafNode<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        leaf_node: &LeafNode,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .append_own_leaf_node::<GroupId, LeafNode>(group_id, leaf_node)
-    }
-
-    fn queue_proposal<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ProposalRef: traits::ProposalRef<CURRENT_VERSION>,
-        QueuedProposal: traits::QueuedProposal<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        proposal_ref: &ProposalRef,
-        proposal: &QueuedProposal,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .queue_proposal::<GroupId, ProposalRef, QueuedProposal>(
-                group_id,
-                proposal_ref,
-                proposal,
-            )
-    }
+    // The ratchet tree is stored binary too, the largest record.
 
     fn write_tree<
         GroupId: traits::GroupId<CURRENT_VERSION>,
@@ -597,207 +571,6 @@ impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
         Ok(())
     }
 
-    fn write_interim_transcript_hash<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        InterimTranscriptHash: traits::InterimTranscriptHash<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        interim_transcript_hash: &InterimTranscriptHash,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_interim_transcript_hash::<GroupId, InterimTranscriptHash>(
-                group_id,
-                interim_transcript_hash,
-            )
-    }
-
-    fn write_context<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        GroupContext: traits::GroupContext<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        group_context: &GroupContext,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_context::<GroupId, GroupContext>(group_id, group_context)
-    }
-
-    fn write_confirmation_tag<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ConfirmationTag: traits::ConfirmationTag<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        confirmation_tag: &ConfirmationTag,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_confirmation_tag::<GroupId, ConfirmationTag>(group_id, confirmation_tag)
-    }
-
-    fn write_group_state<
-        GroupState: traits::GroupState<CURRENT_VERSION>,
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        group_state: &GroupState,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_group_state::<GroupState, GroupId>(group_id, group_state)
-    }
-
-    fn write_resumption_psk_store<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ResumptionPskStore: traits::ResumptionPskStore<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        resumption_psk_store: &ResumptionPskStore,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_resumption_psk_store::<GroupId, ResumptionPskStore>(
-                group_id,
-                resumption_psk_store,
-            )
-    }
-
-    fn write_own_leaf_index<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        LeafNodeIndex: traits::LeafNodeIndex<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        own_leaf_index: &LeafNodeIndex,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_own_leaf_index::<GroupId, LeafNodeIndex>(group_id, own_leaf_index)
-    }
-
-    fn write_group_epoch_secrets<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        GroupEpochSecrets: traits::GroupEpochSecrets<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        group_epoch_secrets: &GroupEpochSecrets,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_group_epoch_secrets::<GroupId, GroupEpochSecrets>(group_id, group_epoch_secrets)
-    }
-
-    fn write_signature_key_pair<
-        SignaturePublicKey: traits::SignaturePublicKey<CURRENT_VERSION>,
-        SignatureKeyPair: traits::SignatureKeyPair<CURRENT_VERSION>,
-    >(
-        &self,
-        public_key: &SignaturePublicKey,
-        signature_key_pair: &SignatureKeyPair,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_signature_key_pair::<SignaturePublicKey, SignatureKeyPair>(
-                public_key,
-                signature_key_pair,
-            )
-    }
-
-    fn write_encryption_key_pair<
-        EncryptionKey: traits::EncryptionKey<CURRENT_VERSION>,
-        HpkeKeyPair: traits::HpkeKeyPair<CURRENT_VERSION>,
-    >(
-        &self,
-        public_key: &EncryptionKey,
-        key_pair: &HpkeKeyPair,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_encryption_key_pair::<EncryptionKey, HpkeKeyPair>(public_key, key_pair)
-    }
-
-    fn write_encryption_epoch_key_pairs<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        EpochKey: traits::EpochKey<CURRENT_VERSION>,
-        HpkeKeyPair: traits::HpkeKeyPair<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        epoch: &EpochKey,
-        leaf_index: u32,
-        key_pairs: &[HpkeKeyPair],
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_encryption_epoch_key_pairs::<GroupId, EpochKey, HpkeKeyPair>(
-                group_id, epoch, leaf_index, key_pairs,
-            )
-    }
-
-    fn write_key_package<
-        HashReference: traits::HashReference<CURRENT_VERSION>,
-        KeyPackage: traits::KeyPackage<CURRENT_VERSION>,
-    >(
-        &self,
-        hash_ref: &HashReference,
-        key_package: &KeyPackage,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .write_key_package::<HashReference, KeyPackage>(hash_ref, key_package)
-    }
-
-    fn write_psk<
-        PskId: traits::PskId<CURRENT_VERSION>,
-        PskBundle: traits::PskBundle<CURRENT_VERSION>,
-    >(
-        &self,
-        psk_id: &PskId,
-        psk: &PskBundle,
-    ) -> Result<(), Self::Error> {
-        self.inner.write_psk::<PskId, PskBundle>(psk_id, psk)
-    }
-
-    fn mls_group_join_config<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        MlsGroupJoinConfig: traits::MlsGroupJoinConfig<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<MlsGroupJoinConfig>, Self::Error> {
-        self.inner
-            .mls_group_join_config::<GroupId, MlsGroupJoinConfig>(group_id)
-    }
-
-    fn own_leaf_nodes<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        LeafNode: traits::LeafNode<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Vec<LeafNode>, Self::Error> {
-        self.inner.own_leaf_nodes::<GroupId, LeafNode>(group_id)
-    }
-
-    fn queued_proposal_refs<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ProposalRef: traits::ProposalRef<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Vec<ProposalRef>, Self::Error> {
-        self.inner
-            .queued_proposal_refs::<GroupId, ProposalRef>(group_id)
-    }
-
-    fn queued_proposals<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ProposalRef: traits::ProposalRef<CURRENT_VERSION>,
-        QueuedProposal: traits::QueuedProposal<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Vec<(ProposalRef, QueuedProposal)>, Self::Error> {
-        self.inner
-            .queued_proposals::<GroupId, ProposalRef, QueuedProposal>(group_id)
-    }
-
     fn tree<
         GroupId: traits::GroupId<CURRENT_VERSION>,
         TreeSync: traits::TreeSync<CURRENT_VERSION>,
@@ -817,275 +590,90 @@ impl StorageProvider<CURRENT_VERSION> for Storage<'_> {
         blob.map(|b| decode_record(&b)).transpose()
     }
 
-    fn group_context<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        GroupContext: traits::GroupContext<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<GroupContext>, Self::Error> {
-        self.inner.group_context::<GroupId, GroupContext>(group_id)
-    }
-
-    fn interim_transcript_hash<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        InterimTranscriptHash: traits::InterimTranscriptHash<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<InterimTranscriptHash>, Self::Error> {
-        self.inner
-            .interim_transcript_hash::<GroupId, InterimTranscriptHash>(group_id)
-    }
-
-    fn confirmation_tag<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ConfirmationTag: traits::ConfirmationTag<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<ConfirmationTag>, Self::Error> {
-        self.inner
-            .confirmation_tag::<GroupId, ConfirmationTag>(group_id)
-    }
-
-    fn group_state<
-        GroupState: traits::GroupState<CURRENT_VERSION>,
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<GroupState>, Self::Error> {
-        self.inner.group_state::<GroupState, GroupId>(group_id)
-    }
-
-    fn resumption_psk_store<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ResumptionPskStore: traits::ResumptionPskStore<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<ResumptionPskStore>, Self::Error> {
-        self.inner
-            .resumption_psk_store::<GroupId, ResumptionPskStore>(group_id)
-    }
-
-    fn own_leaf_index<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        LeafNodeIndex: traits::LeafNodeIndex<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<LeafNodeIndex>, Self::Error> {
-        self.inner
-            .own_leaf_index::<GroupId, LeafNodeIndex>(group_id)
-    }
-
-    fn group_epoch_secrets<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        GroupEpochSecrets: traits::GroupEpochSecrets<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<Option<GroupEpochSecrets>, Self::Error> {
-        self.inner
-            .group_epoch_secrets::<GroupId, GroupEpochSecrets>(group_id)
-    }
-
-    fn signature_key_pair<
-        SignaturePublicKey: traits::SignaturePublicKey<CURRENT_VERSION>,
-        SignatureKeyPair: traits::SignatureKeyPair<CURRENT_VERSION>,
-    >(
-        &self,
-        public_key: &SignaturePublicKey,
-    ) -> Result<Option<SignatureKeyPair>, Self::Error> {
-        self.inner
-            .signature_key_pair::<SignaturePublicKey, SignatureKeyPair>(public_key)
-    }
-
-    fn encryption_key_pair<
-        HpkeKeyPair: traits::HpkeKeyPair<CURRENT_VERSION>,
-        EncryptionKey: traits::EncryptionKey<CURRENT_VERSION>,
-    >(
-        &self,
-        public_key: &EncryptionKey,
-    ) -> Result<Option<HpkeKeyPair>, Self::Error> {
-        self.inner
-            .encryption_key_pair::<HpkeKeyPair, EncryptionKey>(public_key)
-    }
-
-    fn encryption_epoch_key_pairs<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        EpochKey: traits::EpochKey<CURRENT_VERSION>,
-        HpkeKeyPair: traits::HpkeKeyPair<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        epoch: &EpochKey,
-        leaf_index: u32,
-    ) -> Result<Vec<HpkeKeyPair>, Self::Error> {
-        self.inner
-            .encryption_epoch_key_pairs::<GroupId, EpochKey, HpkeKeyPair>(
-                group_id, epoch, leaf_index,
-            )
-    }
-
-    fn key_package<
-        KeyPackageRef: traits::HashReference<CURRENT_VERSION>,
-        KeyPackage: traits::KeyPackage<CURRENT_VERSION>,
-    >(
-        &self,
-        hash_ref: &KeyPackageRef,
-    ) -> Result<Option<KeyPackage>, Self::Error> {
-        self.inner
-            .key_package::<KeyPackageRef, KeyPackage>(hash_ref)
-    }
-
-    fn psk<PskBundle: traits::PskBundle<CURRENT_VERSION>, PskId: traits::PskId<CURRENT_VERSION>>(
-        &self,
-        psk_id: &PskId,
-    ) -> Result<Option<PskBundle>, Self::Error> {
-        self.inner.psk::<PskBundle, PskId>(psk_id)
-    }
-
-    fn remove_proposal<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ProposalRef: traits::ProposalRef<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        proposal_ref: &ProposalRef,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .remove_proposal::<GroupId, ProposalRef>(group_id, proposal_ref)
-    }
-
-    fn delete_own_leaf_nodes<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_own_leaf_nodes::<GroupId>(group_id)
-    }
-
-    fn delete_group_config<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_group_config::<GroupId>(group_id)
-    }
-
-    fn delete_tree<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_tree::<GroupId>(group_id)
-    }
-
-    fn delete_confirmation_tag<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_confirmation_tag::<GroupId>(group_id)
-    }
-
-    fn delete_group_state<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_group_state::<GroupId>(group_id)
-    }
-
-    fn delete_context<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_context::<GroupId>(group_id)
-    }
-
-    fn delete_interim_transcript_hash<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .delete_interim_transcript_hash::<GroupId>(group_id)
-    }
-
-    fn delete_all_resumption_psk_secrets<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .delete_all_resumption_psk_secrets::<GroupId>(group_id)
-    }
-
-    fn delete_own_leaf_index<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_own_leaf_index::<GroupId>(group_id)
-    }
-
-    fn delete_group_epoch_secrets<GroupId: traits::GroupId<CURRENT_VERSION>>(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_group_epoch_secrets::<GroupId>(group_id)
-    }
-
-    fn clear_proposal_queue<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        ProposalRef: traits::ProposalRef<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .clear_proposal_queue::<GroupId, ProposalRef>(group_id)
-    }
-
-    fn delete_signature_key_pair<
-        SignaturePublicKey: traits::SignaturePublicKey<CURRENT_VERSION>,
-    >(
-        &self,
-        public_key: &SignaturePublicKey,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .delete_signature_key_pair::<SignaturePublicKey>(public_key)
-    }
-
-    fn delete_encryption_key_pair<EncryptionKey: traits::EncryptionKey<CURRENT_VERSION>>(
-        &self,
-        public_key: &EncryptionKey,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .delete_encryption_key_pair::<EncryptionKey>(public_key)
-    }
-
-    fn delete_encryption_epoch_key_pairs<
-        GroupId: traits::GroupId<CURRENT_VERSION>,
-        EpochKey: traits::EpochKey<CURRENT_VERSION>,
-    >(
-        &self,
-        group_id: &GroupId,
-        epoch: &EpochKey,
-        leaf_index: u32,
-    ) -> Result<(), Self::Error> {
-        self.inner
-            .delete_encryption_epoch_key_pairs::<GroupId, EpochKey>(group_id, epoch, leaf_index)
-    }
-
-    fn delete_key_package<KeyPackageRef: traits::HashReference<CURRENT_VERSION>>(
-        &self,
-        hash_ref: &KeyPackageRef,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_key_package::<KeyPackageRef>(hash_ref)
-    }
-
-    fn delete_psk<PskKey: traits::PskId<CURRENT_VERSION>>(
-        &self,
-        psk_id: &PskKey,
-    ) -> Result<(), Self::Error> {
-        self.inner.delete_psk::<PskKey>(psk_id)
+    // Everything else goes straight through to OpenMLS's provider.
+    forward! {
+        fn write_mls_join_config<GroupId: GroupId, MlsGroupJoinConfig: MlsGroupJoinConfig>(
+            group_id: &GroupId, config: &MlsGroupJoinConfig) -> ();
+        fn append_own_leaf_node<GroupId: GroupId, LeafNode: LeafNode>(
+            group_id: &GroupId, leaf_node: &LeafNode) -> ();
+        fn queue_proposal<GroupId: GroupId, ProposalRef: ProposalRef, QueuedProposal: QueuedProposal>(
+            group_id: &GroupId, proposal_ref: &ProposalRef, proposal: &QueuedProposal) -> ();
+        fn write_interim_transcript_hash<GroupId: GroupId, InterimTranscriptHash: InterimTranscriptHash>(
+            group_id: &GroupId, interim_transcript_hash: &InterimTranscriptHash) -> ();
+        fn write_context<GroupId: GroupId, GroupContext: GroupContext>(
+            group_id: &GroupId, group_context: &GroupContext) -> ();
+        fn write_confirmation_tag<GroupId: GroupId, ConfirmationTag: ConfirmationTag>(
+            group_id: &GroupId, confirmation_tag: &ConfirmationTag) -> ();
+        fn write_group_state<GroupState: GroupState, GroupId: GroupId>(
+            group_id: &GroupId, group_state: &GroupState) -> ();
+        fn write_resumption_psk_store<GroupId: GroupId, ResumptionPskStore: ResumptionPskStore>(
+            group_id: &GroupId, resumption_psk_store: &ResumptionPskStore) -> ();
+        fn write_own_leaf_index<GroupId: GroupId, LeafNodeIndex: LeafNodeIndex>(
+            group_id: &GroupId, own_leaf_index: &LeafNodeIndex) -> ();
+        fn write_group_epoch_secrets<GroupId: GroupId, GroupEpochSecrets: GroupEpochSecrets>(
+            group_id: &GroupId, group_epoch_secrets: &GroupEpochSecrets) -> ();
+        fn write_signature_key_pair<SignaturePublicKey: SignaturePublicKey, SignatureKeyPair: SignatureKeyPair>(
+            public_key: &SignaturePublicKey, signature_key_pair: &SignatureKeyPair) -> ();
+        fn write_encryption_key_pair<EncryptionKey: EncryptionKey, HpkeKeyPair: HpkeKeyPair>(
+            public_key: &EncryptionKey, key_pair: &HpkeKeyPair) -> ();
+        fn write_encryption_epoch_key_pairs<GroupId: GroupId, EpochKey: EpochKey, HpkeKeyPair: HpkeKeyPair>(
+            group_id: &GroupId, epoch: &EpochKey, leaf_index: u32, key_pairs: &[HpkeKeyPair]) -> ();
+        fn write_key_package<HashReference: HashReference, KeyPackage: KeyPackage>(
+            hash_ref: &HashReference, key_package: &KeyPackage) -> ();
+        fn write_psk<PskId: PskId, PskBundle: PskBundle>(psk_id: &PskId, psk: &PskBundle) -> ();
+        fn mls_group_join_config<GroupId: GroupId, MlsGroupJoinConfig: MlsGroupJoinConfig>(
+            group_id: &GroupId) -> Option<MlsGroupJoinConfig>;
+        fn own_leaf_nodes<GroupId: GroupId, LeafNode: LeafNode>(
+            group_id: &GroupId) -> Vec<LeafNode>;
+        fn queued_proposal_refs<GroupId: GroupId, ProposalRef: ProposalRef>(
+            group_id: &GroupId) -> Vec<ProposalRef>;
+        fn queued_proposals<GroupId: GroupId, ProposalRef: ProposalRef, QueuedProposal: QueuedProposal>(
+            group_id: &GroupId) -> Vec<(ProposalRef, QueuedProposal)>;
+        fn group_context<GroupId: GroupId, GroupContext: GroupContext>(
+            group_id: &GroupId) -> Option<GroupContext>;
+        fn interim_transcript_hash<GroupId: GroupId, InterimTranscriptHash: InterimTranscriptHash>(
+            group_id: &GroupId) -> Option<InterimTranscriptHash>;
+        fn confirmation_tag<GroupId: GroupId, ConfirmationTag: ConfirmationTag>(
+            group_id: &GroupId) -> Option<ConfirmationTag>;
+        fn group_state<GroupState: GroupState, GroupId: GroupId>(
+            group_id: &GroupId) -> Option<GroupState>;
+        fn resumption_psk_store<GroupId: GroupId, ResumptionPskStore: ResumptionPskStore>(
+            group_id: &GroupId) -> Option<ResumptionPskStore>;
+        fn own_leaf_index<GroupId: GroupId, LeafNodeIndex: LeafNodeIndex>(
+            group_id: &GroupId) -> Option<LeafNodeIndex>;
+        fn group_epoch_secrets<GroupId: GroupId, GroupEpochSecrets: GroupEpochSecrets>(
+            group_id: &GroupId) -> Option<GroupEpochSecrets>;
+        fn signature_key_pair<SignaturePublicKey: SignaturePublicKey, SignatureKeyPair: SignatureKeyPair>(
+            public_key: &SignaturePublicKey) -> Option<SignatureKeyPair>;
+        fn encryption_key_pair<HpkeKeyPair: HpkeKeyPair, EncryptionKey: EncryptionKey>(
+            public_key: &EncryptionKey) -> Option<HpkeKeyPair>;
+        fn encryption_epoch_key_pairs<GroupId: GroupId, EpochKey: EpochKey, HpkeKeyPair: HpkeKeyPair>(
+            group_id: &GroupId, epoch: &EpochKey, leaf_index: u32) -> Vec<HpkeKeyPair>;
+        fn key_package<KeyPackageRef: HashReference, KeyPackage: KeyPackage>(
+            hash_ref: &KeyPackageRef) -> Option<KeyPackage>;
+        fn psk<PskBundle: PskBundle, PskId: PskId>(psk_id: &PskId) -> Option<PskBundle>;
+        fn remove_proposal<GroupId: GroupId, ProposalRef: ProposalRef>(
+            group_id: &GroupId, proposal_ref: &ProposalRef) -> ();
+        fn delete_own_leaf_nodes<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_group_config<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_tree<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_confirmation_tag<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_group_state<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_context<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_interim_transcript_hash<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_all_resumption_psk_secrets<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_own_leaf_index<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn delete_group_epoch_secrets<GroupId: GroupId>(group_id: &GroupId) -> ();
+        fn clear_proposal_queue<GroupId: GroupId, ProposalRef: ProposalRef>(
+            group_id: &GroupId) -> ();
+        fn delete_signature_key_pair<SignaturePublicKey: SignaturePublicKey>(
+            public_key: &SignaturePublicKey) -> ();
+        fn delete_encryption_key_pair<EncryptionKey: EncryptionKey>(
+            public_key: &EncryptionKey) -> ();
+        fn delete_encryption_epoch_key_pairs<GroupId: GroupId, EpochKey: EpochKey>(
+            group_id: &GroupId, epoch: &EpochKey, leaf_index: u32) -> ();
+        fn delete_key_package<KeyPackageRef: HashReference>(hash_ref: &KeyPackageRef) -> ();
+        fn delete_psk<PskKey: PskId>(psk_id: &PskKey) -> ();
     }
 }
 

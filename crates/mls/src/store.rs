@@ -360,7 +360,7 @@ impl Drop for Checkpointer {
 /// Syncs the write-ahead log of the database at `db_path`, where every commit since the last
 /// checkpoint is (a checkpoint syncs the database file before it lets the log go). Needs no
 /// connection: a sender syncs while others go on using the store.
-pub fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
+pub(crate) fn sync_wal(db_path: &Path) -> Result<(), StoreError> {
     let wal = wal_path(db_path);
     match File::open(&wal) {
         Ok(file) => file.sync_data().map_err(io(&wal)),
@@ -390,7 +390,7 @@ fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
 
 /// Opens (creating if needed) a file of the data directory for reading and writing, with
 /// [`FILE_MODE`] (also an existing file of an older version, made with the umask's mode).
-pub fn private_file(path: &Path) -> Result<File, StoreError> {
+pub(crate) fn private_file(path: &Path) -> Result<File, StoreError> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let file = OpenOptions::new()
         .read(true)
@@ -512,7 +512,11 @@ fn check_identity_file(
 /// recorded already: once it is made, and in a directory of an older version. Written to a
 /// temporary file, synced and renamed, so a crash leaves it whole or absent (then written at
 /// the next opening).
-pub fn record_identity(data_dir: &Path, identity: &[u8], public: &[u8]) -> Result<(), StoreError> {
+pub(crate) fn record_identity(
+    data_dir: &Path,
+    identity: &[u8],
+    public: &[u8],
+) -> Result<(), StoreError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let path = data_dir.join(IDENTITY_FILE);
@@ -679,7 +683,7 @@ impl Db {
 
 /// Runs one statement without output from the connection's statement cache: the statements
 /// every call runs (transaction control, pragmas, savepoints) are parsed once, not per call.
-pub trait ExecCached {
+pub(crate) trait ExecCached {
     fn exec_cached(&self, sql: &str) -> rusqlite::Result<()>;
 }
 
@@ -694,9 +698,9 @@ impl ExecCached for Connection {
 const STATEMENT_CACHE: usize = 64;
 
 /// The stored identity row: (identity, signature public key).
-pub type IdentityRow = (Vec<u8>, Vec<u8>);
+pub(crate) type IdentityRow = (Vec<u8>, Vec<u8>);
 
-pub fn read_identity(conn: &Connection) -> Result<Option<IdentityRow>, StoreError> {
+pub(crate) fn read_identity(conn: &Connection) -> Result<Option<IdentityRow>, StoreError> {
     Ok(conn
         .query_row(
             "SELECT identity, signature_public_key FROM static_identity WHERE id = 0",
@@ -706,7 +710,11 @@ pub fn read_identity(conn: &Connection) -> Result<Option<IdentityRow>, StoreErro
         .optional()?)
 }
 
-pub fn write_identity(conn: &Connection, identity: &[u8], public: &[u8]) -> Result<(), StoreError> {
+pub(crate) fn write_identity(
+    conn: &Connection,
+    identity: &[u8],
+    public: &[u8],
+) -> Result<(), StoreError> {
     conn.execute(
         "INSERT INTO static_identity (id, identity, signature_public_key) VALUES (0, ?1, ?2)",
         (identity, public),
@@ -714,7 +722,7 @@ pub fn write_identity(conn: &Connection, identity: &[u8], public: &[u8]) -> Resu
     Ok(())
 }
 
-pub fn group_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
+pub(crate) fn group_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
     let mut stmt = conn.prepare("SELECT name FROM static_groups ORDER BY name")?;
     let names = stmt
         .query_map([], |row| row.get(0))?
@@ -722,17 +730,21 @@ pub fn group_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
     Ok(names)
 }
 
-pub fn insert_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+pub(crate) fn insert_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute("INSERT INTO static_groups (name) VALUES (?1)", [name])?;
     Ok(())
 }
 
-pub fn delete_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
+pub(crate) fn delete_group(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute("DELETE FROM static_groups WHERE name = ?1", [name])?;
     Ok(())
 }
 
-pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
+pub(crate) fn set_pending_commit(
+    conn: &Connection,
+    name: &str,
+    bytes: &[u8],
+) -> Result<(), StoreError> {
     conn.execute(
         "INSERT OR REPLACE INTO static_pending_commits (name, commit_bytes) VALUES (?1, ?2)",
         (name, bytes),
@@ -740,20 +752,22 @@ pub fn set_pending_commit(conn: &Connection, name: &str, bytes: &[u8]) -> Result
     Ok(())
 }
 
-pub fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
+pub(crate) fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {
     Ok(conn
         .prepare_cached("SELECT commit_bytes FROM static_pending_commits WHERE name = ?1")?
         .query_row([name], |row| row.get(0))
         .optional()?)
 }
 
-pub fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
+pub(crate) fn clear_pending_commit(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute("DELETE FROM static_pending_commits WHERE name = ?1", [name])?;
     Ok(())
 }
 
 /// The engine's last opening: (boot id, closed cleanly).
-pub fn read_session(conn: &Connection) -> Result<Option<(Option<String>, bool)>, StoreError> {
+pub(crate) fn read_session(
+    conn: &Connection,
+) -> Result<Option<(Option<String>, bool)>, StoreError> {
     Ok(conn
         .query_row(
             "SELECT boot_id, clean FROM static_session WHERE id = 0",
@@ -763,7 +777,7 @@ pub fn read_session(conn: &Connection) -> Result<Option<(Option<String>, bool)>,
         .optional()?)
 }
 
-pub fn write_session(
+pub(crate) fn write_session(
     conn: &Connection,
     boot_id: Option<&str>,
     clean: bool,
@@ -775,7 +789,7 @@ pub fn write_session(
     Ok(())
 }
 
-pub fn require_fresh_epoch(conn: &Connection, name: &str) -> Result<(), StoreError> {
+pub(crate) fn require_fresh_epoch(conn: &Connection, name: &str) -> Result<(), StoreError> {
     conn.execute(
         "INSERT OR IGNORE INTO static_fresh_epoch_needed (name) VALUES (?1)",
         [name],
@@ -783,7 +797,7 @@ pub fn require_fresh_epoch(conn: &Connection, name: &str) -> Result<(), StoreErr
     Ok(())
 }
 
-pub fn fresh_epoch_needed(conn: &Connection, name: &str) -> Result<bool, StoreError> {
+pub(crate) fn fresh_epoch_needed(conn: &Connection, name: &str) -> Result<bool, StoreError> {
     Ok(conn
         .prepare_cached("SELECT 1 FROM static_fresh_epoch_needed WHERE name = ?1")?
         .query_row([name], |_| Ok(()))
@@ -791,7 +805,7 @@ pub fn fresh_epoch_needed(conn: &Connection, name: &str) -> Result<bool, StoreEr
         .is_some())
 }
 
-pub fn any_fresh_epoch_needed(conn: &Connection) -> Result<bool, StoreError> {
+pub(crate) fn any_fresh_epoch_needed(conn: &Connection) -> Result<bool, StoreError> {
     Ok(conn
         .query_row(
             "SELECT 1 FROM static_fresh_epoch_needed LIMIT 1",
@@ -803,7 +817,7 @@ pub fn any_fresh_epoch_needed(conn: &Connection) -> Result<bool, StoreError> {
 }
 
 /// Our pending commit was merged: it is gone, and the group is at an epoch of its own making.
-pub fn own_commit_merged(conn: &Connection, name: &str) -> Result<(), StoreError> {
+pub(crate) fn own_commit_merged(conn: &Connection, name: &str) -> Result<(), StoreError> {
     clear_pending_commit(conn, name)?;
     conn.prepare_cached("DELETE FROM static_fresh_epoch_needed WHERE name = ?1")?
         .execute([name])?;
@@ -819,15 +833,17 @@ pub enum Cursor {
     FromEpoch(u64),
 }
 
-fn to_i64(v: u64) -> i64 {
+/// A count or seq as SQLite's INTEGER stores it (saturating: none comes near 2^63).
+pub(crate) fn to_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-fn to_u64(v: i64) -> u64 {
+/// A stored INTEGER back as a count or seq (a negative one, never written, reads as 0).
+pub(crate) fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
-pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), StoreError> {
+pub(crate) fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), StoreError> {
     let (seq, epoch) = match cursor {
         Cursor::After(seq) => (Some(to_i64(seq)), 0),
         Cursor::FromEpoch(epoch) => (None, to_i64(epoch)),
@@ -839,7 +855,7 @@ pub fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), S
     Ok(())
 }
 
-pub fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
+pub(crate) fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
     let row: Option<(Option<i64>, i64)> = conn
         .query_row(
             "SELECT seq, join_epoch FROM static_cursors WHERE name = ?1",
@@ -856,7 +872,11 @@ pub fn cursor(conn: &Connection, name: &str) -> Result<Cursor, StoreError> {
     })
 }
 
-pub fn inbox_push(conn: &Connection, name: &str, message: &InboxMessage) -> Result<(), StoreError> {
+pub(crate) fn inbox_push(
+    conn: &Connection,
+    name: &str,
+    message: &InboxMessage,
+) -> Result<(), StoreError> {
     conn.prepare_cached(
         "INSERT INTO static_inbox (name, seq, sender, payload, epoch, account)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -902,7 +922,7 @@ fn inbox_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<InboxMessage> {
 
 /// Up to `limit` messages of the channel's inbox after row `after_id`, oldest first (a read:
 /// no transaction needed).
-pub fn inbox_after(
+pub(crate) fn inbox_after(
     conn: &Connection,
     name: &str,
     after_id: i64,
@@ -923,7 +943,10 @@ pub fn inbox_after(
 
 /// Removes and returns the oldest message of the channel's inbox (for users of the engine
 /// alone; the SDK's client hands messages out through [`inbox_after`] and its marks).
-pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>, StoreError> {
+pub(crate) fn inbox_take(
+    conn: &Connection,
+    name: &str,
+) -> Result<Option<InboxMessage>, StoreError> {
     Ok(conn
         .prepare_cached(
             "DELETE FROM static_inbox WHERE id = (
@@ -935,14 +958,22 @@ pub fn inbox_take(conn: &Connection, name: &str) -> Result<Option<InboxMessage>,
 }
 
 /// Deletes the channel's inbox rows up to `upto_id` (messages already handed out).
-pub fn inbox_prune(conn: &Connection, name: &str, upto_id: i64) -> Result<usize, StoreError> {
+pub(crate) fn inbox_prune(
+    conn: &Connection,
+    name: &str,
+    upto_id: i64,
+) -> Result<usize, StoreError> {
     Ok(conn
         .prepare_cached("DELETE FROM static_inbox WHERE name = ?1 AND id <= ?2")?
         .execute((name, upto_id))?)
 }
 
 /// How many messages of the channel's inbox come after row `after_id`.
-pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result<u64, StoreError> {
+pub(crate) fn inbox_count_after(
+    conn: &Connection,
+    name: &str,
+    after_id: i64,
+) -> Result<u64, StoreError> {
     let n: i64 = conn.query_row(
         "SELECT count(*) FROM static_inbox WHERE name = ?1 AND id > ?2",
         (name, after_id),
@@ -954,7 +985,7 @@ pub fn inbox_count_after(conn: &Connection, name: &str, after_id: i64) -> Result
 /// The channel's slot in the hand-out marks file (see `static-client`), assigned on first use
 /// and kept for good. A new slot is given to `init` (which writes its first mark) before it is
 /// recorded, so every recorded slot has a mark: a slot of the file without one is damage.
-pub fn inbox_slot(
+pub(crate) fn inbox_slot(
     conn: &Connection,
     name: &str,
     init: impl FnOnce(u64) -> Result<(), StoreError>,
@@ -985,7 +1016,7 @@ pub fn inbox_slot(
 
 /// How many slots the hand-out marks file has (see [`inbox_slot`]), and the file's id if the
 /// client recorded one ([`record_inbox_marks`]).
-pub fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreError> {
+pub(crate) fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreError> {
     conn.execute_batch(crate::schema::INBOX_SLOTS_TABLE)?;
     let slots: i64 = conn.query_row(
         "SELECT COALESCE(MAX(slot) + 1, 0) FROM static_inbox_slots",
@@ -1003,22 +1034,13 @@ pub fn inbox_marks(conn: &Connection) -> Result<(u64, Option<Vec<u8>>), StoreErr
 }
 
 /// Records the id of the hand-out marks file (see [`inbox_marks`]).
-pub fn record_inbox_marks(conn: &Connection, file_id: &[u8]) -> Result<(), StoreError> {
+pub(crate) fn record_inbox_marks(conn: &Connection, file_id: &[u8]) -> Result<(), StoreError> {
     conn.execute_batch(crate::schema::INBOX_SLOTS_TABLE)?;
     conn.execute(
         "INSERT OR REPLACE INTO static_inbox_marks (id, file_id) VALUES (0, ?1)",
         [file_id],
     )?;
     Ok(())
-}
-
-/// The names with messages in the inbox (a channel we were removed from may still have some).
-pub fn inbox_names(conn: &Connection) -> Result<Vec<String>, StoreError> {
-    let mut stmt = conn.prepare("SELECT DISTINCT name FROM static_inbox ORDER BY name")?;
-    let names = stmt
-        .query_map([], |row| row.get(0))?
-        .collect::<Result<Vec<String>, _>>()?;
-    Ok(names)
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 
 use super::Engine;
 use crate::error::Result;
-use crate::outbox::{list, now_ms, push, recorded, replace, settle, to_u64, Outgoing};
+use crate::outbox::{list, now_ms, push, recorded, replace, settle, Outgoing};
+use crate::store::to_u64;
 
 impl Engine {
     /// Encrypts `payloads` (in order, at the group's current epoch) and records them at
