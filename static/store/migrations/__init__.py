@@ -1,0 +1,1 @@
+"""The SQL migrations, one file per step and dialect, as package data (read by `_migrations`)."""
