@@ -3,7 +3,8 @@
 //!
 //! - [`create`]: CreateChannel, and the gate every costly group check goes through;
 //! - [`members`]: BindLeaf, ListMembers, FetchWelcome;
-//! - [`publish`]: Publish, PublishStream, PublishBatches;
+//! - [`publish`]: Publish, PublishStream, PublishBatches, the last two driven by
+//!   [`pipeline`];
 //! - [`subscribe`]: Subscribe, and the paging of the log it shares with [`many`]
 //!   (SubscribeMany);
 //! - [`retention`]: SetRetention, GetRetention;
@@ -38,6 +39,7 @@ mod create;
 mod driven;
 mod many;
 mod members;
+mod pipeline;
 mod publish;
 mod refusal;
 mod retention;
@@ -187,7 +189,8 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<Streaming<pb::PublishRequest>>,
     ) -> Result<Response<Self::PublishStreamStream>, Status> {
-        self.driven(request, Inner::publish_stream).await
+        self.driven(request, pipeline::drive::<publish::PublishStream>)
+            .await
     }
 
     type PublishBatchesStream = Driven<Result<pb::PublishBatchResponse, Status>>;
@@ -196,7 +199,8 @@ impl pb::relay_server::Relay for Relay {
         &self,
         request: Request<Streaming<pb::PublishBatchRequest>>,
     ) -> Result<Response<Self::PublishBatchesStream>, Status> {
-        self.driven(request, Inner::publish_batches).await
+        self.driven(request, pipeline::drive::<publish::PublishBatches>)
+            .await
     }
 
     type SubscribeStream = Driven<Result<pb::SubscribeResponse, Status>>;

@@ -1,14 +1,12 @@
 //! Publish, PublishStream and PublishBatches: a publish's checks, its submission to the
 //! channel log, and its answer (one per publish, or one per item of a batch).
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
-use futures_util::FutureExt as _;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 
 use super::caller::channel_name;
-use super::driven::Sender;
+use super::pipeline::{Lookahead, Pipelined};
 use super::refusal::{internal, refusal_label};
 use super::Inner;
 use crate::access::{line_budget, Suppressed, ACCESS_LOG};
@@ -41,6 +39,89 @@ pub(super) async fn publish(
     // Answered as soon as the commit decides it.
     let accepted = inner.decided(&mut outcome).await?;
     Ok(Response::new(publish_response(accepted)))
+}
+
+/// PublishStream: requests are read and submitted while earlier ones are being committed
+/// (so they share group commits); answers go out in request order. The first refusal
+/// ends the call after the answers before it. Driven by [`super::pipeline::drive`].
+pub(super) struct PublishStream;
+
+impl Pipelined for PublishStream {
+    type Request = pb::PublishRequest;
+    type Queued = Outcome;
+    type Response = pb::PublishResponse;
+    const AHEAD: usize = PIPELINE_DEPTH;
+
+    async fn submit(
+        inner: &Inner,
+        caller: &Caller,
+        request: pb::PublishRequest,
+        requests: &mut Lookahead<pb::PublishRequest>,
+    ) -> Result<Outcome, Status> {
+        let item = match inner.prepare(request, caller).await {
+            Ok(item) => inner.submit_one(item, requests.more_ready()),
+            Err(e) => Err(e),
+        };
+        item.map_err(|e| e.to_status())
+    }
+
+    async fn answer(
+        inner: &Inner,
+        _: &Caller,
+        outcome: &mut Outcome,
+    ) -> Result<pb::PublishResponse, Status> {
+        let decided = inner.decided(outcome).await.map_err(|e| e.to_status());
+        decided.map(publish_response)
+    }
+}
+
+/// PublishBatches: each request's items are submitted together as it is read (so
+/// batches share group commits); each request is answered, in order, once all its items
+/// are decided. A refused item is answered as such; only a failure of the call ends it.
+/// Driven by [`super::pipeline::drive`].
+pub(super) struct PublishBatches;
+
+impl Pipelined for PublishBatches {
+    type Request = pb::PublishBatchRequest;
+    type Queued = Vec<Slot>;
+    type Response = pb::PublishBatchResponse;
+    const AHEAD: usize = BATCHES_AHEAD;
+
+    async fn submit(
+        inner: &Inner,
+        caller: &Caller,
+        batch: pb::PublishBatchRequest,
+        requests: &mut Lookahead<pb::PublishBatchRequest>,
+    ) -> Result<Vec<Slot>, Status> {
+        if batch.requests.len() > BATCH_ITEMS {
+            let refusal = RelayError::InvalidArgument(format!(
+                "{} requests in one batch; at most {BATCH_ITEMS}",
+                batch.requests.len()
+            ));
+            return Err(refusal.to_status());
+        }
+        let more = requests.more_ready();
+        Ok(inner.submit_batch(batch.requests, caller, more).await)
+    }
+
+    /// Waits until every item of the batch is decided (cancel-safe: decisions are kept in
+    /// the slots as they come), then counts and logs its refusals and answers it.
+    async fn answer(
+        inner: &Inner,
+        caller: &Caller,
+        slots: &mut Vec<Slot>,
+    ) -> Result<pb::PublishBatchResponse, Status> {
+        for slot in slots.iter_mut() {
+            if let Slot::Waiting(outcome) = slot {
+                let result = inner.decided(outcome).await;
+                *slot = Slot::Decided(publish_result(result));
+            }
+        }
+        // Every item is decided: the batch leaves the queue with this answer.
+        let slots = std::mem::take(slots);
+        note_item_refusals(caller, &slots);
+        Ok(batch_response(slots))
+    }
 }
 
 impl Inner {
@@ -171,122 +252,6 @@ impl Inner {
         }
     }
 
-    /// PublishStream: requests are read and submitted while earlier ones are being committed
-    /// (so they share group commits); answers go out in request order. The first refusal
-    /// ends the call after the answers before it.
-    pub(super) async fn publish_stream(
-        self: Arc<Self>,
-        caller: Caller,
-        requests: Streaming<pb::PublishRequest>,
-        tx: Sender<Result<pb::PublishResponse, Status>>,
-    ) {
-        let mut requests = Lookahead::new(requests);
-        let mut shutdown = self.shutdown.watch();
-        let mut queue: VecDeque<Result<Outcome, Status>> = VecDeque::new();
-        let mut reading = true;
-        while reading || !queue.is_empty() {
-            tokio::select! {
-                biased;
-                decided = self.head_of_stream(&mut queue), if !queue.is_empty() => {
-                    queue.pop_front();
-                    let refused = decided.is_err();
-                    if tx.send(decided.map(publish_response)).await.is_err() || refused {
-                        return;
-                    }
-                }
-                message = requests.message(), if reading && queue.len() < PIPELINE_DEPTH => {
-                    match message {
-                        Ok(Some(request)) => {
-                            let item = match self.prepare(request, &caller).await {
-                                Ok(item) => self.submit_one(item, requests.more_ready()),
-                                Err(e) => Err(e),
-                            };
-                            // A refusal ends the reading: nothing after it is submitted.
-                            reading = item.is_ok();
-                            queue.push_back(item.map_err(|e| e.to_status()));
-                        }
-                        Ok(None) => reading = false,
-                        Err(status) => {
-                            queue.push_back(Err(self.request_failed(status)));
-                            reading = false;
-                        }
-                    }
-                }
-                () = shutdown.reached(Phase::Refusing), if reading => {
-                    queue.push_back(Err(shutting_down().to_status()));
-                    reading = false;
-                }
-            }
-        }
-    }
-
-    async fn head_of_stream(
-        &self,
-        queue: &mut VecDeque<Result<Outcome, Status>>,
-    ) -> Result<Accepted, Status> {
-        match queue.front_mut() {
-            Some(Ok(outcome)) => self.decided(outcome).await.map_err(|e| e.to_status()),
-            Some(Err(status)) => Err(status.clone()),
-            None => std::future::pending().await,
-        }
-    }
-
-    /// PublishBatches: each request's items are submitted together as it is read (so
-    /// batches share group commits); each request is answered, in order, once all its items
-    /// are decided. A refused item is answered as such; only a failure of the call ends it.
-    pub(super) async fn publish_batches(
-        self: Arc<Self>,
-        caller: Caller,
-        requests: Streaming<pb::PublishBatchRequest>,
-        tx: Sender<Result<pb::PublishBatchResponse, Status>>,
-    ) {
-        let mut requests = Lookahead::new(requests);
-        let mut shutdown = self.shutdown.watch();
-        let mut queue: VecDeque<Result<Vec<Slot>, Status>> = VecDeque::new();
-        let mut reading = true;
-        while reading || !queue.is_empty() {
-            tokio::select! {
-                biased;
-                () = self.settle_head(&mut queue), if !queue.is_empty() => {
-                    let Some(head) = queue.pop_front() else { continue };
-                    if let Ok(slots) = &head {
-                        note_item_refusals(&caller, slots);
-                    }
-                    let failed = head.is_err();
-                    if tx.send(head.map(batch_response)).await.is_err() || failed {
-                        return;
-                    }
-                }
-                message = requests.message(), if reading && queue.len() < BATCHES_AHEAD => {
-                    match message {
-                        Ok(Some(batch)) if batch.requests.len() > BATCH_ITEMS => {
-                            let refusal = RelayError::InvalidArgument(format!(
-                                "{} requests in one batch; at most {BATCH_ITEMS}",
-                                batch.requests.len()
-                            ));
-                            queue.push_back(Err(refusal.to_status()));
-                            reading = false;
-                        }
-                        Ok(Some(batch)) => {
-                            let more = requests.more_ready();
-                            let slots = self.submit_batch(batch.requests, &caller, more).await;
-                            queue.push_back(Ok(slots));
-                        }
-                        Ok(None) => reading = false,
-                        Err(status) => {
-                            queue.push_back(Err(self.request_failed(status)));
-                            reading = false;
-                        }
-                    }
-                }
-                () = shutdown.reached(Phase::Refusing), if reading => {
-                    queue.push_back(Err(shutting_down().to_status()));
-                    reading = false;
-                }
-            }
-        }
-    }
-
     /// Checks every item of a batch in order and submits the accepted ones together.
     async fn submit_batch(
         &self,
@@ -339,24 +304,10 @@ impl Inner {
             })
             .collect()
     }
-
-    /// Waits until every item of the first queued batch is decided (cancel-safe: decisions
-    /// are kept in the slots as they come).
-    async fn settle_head(&self, queue: &mut VecDeque<Result<Vec<Slot>, Status>>) {
-        let Some(Ok(slots)) = queue.front_mut() else {
-            return;
-        };
-        for slot in slots.iter_mut() {
-            if let Slot::Waiting(outcome) = slot {
-                let result = self.decided(outcome).await;
-                *slot = Slot::Decided(publish_result(result));
-            }
-        }
-    }
 }
 
 /// One item of a PublishBatches request.
-enum Slot {
+pub(super) enum Slot {
     Waiting(Outcome),
     Decided(pb::PublishResult),
 }
@@ -447,43 +398,9 @@ fn batch_response(slots: Vec<Slot>) -> pb::PublishBatchResponse {
         .into_iter()
         .map(|slot| match slot {
             Slot::Decided(result) => result,
-            // settle_head decided every slot before the batch is answered.
+            // `PublishBatches::answer` decided every slot before the batch is answered.
             Slot::Waiting(_) => publish_result(Err(internal("a batch answered before its end"))),
         })
         .collect();
     pb::PublishBatchResponse { results }
-}
-
-/// A request stream that can tell whether its next message is already here: a pipelined
-/// call's publishes are then left to the writer thread, to be committed with what follows,
-/// and only the last one at hand is committed right away (see
-/// [`crate::log::ChannelLog::submit`]).
-struct Lookahead<T> {
-    requests: Streaming<T>,
-    next: Option<std::result::Result<Option<T>, Status>>,
-}
-
-impl<T> Lookahead<T> {
-    fn new(requests: Streaming<T>) -> Self {
-        Lookahead {
-            requests,
-            next: None,
-        }
-    }
-
-    /// The next message (cancel-safe, as `Streaming::message`).
-    async fn message(&mut self) -> std::result::Result<Option<T>, Status> {
-        match self.next.take() {
-            Some(next) => next,
-            None => self.requests.message().await,
-        }
-    }
-
-    /// Whether another request has arrived already (it is kept for [`Lookahead::message`]).
-    fn more_ready(&mut self) -> bool {
-        if self.next.is_none() {
-            self.next = self.requests.message().now_or_never();
-        }
-        matches!(self.next, Some(Ok(Some(_))))
-    }
 }
