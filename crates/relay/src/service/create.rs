@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response};
 
-use super::{channel_name, group_refusal, Inner};
+use super::caller::channel_name;
+use super::refusal::{group_refusal, internal};
+use super::Inner;
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, Handshake, Proof};
 use crate::pb;
@@ -127,7 +129,7 @@ impl Gate {
                 message: e.to_string(),
                 retry_after_ms: u64::try_from(RETRY_AFTER.as_millis()).unwrap_or(u64::MAX),
             },
-            PoolError::Failed(_) => super::internal(&e.to_string()),
+            PoolError::Failed(_) => internal(&e.to_string()),
         })
     }
 

@@ -24,10 +24,10 @@ use futures_util::FutureExt as _;
 use tokio::time::{Instant, Sleep};
 use tonic::{Status, Streaming};
 
-use super::{
-    batches, channel_name, consecutive, delivered_live, not_a_member, note_refusal, Inner,
-    READ_PAGE, SUBSCRIBE_BATCH_ENTRIES,
-};
+use super::caller::channel_name;
+use super::refusal::{not_a_member, note_refusal};
+use super::subscribe::{batches, consecutive, delivered_live, READ_PAGE, SUBSCRIBE_BATCH_ENTRIES};
+use super::Inner;
 use crate::auth::Caller;
 use crate::error::{shutting_down, RelayError, Result};
 use crate::log::Channel;
