@@ -4,34 +4,29 @@
 //! ([`Verify`], once per call), the revocation checks (which end streams through
 //! [`RelayServer::end_streams_of_key`]), migrations, configuration and signals.
 //!
-//! Layout: `framing`, `rules`, `fence` (a group commit's decision) and `group` (a channel's
-//! public MLS group state: handshakes checked as a member would) are pure; `clock` is unix ms;
+//! Layout: `wire` (`framing`, `rules`, `fence`: a group commit's decision) and `group` (a
+//! channel's public MLS group state: handshakes checked as a member would) are pure; `clock` is unix ms;
 //! `members` is who may reach a channel (bound leaves); `log` is the channel logs (memory, the
 //! group-committing writer); `store` is the log's I/O over plain rows, one module per database
 //! (it imports nothing above it); `memory` gives freed memory back to the OS;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
-//! terminates TLS; `shutdown` is the one stop signal every part watches, in phases); `access` (the access log), `metrics` (Prometheus) and `health` (the gRPC
-//! health service) observe it; `settings` is its configuration, one table of knobs; `auth` is
+//! terminates TLS; `shutdown` is the one stop signal every part watches, in phases); `observe` (`access`: the access log, `metrics`: Prometheus,
+//! `health`: the gRPC health service) watches it; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams (`lockout` remembers the addresses its verifier
 //! locked out); `error` maps every refusal to a status once.
 // Denied, not forbidden: `memory` calls glibc's malloc_trim (one audited FFI call).
 #![deny(unsafe_code)]
 
-mod access;
 pub mod auth;
 mod clock;
 pub mod error;
-mod fence;
-pub mod framing;
 pub mod group;
-pub mod health;
 mod lockout;
 pub mod log;
 pub mod members;
 mod memory;
-pub mod metrics;
+pub mod observe;
 pub mod retention;
-pub mod rules;
 mod server;
 mod service;
 pub mod settings;
@@ -39,6 +34,7 @@ mod shutdown;
 mod store;
 pub mod tls;
 mod verify_pool;
+pub mod wire;
 
 pub use static_proto::{pb, PROTO_DESCRIPTOR};
 

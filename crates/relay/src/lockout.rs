@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use crate::error::RelayError;
-use crate::rules::client_key;
+use crate::wire::rules::client_key;
 
 /// Locked-out addresses remembered at once.
 pub const MAX_ADDRESSES: usize = 65_536;

@@ -12,14 +12,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use static_relay::framing::parse_message;
 use static_relay::group::{GroupState, Handshake};
 use static_relay::log::{
     Accepted, Channel, ChannelLog, Checked, Entry, GroupCheck, LogSettings, WelcomeKey,
     WelcomeRecord,
 };
 use static_relay::members::{GroupChange, Reach};
-use static_relay::rules::idempotency_key;
+use static_relay::wire::framing::parse_message;
+use static_relay::wire::rules::idempotency_key;
 use static_relay::{RelayConfig, RelayError};
 
 /// The relay's defaults.

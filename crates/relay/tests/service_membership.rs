@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use openmls::prelude::{MIXED_CIPHERTEXT_WIRE_FORMAT_POLICY, MIXED_PLAINTEXT_WIRE_FORMAT_POLICY};
 use sha2::{Digest, Sha256};
 use static_mls::Incoming;
-use static_relay::framing::{parse_message, ContentType, PRIVATE_MESSAGE};
 use static_relay::pb::relay_client::RelayClient;
 use static_relay::pb::{self, fetch_welcome_request::Key, publish_result::Outcome};
+use static_relay::wire::framing::{parse_message, ContentType, PRIVATE_MESSAGE};
 use tonic::transport::Channel;
 use tonic::{Code, Status};
 

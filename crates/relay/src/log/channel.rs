@@ -40,7 +40,7 @@ pub struct Channel {
     /// When the publish of the entry [`Channel::head_submitted_seq`] was submitted here
     /// ([`metrics::now_ns`], 0 unknown): what a live delivery's latency is measured from.
     ///
-    /// [`metrics::now_ns`]: crate::metrics::now_ns
+    /// [`metrics::now_ns`]: crate::observe::metrics::now_ns
     pub(super) head_submitted: AtomicU64,
     pub(super) head_submitted_seq: AtomicU64,
 }
@@ -112,7 +112,7 @@ impl Channel {
     /// When the publish of entry `seq` was submitted to this relay ([`metrics::now_ns`]), if
     /// it is the latest this relay appended (not another relay's, nor an older one).
     ///
-    /// [`metrics::now_ns`]: crate::metrics::now_ns
+    /// [`metrics::now_ns`]: crate::observe::metrics::now_ns
     pub fn submitted_ns(&self, seq: u64) -> Option<u64> {
         let ns = self.head_submitted.load(Ordering::Acquire);
         (ns != 0 && self.head_submitted_seq.load(Ordering::Acquire) == seq).then_some(ns)

@@ -50,10 +50,10 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use crate::error::Result;
-use crate::framing::MessageHeader;
 use crate::members::GroupChange;
 use crate::store::Database;
 pub use crate::store::{Entry, WelcomeKey, WelcomeRecord};
+use crate::wire::framing::MessageHeader;
 
 mod cache;
 mod channel;
@@ -88,7 +88,7 @@ pub struct LogSettings {
 pub struct Checked {
     pub header: MessageHeader,
     pub message: Bytes,
-    /// From [`crate::rules::idempotency_key`].
+    /// From [`crate::wire::rules::idempotency_key`].
     pub key: Vec<u8>,
     /// Empty, or a Welcome (only with a commit) kept for its joiners.
     pub welcome: Bytes,

@@ -9,7 +9,7 @@ use tokio::sync::{oneshot, watch};
 use super::channel::Channel;
 use super::{Accepted, Checked, Outcome, MAX_BATCH};
 use crate::error::{shutting_down, Result};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::store::{Policy, PruneStep};
 
 /// The writer's jobs for `items`, and the outcomes their submitter waits on.

@@ -12,9 +12,9 @@ use super::queue::{CreateJob, Job, Publish, Queue};
 use super::{Accepted, Entry, GroupCheck, MAX_BATCH};
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::fence::{Decision, Plan, Tentative};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::store::{Append, Binding, Change, Creation, LogWriter, NewChannel};
+use crate::wire::fence::{Decision, Plan, Tentative};
 
 /// The writer thread: commits what the submitters could not (the writer was busy), until
 /// closed; then closes the writer (its connection and checkpointer).

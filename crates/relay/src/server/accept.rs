@@ -9,8 +9,8 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use crate::rules::client_key;
 use crate::shutdown::{Phase, Watch};
+use crate::wire::rules::client_key;
 
 use super::caps::RateLimitedLog;
 use super::connection::serve;

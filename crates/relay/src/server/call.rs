@@ -17,12 +17,12 @@ use tonic::body::Body;
 use tonic::codegen::Service as _;
 use tonic::Status;
 
-use crate::access::CallRecord;
 use crate::error::{shutting_down, RelayError};
-use crate::metrics::{self};
-use crate::rules::TokenBucket;
+use crate::observe::access::CallRecord;
+use crate::observe::metrics::{self};
 use crate::service::{self, Peer};
 use crate::shutdown::Phase;
+use crate::wire::rules::TokenBucket;
 
 use super::Shared;
 

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::metrics::metrics;
+use crate::observe::metrics::metrics;
 
 use super::Shared;
 

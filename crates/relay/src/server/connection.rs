@@ -11,9 +11,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use crate::rules::TokenBucket;
 use crate::service::Peer;
 use crate::shutdown::{Phase, Watch};
+use crate::wire::rules::TokenBucket;
 
 use super::call::{CallGate, Connection};
 use super::caps::Admitted;

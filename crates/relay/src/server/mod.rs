@@ -33,9 +33,9 @@ use tonic_health::pb::health_server;
 
 use crate::auth::{Authenticator, Verify};
 use crate::error::{shutting_down, RelayError, Result};
-use crate::health::{self, Health};
 use crate::log::{ChannelLog, LogSettings};
-use crate::metrics::{self, metrics};
+use crate::observe::health::{self, Health};
+use crate::observe::metrics::{self, metrics};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
 use crate::service::{GateSettings, Relay, ServiceSettings};

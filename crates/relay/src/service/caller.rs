@@ -9,13 +9,13 @@ use tonic::{Extensions, Request};
 
 use super::refusal::not_a_member;
 use super::{Inner, Peer};
-use crate::access::CallInfo;
 use crate::auth::{Caller, StreamGuard};
 use crate::error::{RelayError, Result};
 use crate::log::Channel;
 use crate::members::Reach;
+use crate::observe::access::CallInfo;
 use crate::pb;
-use crate::rules::TokenBucket;
+use crate::wire::rules::TokenBucket;
 
 /// Rate-limit buckets kept before idle ones are dropped.
 const MAX_BUCKETS: usize = 10_000;

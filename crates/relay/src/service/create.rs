@@ -22,8 +22,8 @@ use super::Inner;
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, Handshake, Proof};
 use crate::pb;
-use crate::rules::{org_key, KeyedBuckets};
 use crate::verify_pool::{PoolError, VerifyPool, RETRY_AFTER};
+use crate::wire::rules::{org_key, KeyedBuckets};
 
 /// A burst of creates may be this many seconds of the rate (a client making its channels at
 /// start).

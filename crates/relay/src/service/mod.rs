@@ -31,8 +31,8 @@ use crate::error::Result;
 use crate::log::ChannelLog;
 use crate::pb;
 use crate::retention::Policy;
-use crate::rules::TokenBucket;
 use crate::shutdown::Shutdown;
+use crate::wire::rules::TokenBucket;
 
 mod caller;
 mod create;

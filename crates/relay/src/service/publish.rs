@@ -9,17 +9,17 @@ use super::caller::channel_name;
 use super::pipeline::{Lookahead, Pipelined};
 use super::refusal::{internal, refusal_label};
 use super::Inner;
-use crate::access::{line_budget, Suppressed, ACCESS_LOG};
 use crate::auth::Caller;
 use crate::error::{shutting_down, RelayError, Result};
-use crate::framing::{self, ContentType};
 use crate::group::Handshake;
 use crate::log::{Accepted, Channel, Checked, GroupCheck, Outcome};
 use crate::members::GroupChange;
-use crate::metrics;
+use crate::observe::access::{line_budget, Suppressed, ACCESS_LOG};
+use crate::observe::metrics;
 use crate::pb;
-use crate::rules;
 use crate::shutdown::Phase;
+use crate::wire::framing::{self, ContentType};
+use crate::wire::rules;
 
 /// Publishes of one PublishStream call queued ahead of their answers.
 const PIPELINE_DEPTH: usize = 256;

@@ -4,11 +4,11 @@
 use tonic::{Code, Status};
 
 use super::Inner;
-use crate::access::{line_budget, Suppressed, ACCESS_LOG};
 use crate::auth::Caller;
 use crate::error::RelayError;
 use crate::group::GroupError;
-use crate::metrics;
+use crate::observe::access::{line_budget, Suppressed, ACCESS_LOG};
+use crate::observe::metrics;
 use crate::pb;
 
 /// The statuses tonic produces itself while reading a request, worded as the relay words its

@@ -12,7 +12,7 @@ use super::refusal::not_a_member;
 use super::Inner;
 use crate::error::{shutting_down, RelayError, Result};
 use crate::log::{Channel, Entry};
-use crate::metrics;
+use crate::observe::metrics;
 use crate::pb;
 use crate::shutdown::Phase;
 

@@ -3,7 +3,7 @@
 //! migrations before the relay opens the database).
 //!
 //! * [`LogWriter`]: the writer's side, owned by one writer at a time and blocking. It decides
-//!   a group commit (through [`crate::fence::decide`]) against the heads it trusts, and stores it
+//!   a group commit (through [`crate::wire::fence::decide`]) against the heads it trusts, and stores it
 //!   in one transaction.
 //! * [`LogReader`]: reads, shared and async.
 //!
@@ -27,8 +27,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::error::Result;
-use crate::fence::{Candidate, Decision, Plan};
-use crate::framing::{ContentType, MessageHeader};
+use crate::wire::fence::{Candidate, Decision, Plan};
+use crate::wire::framing::{ContentType, MessageHeader};
 
 /// Where the relay keeps its logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -387,7 +387,7 @@ pub(crate) struct Append<'a> {
 }
 
 impl Append<'_> {
-    /// What the decision ([`crate::fence::decide`]) needs of it.
+    /// What the decision ([`crate::wire::fence::decide`]) needs of it.
     pub(crate) fn candidate(&self) -> Candidate<'_> {
         Candidate {
             channel_id: self.channel_id,
@@ -398,14 +398,14 @@ impl Append<'_> {
     }
 }
 
-/// Decide `batch` (see [`crate::fence::decide`]) from the heads `base` gives per publish.
+/// Decide `batch` (see [`crate::wire::fence::decide`]) from the heads `base` gives per publish.
 pub(crate) fn decide(
     batch: &[Append<'_>],
     base: impl Fn(&Append<'_>) -> (u64, u64),
     found: Option<&[Option<(u64, u64)>]>,
     window: u64,
 ) -> Plan {
-    crate::fence::decide(
+    crate::wire::fence::decide(
         batch.iter().map(Append::candidate),
         |index| batch.get(index).map_or((0, 0), &base),
         found,

@@ -44,8 +44,6 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::fence::{Decision, Plan};
-use crate::rules::org_key;
 use crate::store::sql::{
     BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
     DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_EPOCH, INSERT_GROUP,
@@ -59,6 +57,8 @@ use crate::store::{
     LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, StoreFuture, StoredBinding,
     StoredGroup, WelcomeKey, WelcomeRecord,
 };
+use crate::wire::fence::{Decision, Plan};
+use crate::wire::rules::org_key;
 
 /// The NOTIFY channel of commits.
 const NOTIFY_CHANNEL: &str = "static_relay";

@@ -26,9 +26,9 @@ use sha2::{Digest, Sha256};
 
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::fence::{Decision, Plan};
-use crate::rules::org_key;
 use crate::store::keys::Generations;
+use crate::wire::fence::{Decision, Plan};
+use crate::wire::rules::org_key;
 // The shared statements, in SQLite's `?N` form (rewritten at compile time).
 use crate::store::sql::sqlite::{
     BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
@@ -1141,15 +1141,15 @@ mod tests {
 
     /// A message to publish: its header, key and bytes.
     struct Message {
-        header: crate::framing::MessageHeader,
+        header: crate::wire::framing::MessageHeader,
         key: Vec<u8>,
         message: Bytes,
     }
 
     /// Message `i` of epoch `epoch`, its key given (as the relay stores client-given keys).
-    fn message(i: u64, epoch: u64, content_type: crate::framing::ContentType) -> Message {
+    fn message(i: u64, epoch: u64, content_type: crate::wire::framing::ContentType) -> Message {
         Message {
-            header: crate::framing::MessageHeader {
+            header: crate::wire::framing::MessageHeader {
                 wire_format: 2,
                 group_id: b"g".to_vec(),
                 epoch,
@@ -1219,8 +1219,8 @@ mod tests {
 
     #[test]
     fn a_retry_gets_its_original_seq_from_any_key_generation() {
-        use crate::framing::ContentType::{Application, Commit};
         use crate::store::keys::GENERATION;
+        use crate::wire::framing::ContentType::{Application, Commit};
 
         let (_dir, path) = database();
         let mut writer = writer(&path);
@@ -1293,7 +1293,7 @@ mod tests {
 
     #[test]
     fn checkpoints_run_beside_the_writer() {
-        use crate::framing::{ContentType, MessageHeader};
+        use crate::wire::framing::{ContentType, MessageHeader};
 
         let (_dir, path) = database();
         let mut writer = writer(&path);

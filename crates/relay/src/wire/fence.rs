@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use crate::error::RelayError;
-use crate::framing::MessageHeader;
-use crate::rules::{check_fence, epoch_after};
+use crate::wire::framing::MessageHeader;
+use crate::wire::rules::{check_fence, epoch_after};
 
 /// One publish as the decision sees it.
 pub(crate) struct Candidate<'a> {

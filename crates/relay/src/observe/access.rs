@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use http::HeaderMap;
 use tonic::Code;
 
-use crate::metrics::{code_label, metrics};
-use crate::rules::TokenBucket;
+use crate::observe::metrics::{code_label, metrics};
+use crate::wire::rules::TokenBucket;
 
 /// The logger of the relay's access log.
 pub const ACCESS_LOG: &str = "static.relay.access";

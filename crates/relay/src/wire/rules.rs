@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use crate::error::{RelayError, Result};
-use crate::framing::{ContentType, MessageHeader};
+use crate::wire::framing::{ContentType, MessageHeader};
 
 pub const MAX_IDEMPOTENCY_KEY: usize = 64;
 
