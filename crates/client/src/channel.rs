@@ -17,12 +17,12 @@ use crate::journal::Journal;
 use crate::pipeline::SendHandle;
 use crate::publisher::{Destination, Outbound, Outcome};
 use crate::reader::Follower;
-use crate::retry::Retry;
+use crate::relay::retry::Retry;
 use crate::sender::Sender;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
 use crate::sync::{lock, read, seen};
-use crate::transport::pb;
+use crate::relay::transport::pb;
 use static_mls::engine::{Engine, Member};
 
 /// A member as the relay attests it (see [`Channel::roster`]).

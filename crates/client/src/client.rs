@@ -16,13 +16,13 @@ use crate::error::{Error, Result};
 use crate::inbox::Marks;
 use crate::journal;
 use crate::publisher::{publisher, Outbound};
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
 use crate::shared::Shared;
 use crate::subscriber::Subscriptions;
 use crate::sync::{join_within, lock};
-use crate::tokens::{Token, TokenProvider, Tokens};
-use crate::transport::{self, pb};
+use crate::relay::tokens::{Token, TokenProvider, Tokens};
+use crate::relay::transport::{self, pb};
 use static_mls::engine::Engine;
 
 /// The most [`Client::close`] waits in all, whatever other threads are doing.

@@ -10,7 +10,7 @@ use crate::channel_core::{now_ns, ChannelCore};
 use crate::entry::{LogItem, APPLICATION};
 use crate::error::Error;
 use crate::sync::lock;
-use crate::transport::pb;
+use crate::relay::transport::pb;
 use static_mls::store::Cursor;
 
 /// One channel as its subscription sees it: where it is in the log, and where entries go.

@@ -32,8 +32,8 @@ use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
 use crate::pipeline::Queued;
 use crate::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
 use crate::sync::{join_within, lock};
 
 /// How long the thread waits for more before it ends (a new one starts on the next send).
