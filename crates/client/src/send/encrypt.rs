@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::channel_core::{stamp, ChannelCore};
 use crate::config::REENCRYPTIONS;
 use crate::error::{Error, Result};
-use crate::publisher::{Destination, Outbound, Outcome};
+use super::publisher::{Destination, Outbound, Outcome};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::sync::lock;

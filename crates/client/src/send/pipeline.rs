@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use static_mls::Outgoing;
 
 use crate::error::{Error, Result};
-use crate::journal::Journal;
+use super::journal::Journal;
 use crate::sync::lock;
 
 /// Most messages queued and not yet taken by the sender; `send_pipelined` waits beyond it.

@@ -28,10 +28,10 @@ use tonic::Code;
 
 use crate::channel_core::{stamp, ChannelCore};
 use crate::commit::Committer;
-use crate::encrypt::{Encryptor, Trouble};
+use super::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
-use crate::pipeline::Queued;
-use crate::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
+use super::pipeline::Queued;
+use super::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::sync::{join_within, lock};
