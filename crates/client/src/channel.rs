@@ -6,21 +6,21 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::applier::{ApplierQueue, Pool};
+use crate::receive::applier::{ApplierQueue, Pool};
 use crate::channel_core::{stamp, ChannelCore, End, Progress, Timings, Waker};
 use crate::commit::{CommitMaker, Committer};
 use crate::config::MAX_PAYLOAD;
 use crate::send::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
-use crate::inbox::Message;
+use crate::receive::inbox::Message;
 use crate::send::journal::Journal;
 use crate::send::pipeline::SendHandle;
 use crate::send::publisher::{Destination, Outbound, Outcome};
-use crate::reader::Follower;
+use crate::receive::reader::Follower;
 use crate::relay::retry::Retry;
 use crate::send::sender::Sender;
 use crate::shared::Shared;
-use crate::subscriber::Subscriptions;
+use crate::receive::subscriber::Subscriptions;
 use crate::sync::{lock, read, seen};
 use crate::relay::transport::pb;
 use static_mls::engine::{Engine, Member};

@@ -33,21 +33,16 @@
 
 #![forbid(unsafe_code)]
 
-mod applier;
 mod channel;
 mod channel_core;
 mod client;
 mod commit;
 mod config;
-mod entry;
 mod error;
-mod inbox;
-mod own;
-mod reader;
+mod receive;
 mod relay;
 mod send;
 mod shared;
-mod subscriber;
 mod sync;
 
 pub use channel::{Channel, Next, RosterMember};
@@ -55,7 +50,7 @@ pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
 pub use error::{Error, ErrorKind, Result};
-pub use inbox::Message;
+pub use receive::inbox::Message;
 pub use send::pipeline::SendHandle;
 pub use relay::transport;
 pub use relay::refusal::Refusal;

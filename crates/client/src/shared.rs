@@ -14,7 +14,7 @@ use tonic::Request;
 
 use crate::config::ClientOptions;
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, Marks, Message};
+use crate::receive::inbox::{Inbox, Marks, Message};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::{Retry, Step};
 use crate::sync::{lock, wait_value};

@@ -14,9 +14,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use tokio::sync::Semaphore;
 
 use crate::channel_core::{stamp, ChannelCore, End};
-use crate::entry::{LogItem, APPLICATION};
+use super::entry::{LogItem, APPLICATION};
 use crate::error::{Error, Result};
-use crate::inbox::ApplierCount;
+use super::inbox::ApplierCount;
 use crate::sync::lock;
 use static_mls::engine::{Incoming, LogEntry};
 

@@ -5,9 +5,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
+use super::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
 use crate::channel_core::{now_ns, ChannelCore};
-use crate::entry::{LogItem, APPLICATION};
+use super::entry::{LogItem, APPLICATION};
 use crate::error::Error;
 use crate::sync::lock;
 use crate::relay::transport::pb;
@@ -118,7 +118,7 @@ mod tests {
     use static_mls::engine::Engine;
 
     use super::*;
-    use crate::applier::Pool;
+    use crate::receive::applier::Pool;
     use crate::channel_core::End;
     use crate::shared::Shared;
     use crate::sync::read;

@@ -16,7 +16,7 @@ use tonic::Code;
 
 use crate::config::{SILENCE, SUBSCRIBE_BATCH};
 use crate::error::Error;
-use crate::reader::Follower;
+use super::reader::Follower;
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::shared::Shared;
