@@ -34,9 +34,7 @@
 #![forbid(unsafe_code)]
 
 mod channel;
-mod channel_core;
 mod client;
-mod commit;
 mod config;
 mod error;
 mod receive;
@@ -45,13 +43,13 @@ mod send;
 mod shared;
 mod sync;
 
+pub use channel::core::{now_ns, End, Progress, Timings, Waker};
 pub use channel::{Channel, Next, RosterMember};
-pub use channel_core::{now_ns, End, Progress, Timings, Waker};
 pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
 pub use error::{Error, ErrorKind, Result};
 pub use receive::inbox::Message;
-pub use send::pipeline::SendHandle;
-pub use relay::transport;
 pub use relay::refusal::Refusal;
 pub use relay::tokens::{Token, TokenError, TokenProvider};
+pub use relay::transport;
+pub use send::pipeline::SendHandle;

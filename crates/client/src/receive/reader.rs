@@ -6,11 +6,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
-use crate::channel_core::{now_ns, ChannelCore};
 use super::entry::{LogItem, APPLICATION};
+use crate::channel::core::{now_ns, ChannelCore};
 use crate::error::Error;
-use crate::sync::lock;
 use crate::relay::transport::pb;
+use crate::sync::lock;
 use static_mls::store::Cursor;
 
 /// One channel as its subscription sees it: where it is in the log, and where entries go.
@@ -118,8 +118,8 @@ mod tests {
     use static_mls::engine::Engine;
 
     use super::*;
+    use crate::channel::core::End;
     use crate::receive::applier::Pool;
-    use crate::channel_core::End;
     use crate::shared::Shared;
     use crate::sync::read;
 

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
-use crate::error::Error;
 use super::transport::{pb, CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
+use crate::error::Error;
 
 /// Why the relay did not take a request, as far as the client's next step goes.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::channel_core::{stamp, ChannelCore};
+use super::publisher::{Destination, Outbound, Outcome};
+use crate::channel::core::{stamp, ChannelCore};
 use crate::config::REENCRYPTIONS;
 use crate::error::{Error, Result};
-use super::publisher::{Destination, Outbound, Outcome};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::sync::lock;

@@ -26,12 +26,12 @@ use std::time::Duration;
 
 use tonic::Code;
 
-use crate::channel_core::{stamp, ChannelCore};
-use crate::commit::Committer;
 use super::encrypt::{Encryptor, Trouble};
-use crate::error::{Error, Result};
 use super::pipeline::Queued;
 use super::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
+use crate::channel::commit::Committer;
+use crate::channel::core::{stamp, ChannelCore};
+use crate::error::{Error, Result};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::sync::{join_within, lock};
