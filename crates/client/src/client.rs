@@ -9,20 +9,20 @@ use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
 use tonic::Code;
 
-use crate::applier::Pool;
 use crate::channel::Channel;
 use crate::config::{ClientOptions, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::inbox::Marks;
-use crate::journal;
-use crate::publisher::{publisher, Outbound};
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::receive::applier::Pool;
+use crate::receive::inbox::Marks;
+use crate::receive::subscriber::Subscriptions;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
+use crate::relay::tokens::{Token, TokenProvider, Tokens};
+use crate::relay::transport::{self, pb};
+use crate::send::journal;
+use crate::send::publisher::{publisher, Outbound};
 use crate::shared::Shared;
-use crate::subscriber::Subscriptions;
 use crate::sync::{join_within, lock};
-use crate::tokens::{Token, TokenProvider, Tokens};
-use crate::transport::{self, pb};
 use static_mls::engine::Engine;
 
 /// The most [`Client::close`] waits in all, whatever other threads are doing.

@@ -14,12 +14,12 @@ use tonic::Request;
 
 use crate::config::ClientOptions;
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, Marks, Message};
-use crate::refusal::Refusal;
-use crate::retry::{Retry, Step};
+use crate::receive::inbox::{Inbox, Marks, Message};
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::{Retry, Step};
+use crate::relay::tokens::Tokens;
+use crate::relay::transport::{self, pb, HealthCheckRequest, HealthClient, RelayClient};
 use crate::sync::{lock, wait_value};
-use crate::tokens::Tokens;
-use crate::transport::{self, pb, HealthCheckRequest, HealthClient, RelayClient};
 use static_mls::engine::Engine;
 
 pub(crate) struct Shared {
@@ -430,7 +430,8 @@ impl Shared {
         loop {
             let (refusal, token) = match self.request(message()).await {
                 Ok((request, token)) => {
-                    match crate::transport::bounded(send(self.relay.clone(), request)).await {
+                    match crate::relay::transport::bounded(send(self.relay.clone(), request)).await
+                    {
                         Ok(response) => return Ok(Ok(response.into_inner())),
                         Err(status) => (Refusal::from_status(&status), token),
                     }

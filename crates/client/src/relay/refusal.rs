@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
+use super::transport::{pb, CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 use crate::error::Error;
-use crate::transport::{pb, CURRENT_EPOCH_TRAILER, HORIZON_TRAILER, RETRY_AFTER_TRAILER};
 
 /// Why the relay did not take a request, as far as the client's next step goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -65,7 +65,7 @@ impl Refusal {
 
     /// A failed call's status (its trailers carry the current epoch and the wait).
     pub fn from_status(status: &Status) -> Self {
-        if let Some(message) = crate::transport::tls_failure(status) {
+        if let Some(message) = super::transport::tls_failure(status) {
             return Self::Final {
                 code: status.code(),
                 message,

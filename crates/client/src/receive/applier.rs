@@ -13,10 +13,10 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use tokio::sync::Semaphore;
 
-use crate::channel_core::{stamp, ChannelCore, End};
-use crate::entry::{LogItem, APPLICATION};
+use super::entry::{LogItem, APPLICATION};
+use super::inbox::ApplierCount;
+use crate::channel::core::{stamp, ChannelCore, End};
 use crate::error::{Error, Result};
-use crate::inbox::ApplierCount;
 use crate::sync::lock;
 use static_mls::engine::{Incoming, LogEntry};
 

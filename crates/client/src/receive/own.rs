@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::entry::{LogItem, APPLICATION};
+use super::entry::{LogItem, APPLICATION};
 /// Our own messages remembered for the applier to skip: at most this many, of at most
 /// [`OWN_MESSAGE_BYTES`] each.
 const OWN_MESSAGES: usize = 4096;

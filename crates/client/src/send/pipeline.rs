@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use static_mls::Outgoing;
 
+use super::journal::Journal;
 use crate::error::{Error, Result};
-use crate::journal::Journal;
 use crate::sync::lock;
 
 /// Most messages queued and not yet taken by the sender; `send_pipelined` waits beyond it.

@@ -9,10 +9,10 @@ use tonic::Code;
 
 use crate::config::CALL_TIMEOUT;
 use crate::error::Error;
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
+use crate::relay::transport::{bounded, pb};
 use crate::shared::Shared;
-use crate::transport::{bounded, pb};
 
 /// Publishes encrypted messages of every channel on one long-lived `PublishBatches` call (its
 /// items name their channel), pipelined: batches go out while earlier ones are in flight, and

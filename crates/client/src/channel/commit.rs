@@ -5,13 +5,13 @@
 
 use std::sync::Arc;
 
-use crate::channel_core::ChannelCore;
+use super::core::ChannelCore;
 use crate::config::{COMMIT_ATTEMPTS, PROGRESS_TIMEOUT};
 use crate::error::{Error, Result};
-use crate::refusal::Refusal;
-use crate::retry::{CommitPace, Retry};
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::{CommitPace, Retry};
+use crate::relay::transport::pb;
 use crate::sync::wait_value;
-use crate::transport::pb;
 use static_mls::engine::Engine;
 
 /// Makes a commit (and its Welcome, if it adds members), or `None` when there is nothing to

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::refusal::Refusal;
+use super::refusal::Refusal;
 
 /// First wait after a transient failure; it doubles up to [`BACKOFF_MAX`].
 pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(50);

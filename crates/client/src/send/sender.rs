@@ -26,14 +26,14 @@ use std::time::Duration;
 
 use tonic::Code;
 
-use crate::channel_core::{stamp, ChannelCore};
-use crate::commit::Committer;
-use crate::encrypt::{Encryptor, Trouble};
+use super::encrypt::{Encryptor, Trouble};
+use super::pipeline::Queued;
+use super::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
+use crate::channel::commit::Committer;
+use crate::channel::core::{stamp, ChannelCore};
 use crate::error::{Error, Result};
-use crate::pipeline::Queued;
-use crate::publisher::{Outcome, ITEM_OVERHEAD, MAX_BATCH_BYTES, MAX_BATCH_ITEMS};
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
 use crate::sync::{join_within, lock};
 
 /// How long the thread waits for more before it ends (a new one starts on the next send).

@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::channel_core::{stamp, ChannelCore};
+use super::publisher::{Destination, Outbound, Outcome};
+use crate::channel::core::{stamp, ChannelCore};
 use crate::config::REENCRYPTIONS;
 use crate::error::{Error, Result};
-use crate::publisher::{Destination, Outbound, Outcome};
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
 use crate::sync::lock;
 
 /// A payload waiting to be encrypted.

@@ -14,14 +14,14 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tonic::Code;
 
+use super::reader::Follower;
 use crate::config::{SILENCE, SUBSCRIBE_BATCH};
 use crate::error::Error;
-use crate::reader::Follower;
-use crate::refusal::Refusal;
-use crate::retry::Retry;
+use crate::relay::refusal::Refusal;
+use crate::relay::retry::Retry;
+use crate::relay::transport::{bounded, pb};
 use crate::shared::Shared;
 use crate::sync::lock;
-use crate::transport::{bounded, pb};
 use static_mls::store::Cursor;
 
 /// Most channels on one stream: 10 streams for 10,000 channels, well under the relay's cap

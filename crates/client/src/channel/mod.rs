@@ -1,28 +1,34 @@
-//! A [`Channel`]: the façade of one open channel. It starts the channel's workers, reads its
-//! inbox, sends (encrypting on the callers' threads), and owns the commit protocol.
+//! One open channel: its façade, the core its workers share, and its commits.
+//!
+//! Layout: this file is the façade, a [`Channel`]: it starts the channel's workers, reads its
+//! inbox, sends (encrypting on the callers' threads), and owns the commit protocol; `core` is
+//! the state the workers and the façade share; `commit` the commit protocol.
+
+pub(crate) mod commit;
+pub(crate) mod core;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use crate::applier::{ApplierQueue, Pool};
-use crate::channel_core::{stamp, ChannelCore, End, Progress, Timings, Waker};
-use crate::commit::{CommitMaker, Committer};
+use crate::channel::commit::{CommitMaker, Committer};
+use crate::channel::core::{stamp, ChannelCore, End, Progress, Timings, Waker};
 use crate::config::MAX_PAYLOAD;
-use crate::encrypt::{Encryptor, Trouble};
 use crate::error::{Error, Result};
-use crate::inbox::Message;
-use crate::journal::Journal;
-use crate::pipeline::SendHandle;
-use crate::publisher::{Destination, Outbound, Outcome};
-use crate::reader::Follower;
-use crate::retry::Retry;
-use crate::sender::Sender;
+use crate::receive::applier::{ApplierQueue, Pool};
+use crate::receive::inbox::Message;
+use crate::receive::reader::Follower;
+use crate::receive::subscriber::Subscriptions;
+use crate::relay::retry::Retry;
+use crate::relay::transport::pb;
+use crate::send::encrypt::{Encryptor, Trouble};
+use crate::send::journal::Journal;
+use crate::send::pipeline::SendHandle;
+use crate::send::publisher::{Destination, Outbound, Outcome};
+use crate::send::sender::Sender;
 use crate::shared::Shared;
-use crate::subscriber::Subscriptions;
 use crate::sync::{lock, read, seen};
-use crate::transport::pb;
 use static_mls::engine::{Engine, Member};
 
 /// A member as the relay attests it (see [`Channel::roster`]).

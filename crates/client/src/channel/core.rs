@@ -13,8 +13,8 @@ use tokio::sync::{watch, Notify};
 
 use crate::config::PROGRESS_TIMEOUT;
 use crate::error::{Error, Result};
-use crate::own::OwnMessages;
-use crate::pipeline::Pipeline;
+use crate::receive::own::OwnMessages;
+use crate::send::pipeline::Pipeline;
 use crate::shared::Shared;
 use crate::sync::{lock, read, seen, wait_value};
 use static_mls::engine::Member;

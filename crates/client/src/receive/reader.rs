@@ -5,12 +5,12 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
-use crate::channel_core::{now_ns, ChannelCore};
-use crate::entry::{LogItem, APPLICATION};
+use super::applier::{apply_batch, Applied, ApplierQueue, Applying, Received};
+use super::entry::{LogItem, APPLICATION};
+use crate::channel::core::{now_ns, ChannelCore};
 use crate::error::Error;
+use crate::relay::transport::pb;
 use crate::sync::lock;
-use crate::transport::pb;
 use static_mls::store::Cursor;
 
 /// One channel as its subscription sees it: where it is in the log, and where entries go.
@@ -118,8 +118,8 @@ mod tests {
     use static_mls::engine::Engine;
 
     use super::*;
-    use crate::applier::Pool;
-    use crate::channel_core::End;
+    use crate::channel::core::End;
+    use crate::receive::applier::Pool;
     use crate::shared::Shared;
     use crate::sync::read;
 
