@@ -17,8 +17,6 @@ pub mod crypto;
 pub mod engine;
 pub mod error;
 pub mod outbox;
-mod schema;
-pub mod storage;
 pub mod store;
 pub mod suite;
 

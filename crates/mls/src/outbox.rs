@@ -15,7 +15,8 @@
 
 use rusqlite::{Connection, OptionalExtension};
 
-use crate::store::{to_i64, to_u64, StoreError};
+use crate::store::rows::{to_i64, to_u64};
+use crate::store::StoreError;
 
 /// One message of the outbox.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,5 +1,5 @@
 //! The batched calls (`encrypt_many`, `process_entries`): what they persist (the ratchet state
-//! is written once per batch, see `static_mls::storage`), a bad entry in a batch, commits and
+//! is written once per batch, see `static_mls::store::storage`), a bad entry in a batch, commits and
 //! removals inside a batch, and a process killed while it runs them.
 #![allow(clippy::unwrap_used)]
 
@@ -367,7 +367,7 @@ fn unsynced_batches_commit_like_synced_ones() {
     assert_eq!(drain(&bob), expected);
 }
 
-/// The past part of the message secrets as stored (see `static_mls::storage`).
+/// The past part of the message secrets as stored (see `static_mls::store::storage`).
 fn past_part(agent: &Agent) -> Vec<u8> {
     let db = rusqlite::Connection::open(agent.dir.path().join(static_mls::store::DB_FILE)).unwrap();
     db.query_row("SELECT data FROM static_message_secrets_past", [], |row| {
@@ -458,8 +458,8 @@ fn message_secrets_are_stored_in_the_binary_encoding() {
                 |row| row.get(0),
             )
             .unwrap();
-        // In two parts (see `static_mls::storage`), both binary.
-        assert!(blob.starts_with(static_mls::storage::SPLIT_TAG));
+        // In two parts (see `static_mls::store::storage`), both binary.
+        assert!(blob.starts_with(static_mls::store::storage::SPLIT_TAG));
     }
     // And read back: a reopened receiver decrypts the next messages.
     let bob = reopen(bob, "bob");

@@ -65,7 +65,7 @@ impl Engine {
     /// Waits until every transaction committed so far is on disk: syncs the write-ahead log,
     /// which holds every commit not yet checkpointed (checkpoints sync the database file).
     pub fn sync(&self) -> Result<()> {
-        store::sync_wal(&self.data_dir.join(store::DB_FILE)).map_err(Into::into)
+        store::checkpoint::sync_wal(&self.data_dir.join(store::DB_FILE)).map_err(Into::into)
     }
 
     /// What a sender calls between [`Engine::encrypt_many_unsynced`] and sending the
@@ -88,7 +88,7 @@ impl Engine {
             return Ok(false);
         }
         let db = lock(&self.db);
-        Ok(store::fresh_epoch_needed(&db.conn, channel)?)
+        Ok(store::rows::fresh_epoch_needed(&db.conn, channel)?)
     }
 
     /// Refuses to encrypt where MLS forbids it (proposals pending: said here, in words the
@@ -107,7 +107,7 @@ impl Engine {
             .into());
         }
         if self.fresh_epochs_needed.load(Ordering::Relaxed)
-            && store::fresh_epoch_needed(conn, channel)?
+            && store::rows::fresh_epoch_needed(conn, channel)?
         {
             return Err(EncryptError::FreshEpochNeeded {
                 channel: channel.to_owned(),

@@ -52,8 +52,8 @@ impl Engine {
                 channel: channel.to_owned(),
                 detail: openmls_detail(&e),
             })?;
-            store::insert_group(conn, channel)?;
-            store::set_cursor(conn, channel, Cursor::After(0))?;
+            store::rows::insert_group(conn, channel)?;
+            store::rows::set_cursor(conn, channel, Cursor::After(0))?;
             Ok::<_, Error>(group)
         });
         self.install_group(slot, channel, group)
@@ -108,8 +108,8 @@ impl Engine {
                 .map_err(|e| JoinError::Invalid {
                     detail: openmls_detail(&e),
                 })?;
-            store::insert_group(conn, channel)?;
-            store::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
+            store::rows::insert_group(conn, channel)?;
+            store::rows::set_cursor(conn, channel, Cursor::FromEpoch(group.epoch().as_u64()))?;
             Ok(group)
         });
         self.install_group(slot, channel, group)

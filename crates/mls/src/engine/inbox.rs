@@ -8,7 +8,7 @@ impl Engine {
     pub fn cursor(&self, channel: &str) -> Result<Cursor> {
         self.with_group_read(channel, |_| Ok(()))?;
         let db = lock(&self.db);
-        Ok(store::cursor(&db.conn, channel)?)
+        Ok(store::rows::cursor(&db.conn, channel)?)
     }
 
     /// Removes and returns the oldest received message of the channel (see
@@ -16,7 +16,7 @@ impl Engine {
     /// alone: the SDK's client reads with [`Engine::inbox_after`] and marks what it hands out.
     pub fn inbox_take(&self, channel: &str) -> Result<Option<InboxMessage>> {
         let db = lock(&self.db);
-        db.light_transaction(|conn| Ok(store::inbox_take(conn, channel)?))
+        db.light_transaction(|conn| Ok(store::rows::inbox_take(conn, channel)?))
     }
 
     /// Up to `limit` received messages of the channel after inbox row `after_id`, oldest
@@ -29,43 +29,47 @@ impl Engine {
         limit: usize,
     ) -> Result<Vec<InboxMessage>> {
         let db = lock(&self.db);
-        Ok(store::inbox_after(&db.conn, channel, after_id, limit)?)
+        Ok(store::rows::inbox_after(
+            &db.conn, channel, after_id, limit,
+        )?)
     }
 
     /// Deletes the channel's inbox rows up to `upto_id` (handed out already), in a light
     /// transaction (see [`crate::store::Db::light_transaction`]).
     pub fn inbox_prune(&self, channel: &str, upto_id: i64) -> Result<()> {
         let db = lock(&self.db);
-        db.light_transaction(|conn| Ok(store::inbox_prune(conn, channel, upto_id).map(|_| ())?))
+        db.light_transaction(|conn| {
+            Ok(store::rows::inbox_prune(conn, channel, upto_id).map(|_| ())?)
+        })
     }
 
     /// How many received messages of the channel come after inbox row `after_id`.
     pub fn inbox_count_after(&self, channel: &str, after_id: i64) -> Result<u64> {
         let db = lock(&self.db);
-        Ok(store::inbox_count_after(&db.conn, channel, after_id)?)
+        Ok(store::rows::inbox_count_after(&db.conn, channel, after_id)?)
     }
 
     /// The channel's slot in the client's hand-out marks file; `init` writes a new slot's
-    /// first mark before the slot is recorded (see [`store::inbox_slot`]).
+    /// first mark before the slot is recorded (see [`store::rows::inbox_slot`]).
     pub fn inbox_slot(
         &self,
         channel: &str,
         init: impl FnOnce(u64) -> std::result::Result<(), StoreError>,
     ) -> Result<u64> {
         let db = lock(&self.db);
-        db.transaction(|conn| Ok(store::inbox_slot(conn, channel, init)?))
+        db.transaction(|conn| Ok(store::rows::inbox_slot(conn, channel, init)?))
     }
 
     /// How many slots the client's hand-out marks file has, and the file's recorded id (see
-    /// [`store::inbox_marks`]).
+    /// [`store::rows::inbox_marks`]).
     pub fn inbox_marks(&self) -> Result<(u64, Option<Vec<u8>>)> {
         let db = lock(&self.db);
-        db.transaction(|conn| Ok(store::inbox_marks(conn)?))
+        db.transaction(|conn| Ok(store::rows::inbox_marks(conn)?))
     }
 
     /// Records the id of the client's hand-out marks file.
     pub fn record_inbox_marks(&self, file_id: &[u8]) -> Result<()> {
         let db = lock(&self.db);
-        db.transaction(|conn| Ok(store::record_inbox_marks(conn, file_id)?))
+        db.transaction(|conn| Ok(store::rows::record_inbox_marks(conn, file_id)?))
     }
 }

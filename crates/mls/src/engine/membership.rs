@@ -188,7 +188,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(&commit)?;
-            store::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit)?;
             Ok(AddMemberOutput {
                 commit,
                 welcome: serialize(&welcome)?,
@@ -213,7 +213,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(bundle.commit())?;
-            store::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit)?;
             Ok(commit)
         })
     }
@@ -256,7 +256,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(&commit)?;
-            store::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit)?;
             Ok(commit)
         })
     }
@@ -281,7 +281,7 @@ impl Engine {
     pub fn forget_group(&self, channel: &str) -> Result<()> {
         self.with_group(channel, |group, provider, conn| {
             group.delete(provider.storage()).map_err(StoreError::from)?;
-            store::delete_group(conn, channel)?;
+            store::rows::delete_group(conn, channel)?;
             Ok(())
         })?;
         self.drop_group(channel);
@@ -310,7 +310,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(&commit)?;
-            store::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit)?;
             Ok(Some(commit))
         })
     }
@@ -319,7 +319,7 @@ impl Engine {
     pub fn pending_commit(&self, channel: &str) -> Result<Option<Vec<u8>>> {
         self.with_group_read(channel, |_| Ok(()))?;
         let db = lock(&self.db);
-        Ok(store::pending_commit(&db.conn, channel)?)
+        Ok(store::rows::pending_commit(&db.conn, channel)?)
     }
 
     /// Applies our pending commit (the relay accepted it).
@@ -337,7 +337,7 @@ impl Engine {
                     channel: channel.to_owned(),
                     detail: openmls_detail(&e),
                 })?;
-            store::own_commit_merged(conn, channel)?;
+            store::rows::own_commit_merged(conn, channel)?;
             Ok(group.epoch().as_u64())
         })?;
         self.checkpoint();
@@ -350,7 +350,7 @@ impl Engine {
             group
                 .clear_pending_commit(provider.storage())
                 .map_err(StoreError::from)?;
-            store::clear_pending_commit(conn, channel)?;
+            store::rows::clear_pending_commit(conn, channel)?;
             Ok(())
         })
     }

@@ -35,7 +35,7 @@ use crate::error::{
     Error, ExportError, GroupLookupError, InternalError, InvalidKeyPackage, JoinError,
     KeyPackageError, LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
 };
-use crate::storage::Scope;
+use crate::store::storage::Scope;
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 use crate::suite::{
     CIPHERSUITE, MAX_INPUT_LEN, MAX_KEY_PACKAGE_SKEW, PAST_EPOCHS, WIRE_FORMAT_POLICY,
@@ -323,7 +323,7 @@ fn apply_message(
 ) -> Result<Incoming> {
     let is_commit = protocol.content_type() == ContentType::Commit;
     if is_commit {
-        let pending = store::pending_commit(conn, channel)?;
+        let pending = store::rows::pending_commit(conn, channel)?;
         if pending.as_deref() == Some(message) && group.pending_commit().is_some() {
             // Our own commit, accepted by the relay and echoed back.
             group
@@ -331,7 +331,7 @@ fn apply_message(
                 .map_err(|e| ProcessError::MergeOwn {
                     detail: openmls_detail(&e),
                 })?;
-            store::own_commit_merged(conn, channel)?;
+            store::rows::own_commit_merged(conn, channel)?;
             return Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
             });
@@ -341,7 +341,7 @@ fn apply_message(
             group
                 .clear_pending_commit(provider.storage())
                 .map_err(StoreError::from)?;
-            store::clear_pending_commit(conn, channel)?;
+            store::rows::clear_pending_commit(conn, channel)?;
         }
     }
     // An application message of the current epoch (or a later one, which OpenMLS decrypts
@@ -402,7 +402,7 @@ fn apply_message(
             if self_removed || !group.is_active() {
                 let members = members_of(group);
                 group.delete(provider.storage()).map_err(StoreError::from)?;
-                store::delete_group(conn, channel)?;
+                store::rows::delete_group(conn, channel)?;
                 Ok(Incoming::Removed { epoch, members })
             } else {
                 Ok(Incoming::Commit { sender, epoch })
@@ -414,7 +414,7 @@ fn apply_message(
                 .map_err(|e| ProcessError::MergeOwn {
                     detail: openmls_detail(&e),
                 })?;
-            store::own_commit_merged(conn, channel)?;
+            store::rows::own_commit_merged(conn, channel)?;
             Ok(Incoming::OwnCommit {
                 epoch: group.epoch().as_u64(),
             })
@@ -428,7 +428,7 @@ fn apply_message(
     }
 }
 
-/// Writes the group's message secrets if their write was deferred (see `crate::storage`).
+/// Writes the group's message secrets if their write was deferred (see `crate::store::storage`).
 fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>) -> Result<()> {
     if let Some(scope) = provider.storage().end_deferral() {
         // OpenMLS has no "store the message secrets" call; setting the (unchanged) past-epoch
@@ -469,7 +469,7 @@ fn keep_for_caller(
         epoch: *epoch,
         account: entry.account.map(str::to_owned),
     };
-    store::inbox_push(conn, channel, &message)?;
+    store::rows::inbox_push(conn, channel, &message)?;
     Ok(Some(conn.last_insert_rowid()))
 }
 
@@ -543,7 +543,7 @@ fn apply_entries_fast(
     if !batch.removed {
         write_deferred_message_secrets(group, provider)?;
         if let Some(seq) = last {
-            store::set_cursor(conn, channel, Cursor::After(seq))?;
+            store::rows::set_cursor(conn, channel, Cursor::After(seq))?;
         }
     }
     conn.exec_cached("RELEASE batch")
@@ -582,7 +582,7 @@ impl Engine {
         let opened = db.transaction(|conn| -> Result<_> {
             let provider = Provider::new(&crypto, conn);
             let signer =
-                match store::read_identity(conn)? {
+                match store::rows::read_identity(conn)? {
                     Some((stored, public)) => {
                         if stored != identity {
                             return Err(StoreError::WrongIdentity {
@@ -605,12 +605,12 @@ impl Engine {
                                 detail: openmls_detail(&e),
                             })?;
                         signer.store(provider.storage()).map_err(StoreError::from)?;
-                        store::write_identity(conn, identity, signer.public())?;
+                        store::rows::write_identity(conn, identity, signer.public())?;
                         signer
                     }
                 };
             let mut groups = HashMap::new();
-            for name in store::group_names(conn)? {
+            for name in store::rows::group_names(conn)? {
                 let mut group = MlsGroup::load(provider.storage(), &group_id_of(&name))
                     .map_err(StoreError::from)?
                     .ok_or_else(|| missing_group_state(&name))?;
@@ -622,17 +622,17 @@ impl Engine {
                     detail: e.to_string(),
                 })?;
             // Committed durably (like all of this transaction) before any send of this opening.
-            let sends_lost = match store::read_session(conn)? {
+            let sends_lost = match store::rows::read_session(conn)? {
                 Some((Some(previous), false)) => boot_id.as_deref() != Some(previous.as_str()),
                 _ => false,
             };
             if sends_lost {
                 for name in groups.keys() {
-                    store::require_fresh_epoch(conn, name)?;
+                    store::rows::require_fresh_epoch(conn, name)?;
                 }
             }
-            store::write_session(conn, boot_id.as_deref(), false)?;
-            let fresh_epochs_needed = store::any_fresh_epoch_needed(conn)?;
+            store::rows::write_session(conn, boot_id.as_deref(), false)?;
+            let fresh_epochs_needed = store::rows::any_fresh_epoch_needed(conn)?;
             Ok((signer, groups, fresh_epochs_needed))
         });
         // A state SQLite finds damaged, or that lost what it must hold, names its file.
@@ -650,7 +650,7 @@ impl Engine {
             .into(),
             e => e,
         })?;
-        store::record_identity(&data_dir, identity, signer.public())?;
+        store::files::record_identity(&data_dir, identity, signer.public())?;
         let credential = CredentialWithKey {
             credential: BasicCredential::new(identity.to_vec()).into(),
             signature_key: signer.public().into(),
@@ -815,7 +815,7 @@ impl Engine {
         let body = |conn: &rusqlite::Connection| {
             let provider = Provider::new(&self.crypto, conn);
             let value = f(group, &provider, conn)?;
-            // A call that deferred the message secrets (see `crate::storage`) writes them once
+            // A call that deferred the message secrets (see `crate::store::storage`) writes them once
             // now, inside the transaction: committed with everything else or not at all.
             write_deferred_message_secrets(group, &provider)?;
             Ok(value)
@@ -850,8 +850,9 @@ impl Drop for Engine {
         // suspect lost sends, whatever happens to the machine meanwhile.
         if self.sync().is_ok() {
             let db = lock(&self.db);
-            let _ =
-                db.transaction(|conn| store::write_session(conn, self.boot_id.as_deref(), true));
+            let _ = db.transaction(|conn| {
+                store::rows::write_session(conn, self.boot_id.as_deref(), true)
+            });
         }
     }
 }

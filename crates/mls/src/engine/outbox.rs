@@ -4,7 +4,7 @@
 use super::Engine;
 use crate::error::Result;
 use crate::outbox::{list, now_ms, push, recorded, replace, settle, Outgoing};
-use crate::store::to_u64;
+use crate::store::rows::to_u64;
 
 impl Engine {
     /// Encrypts `payloads` (in order, at the group's current epoch) and records them at

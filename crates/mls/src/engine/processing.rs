@@ -49,7 +49,7 @@ impl Engine {
                         removed = matches!(incoming, Incoming::Removed { .. });
                         epoch_changed |= changes_epoch(&incoming);
                         if !removed {
-                            store::set_cursor(conn, channel, Cursor::After(seq))?;
+                            store::rows::set_cursor(conn, channel, Cursor::After(seq))?;
                         }
                         conn.exec_cached("RELEASE entry")
                             .map_err(StoreError::from)?;
@@ -71,7 +71,7 @@ impl Engine {
                         *group = MlsGroup::load(provider.storage(), &group_id_of(channel))
                             .map_err(StoreError::from)?
                             .ok_or_else(|| missing_group_state(channel))?;
-                        store::set_cursor(conn, channel, Cursor::After(seq))?;
+                        store::rows::set_cursor(conn, channel, Cursor::After(seq))?;
                         out.push(Applied {
                             seq,
                             outcome: Err(err),

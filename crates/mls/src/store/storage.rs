@@ -48,7 +48,7 @@ use rusqlite::{Connection, OptionalExtension};
 use openmls_sqlite_storage::Codec;
 
 /// The serde codec for OpenMLS's stored values (JSON, as OpenMLS's own storage tests use); the
-/// message secrets are the exception (see [`crate::storage`]).
+/// message secrets are the exception (see [`crate::store::storage`]).
 #[derive(Default)]
 pub struct JsonCodec;
 
@@ -704,7 +704,7 @@ mod tests {
         SqliteStorageProvider::<JsonCodec, &mut Connection>::new(&mut conn)
             .run_migrations()
             .unwrap();
-        crate::schema::create_tables(&conn).unwrap();
+        crate::store::schema::create_tables(&conn).unwrap();
         conn
     }
 

@@ -3,7 +3,7 @@
 
 use rusqlite::Connection;
 
-/// The past part of split message secrets (see [`crate::storage`]), keyed like OpenMLS's rows.
+/// The past part of split message secrets (see [`crate::store::storage`]), keyed like OpenMLS's rows.
 const MESSAGE_SECRETS_PAST: &str = "CREATE TABLE IF NOT EXISTS static_message_secrets_past (
          group_id BLOB PRIMARY KEY,
          data BLOB NOT NULL
