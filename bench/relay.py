@@ -546,7 +546,16 @@ def _start_static(data_dir: str, database_url: str | None) -> ServerProcess:
     return ServerProcess(
         Path(data_dir),
         database_url,
-        extra_args=["--allow-anonymous", "--relay-publish-rate", "0"],
+        extra_args=[
+            "--allow-anonymous",
+            "--relay-publish-rate",
+            "0",
+            # Every caller here is the one anonymous account: the idle subscribers (--idle,
+            # 5,000 by default) are far past the per-account cap of streams (256), which
+            # refused all but 256 of them and made the per-subscriber figure meaningless.
+            "--relay-max-streams-per-account",
+            "1000000",
+        ],
     ).start()
 
 
