@@ -26,12 +26,13 @@ echo "== cargo test"
 echo "== pytest"
 # Each phase of each test is bounded by the watchdog (tests/support/watchdog.py, the `timeout`
 # setting). This bounds the whole run too, for a hang outside any test (collection, interpreter
-# exit), well under CI's 90 minutes (the suite takes ~5): SIGABRT first, on which pytest's
+# exit), well under CI's 90 minutes (the suite takes ~15 on 2 cores): SIGABRT first, on which pytest's
 # faulthandler prints every thread's stack, then SIGKILL a minute later. timeout signals its
 # whole process group, so the servers the run started end with it. No core files meanwhile.
 ulimit -c 0
 status=0
-timeout --signal=ABRT --kill-after=60 45m .venv/bin/python -m pytest "$@" || status=$?
+# --durations: the slowest phases are printed, to see where the run's time goes.
+timeout --signal=ABRT --kill-after=60 45m .venv/bin/python -m pytest --durations=25 "$@" || status=$?
 if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
     echo "pytest: still running after 45 minutes; ended" >&2
 fi

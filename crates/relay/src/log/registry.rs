@@ -78,12 +78,22 @@ impl Registry {
 
     /// A committed head (and the epoch after it) of channel `id`, from any relay.
     pub(crate) fn advance(&self, id: i64, head: u64, epoch: u64) {
-        let mut state = self.lock();
-        if let Some(channel) = state.by_id.get(&id) {
-            channel.advance(head, epoch);
-        } else if state.loading > 0 {
-            state.announce(id, head, epoch);
-        }
+        let channel = {
+            let mut state = self.lock();
+            match state.by_id.get(&id) {
+                Some(channel) => Arc::clone(channel),
+                None => {
+                    if state.loading > 0 {
+                        state.announce(id, head, epoch);
+                    }
+                    return;
+                }
+            }
+        };
+        // Outside the registry's lock: waking the channel's subscribers takes its head watch's
+        // lock, and no lock is held across another. Moving a head is monotonic (a max), so a
+        // channel unloaded meanwhile is only moved forward, unseen.
+        channel.advance(head, epoch);
     }
 
     /// Unloads the channels that nothing but the registry holds (no call, stream or publish
