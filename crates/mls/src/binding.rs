@@ -1,5 +1,6 @@
-//! The leaf binding: a member's proof, for the relay, that the holder of a leaf's signature key
-//! acts for an account (`proto/relay.proto`, `LeafBinding`; docs/design.md §5.2).
+//! The bindings: a member's proof, for the relay, that the holder of a leaf's (or a key
+//! package's) signature key acts for an account (`proto/relay.proto`, `LeafBinding` and
+//! `KeyPackageOffer`; docs/design.md §5.2, §5.5).
 //!
 //! The proof is RFC 9420 `SignWithLabel` (§5.1.2) by the leaf's signature key, label
 //! `"static relay leaf binding"`, over
@@ -34,13 +35,43 @@ fn push_vector(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
+/// The label of a key package's binding (`KeyPackageBindingContent`: the address's identity,
+/// the account, the package's leaf encryption key).
+pub const KEY_PACKAGE_BINDING_LABEL: &str = "static relay key package binding";
+
 /// The bytes a leaf binding signs: `SignContent { label, content }` of RFC 9420 §5.1.2.
 pub fn leaf_binding_tbs(group_id: &[u8], account: &str, encryption_key: &[u8]) -> Vec<u8> {
-    let mut content = Vec::with_capacity(group_id.len() + account.len() + encryption_key.len() + 8);
-    push_vector(&mut content, group_id);
+    binding_tbs(LEAF_BINDING_LABEL, group_id, account, encryption_key)
+}
+
+/// The bytes a key package's binding signs: as [`leaf_binding_tbs`], with the address's
+/// identity in the group id's place and its own label.
+pub fn key_package_binding_tbs(identity: &[u8], account: &str, encryption_key: &[u8]) -> Vec<u8> {
+    binding_tbs(KEY_PACKAGE_BINDING_LABEL, identity, account, encryption_key)
+}
+
+/// Whether `signature` is a valid binding of a key package (whose leaf has these keys) to
+/// `account` under the address's `identity`.
+pub fn verify_key_package_binding(
+    signature_key: &[u8],
+    identity: &[u8],
+    account: &str,
+    encryption_key: &[u8],
+    signature: &[u8],
+) -> bool {
+    verify(
+        signature_key,
+        &key_package_binding_tbs(identity, account, encryption_key),
+        signature,
+    )
+}
+
+fn binding_tbs(label: &str, subject: &[u8], account: &str, encryption_key: &[u8]) -> Vec<u8> {
+    let mut content = Vec::with_capacity(subject.len() + account.len() + encryption_key.len() + 8);
+    push_vector(&mut content, subject);
     push_vector(&mut content, account.as_bytes());
     push_vector(&mut content, encryption_key);
-    let label = format!("MLS 1.0 {LEAF_BINDING_LABEL}");
+    let label = format!("MLS 1.0 {label}");
     let mut tbs = Vec::with_capacity(label.len() + content.len() + 8);
     push_vector(&mut tbs, label.as_bytes());
     push_vector(&mut tbs, &content);
@@ -56,6 +87,15 @@ pub fn verify_leaf_binding(
     encryption_key: &[u8],
     signature: &[u8],
 ) -> bool {
+    verify(
+        signature_key,
+        &leaf_binding_tbs(group_id, account, encryption_key),
+        signature,
+    )
+}
+
+/// Ed25519, strict verification as OpenMLS does.
+fn verify(signature_key: &[u8], tbs: &[u8], signature: &[u8]) -> bool {
     let Ok(key) = <[u8; 32]>::try_from(signature_key) else {
         return false;
     };
@@ -65,8 +105,7 @@ pub fn verify_leaf_binding(
     let Ok(signature) = ed25519_dalek::Signature::from_slice(signature) else {
         return false;
     };
-    let tbs = leaf_binding_tbs(group_id, account, encryption_key);
-    key.verify_strict(&tbs, &signature).is_ok()
+    key.verify_strict(tbs, &signature).is_ok()
 }
 
 #[cfg(test)]
@@ -111,5 +150,23 @@ mod tests {
         assert_eq!(&rest[2..5], &[1, b'g', 0]);
         assert_eq!(&rest[5..7], &[0x40, 70]);
         assert_eq!(rest.len(), 2 + 75);
+    }
+
+    #[test]
+    fn a_key_package_binding_is_not_a_leaf_binding() {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[9u8; 32]);
+        let public = key.verifying_key().to_bytes();
+        let signature = key
+            .sign(&key_package_binding_tbs(b"agent", "acct", b"hpke"))
+            .to_bytes();
+        assert!(verify_key_package_binding(
+            &public, b"agent", "acct", b"hpke", &signature
+        ));
+        assert!(!verify_key_package_binding(
+            &public, b"agent", "other", b"hpke", &signature
+        ));
+        assert!(!verify_leaf_binding(
+            &public, b"agent", "acct", b"hpke", &signature
+        ));
     }
 }

@@ -22,7 +22,8 @@ pub mod suite;
 
 pub use channel_name::{validate_channel_name, CHANNEL_NAME_FORM, MAX_CHANNEL_NAME_LENGTH};
 pub use engine::{
-    AddMemberOutput, Applied, Engine, Incoming, LeafBinding, LogEntry, Member, PublicState,
+    AddMemberOutput, Applied, DirectoryKeyPackage, Engine, Incoming, LeafBinding, LogEntry, Member,
+    PublicState,
 };
 pub use error::{
     AddMemberError, CommitError, CreateGroupError, EncryptError, Error, ErrorKind, ExportError,

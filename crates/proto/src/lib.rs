@@ -38,3 +38,30 @@ pub mod content_type {
     /// A commit.
     pub const COMMIT: u32 = 3;
 }
+
+/// The key-package directory and invitations (`OfferKeyPackages` .. `SettleInvitation`): the
+/// limits the relay enforces, which the SDK keeps within.
+pub mod directory {
+    /// Packages one `OfferKeyPackagesRequest` carries at most.
+    pub const MAX_OFFER_PACKAGES: usize = 64;
+    /// One-time packages an address may have listed and not claimed.
+    pub const MAX_ONE_TIME_PACKAGES: usize = 64;
+    /// Bytes of one offered key package at most.
+    pub const MAX_KEY_PACKAGE_BYTES: usize = 16 * 1024;
+    /// Bytes of an address's identity (1 at least).
+    pub const MAX_IDENTITY_BYTES: usize = 255;
+    /// Accounts one `InvitationPolicy` names at most, and the bytes of each.
+    pub const MAX_POLICY_ACCOUNTS: usize = 100;
+    /// Bytes of an account id in a policy or an address.
+    pub const MAX_ACCOUNT_BYTES: usize = 64;
+    /// The policy entry that lets any account claim.
+    pub const ANY_ACCOUNT: &str = "*";
+    /// Invitations `ListInvitations` returns at most per call.
+    pub const MAX_LISTED_INVITATIONS: usize = 100;
+    /// The text of NOT_FOUND from `ClaimKeyPackage`: one answer for an unknown address, an
+    /// address without packages and one whose policy refuses the caller (no enumeration).
+    pub const NO_SUCH_ADDRESS: &str =
+        "no such address, or it does not accept invitations from this account";
+    /// The printed form of an address: `static:<account>:<base64url identity, unpadded>`.
+    pub const ADDRESS_SCHEME: &str = "static";
+}

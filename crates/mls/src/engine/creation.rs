@@ -12,6 +12,33 @@ fn welcome_error<S: std::fmt::Debug + std::fmt::Display>(err: WelcomeError<S>) -
     }
 }
 
+/// A key package for the relay's directory, with its binding (see
+/// [`Engine::directory_key_packages`]).
+#[derive(Debug, Clone)]
+pub struct DirectoryKeyPackage {
+    /// A TLS-serialized `MLSMessage(key_package)`.
+    pub key_package: Vec<u8>,
+    /// Its `KeyPackageBindingContent` signature.
+    pub binding: Vec<u8>,
+    pub last_resort: bool,
+}
+
+/// A key package's leaf HPKE encryption key, as raw bytes (what its binding names).
+pub fn key_package_encryption_key(package: &KeyPackage) -> Result<Vec<u8>> {
+    // EncryptionKey's raw bytes are not public: its TLS encoding is one variable-length vector.
+    let encoded = package
+        .leaf_node()
+        .encryption_key()
+        .tls_serialize_detached()
+        .map_err(|e| KeyPackageError::Create {
+            detail: e.to_string(),
+        })?;
+    let key = VLBytes::tls_deserialize_exact(&encoded).map_err(|e| KeyPackageError::Create {
+        detail: e.to_string(),
+    })?;
+    Ok(key.as_slice().to_vec())
+}
+
 impl Engine {
     /// A fresh key package (an `MLSMessage`), its private keys stored until a Welcome uses it.
     pub fn generate_key_package(&self) -> Result<Vec<u8>> {
@@ -29,6 +56,59 @@ impl Engine {
                     detail: openmls_detail(&e),
                 })?;
             serialize(&MlsMessageOut::from(bundle.key_package().clone()))
+        })
+    }
+
+    /// Key packages for the relay's directory (`OfferKeyPackages`), each with its binding to
+    /// `account` under our identity ([`crate::binding::key_package_binding_tbs`]): `count`
+    /// one-time packages, then a last-resort one when `last_resort` (RFC 9420 §16.8). Their
+    /// leaves list the last_resort extension among their capabilities (so the last-resort
+    /// package validates, and every package of ours looks alike). The private keys are stored
+    /// until a Welcome uses them, in one transaction.
+    pub fn directory_key_packages(
+        &self,
+        account: &str,
+        count: usize,
+        last_resort: bool,
+    ) -> Result<Vec<DirectoryKeyPackage>> {
+        let identity = self.credential.credential.serialized_content().to_vec();
+        let capabilities =
+            Capabilities::new(None, None, Some(&[ExtensionType::LastResort]), None, None);
+        let db = lock(&self.db);
+        db.transaction(|conn| {
+            let provider = Provider::new(&self.crypto, conn);
+            let total = count + usize::from(last_resort);
+            let mut out = Vec::with_capacity(total);
+            for i in 0..total {
+                let mut builder =
+                    KeyPackage::builder().leaf_node_capabilities(capabilities.clone());
+                let is_last_resort = i == count;
+                if is_last_resort {
+                    builder = builder.mark_as_last_resort();
+                }
+                let bundle = builder
+                    .build(
+                        CIPHERSUITE,
+                        &provider,
+                        &self.signer,
+                        self.credential.clone(),
+                    )
+                    .map_err(|e| KeyPackageError::Create {
+                        detail: openmls_detail(&e),
+                    })?;
+                let package = bundle.key_package();
+                let tbs = crate::binding::key_package_binding_tbs(
+                    &identity,
+                    account,
+                    &key_package_encryption_key(package)?,
+                );
+                out.push(DirectoryKeyPackage {
+                    key_package: serialize(&MlsMessageOut::from(package.clone()))?,
+                    binding: self.signer.sign_bytes(&tbs),
+                    last_resort: is_last_resort,
+                });
+            }
+            Ok(out)
         })
     }
 

@@ -48,6 +48,7 @@ mod inbox;
 mod membership;
 mod outbox;
 mod processing;
+pub use creation::{key_package_encryption_key, DirectoryKeyPackage};
 
 /// The OpenMLS provider of every engine call.
 type Provider<'a> = store::Provider<'a, StaticCrypto>;
