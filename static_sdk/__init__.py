@@ -6,12 +6,16 @@ error classes); it imports nothing of the server.
 
 from static.sdk import (
     MAX_PAYLOAD,
+    Address,
+    AsyncInvitationIterator,
     AsyncMessageIterator,
     AsyncSenderMessageIterator,
     AuthError,
     Channel,
     InternalError,
     InvalidChannelNameError,
+    Invitation,
+    InvitationIterator,
     Member,
     Message,
     MessageIterator,
@@ -25,12 +29,16 @@ from static.sdk import (
 
 __all__ = [
     "MAX_PAYLOAD",
+    "Address",
+    "AsyncInvitationIterator",
     "AsyncMessageIterator",
     "AsyncSenderMessageIterator",
     "AuthError",
     "Channel",
     "InternalError",
     "InvalidChannelNameError",
+    "Invitation",
+    "InvitationIterator",
     "MLSEngineError",
     "Member",
     "Message",

@@ -38,15 +38,25 @@ from static.sdk._client import (
     SendHandle,
     StaticClient,
 )
+from static.sdk._invitations import (
+    Address,
+    AsyncInvitationIterator,
+    Invitation,
+    InvitationIterator,
+)
 
 __all__ = [
     "MAX_PAYLOAD",
+    "Address",
+    "AsyncInvitationIterator",
     "AsyncMessageIterator",
     "AsyncSenderMessageIterator",
     "AuthError",
     "Channel",
     "InternalError",
     "InvalidChannelNameError",
+    "Invitation",
+    "InvitationIterator",
     "MLSEngineError",
     "Member",
     "Message",

@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import stat
+import threading
 import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,6 +26,12 @@ import anyio.to_thread
 from static._channel_name import validate_channel_name
 from static._errors import AuthError
 from static._native import client as native_client
+from static.sdk._invitations import (
+    Address,
+    AsyncInvitationIterator,
+    InvitationIterator,
+    as_address,
+)
 from static.sdk._tokens import TokenSource, resolve_ca_file
 
 __all__ = [
@@ -259,6 +266,8 @@ class StaticClient(_Closeable):
             ca_path,
         )
         self._endpoint = endpoint
+        #: Set by close(): invitation iterators end on it.
+        self._closed = threading.Event()
 
     @classmethod
     async def create_async(
@@ -338,9 +347,46 @@ class StaticClient(_Closeable):
         validate_channel_name(name)
         return Channel(self._native.open_channel(name))
 
+    @property
+    def address(self) -> str:
+        """This agent's address, ``static:<account>:<identity>`` (the identity in unpadded
+        base64url; the account ``""`` for an anonymous client): what another agent passes to
+        :meth:`Channel.invite`. :meth:`Address.parse` splits it."""
+        account, identity = self._native.address()
+        return str(Address(account, identity))
+
+    def allow_invitations(self, accounts: list[str]) -> None:
+        """Let agents of ``accounts`` invite this one, besides agents of its own account (the
+        default); ``["*"]`` lets any account. Replaces the list given before. The relay enforces
+        it. Also starts keeping this agent's key packages in the relay's directory, as
+        :meth:`invitations` does.
+
+        :raises TransportError: more than 100 accounts, or one that is not an account id.
+        """
+        if isinstance(accounts, str) or not all(isinstance(a, str) for a in accounts):
+            raise TypeError("accounts must be a list of account ids (str)")
+        self._native.allow_invitations(list(accounts))
+
+    def invitations(self) -> InvitationIterator[Channel]:
+        """A blocking iterator over the invitations the relay holds for this agent: those
+        received while it was offline first, then new ones as they come (within about a
+        second). Each :class:`~static.sdk.Invitation` is accepted (:meth:`Invitation.accept`
+        returns the joined :class:`Channel`) or declined. Ends when the client is closed.
+
+        From the first call on, the client keeps a stock of this agent's key packages in the
+        relay's directory, so that others can invite it.
+        """
+        return InvitationIterator(self._native, Channel, self._closed)
+
+    def invitations_async(self) -> AsyncInvitationIterator[Channel]:
+        """Async :meth:`invitations` (``async for invitation in client.invitations_async()``),
+        for trio and asyncio."""
+        return AsyncInvitationIterator(self._native, Channel, self._closed)
+
     def close(self) -> None:
         """Stop every channel's background work and release ``data_dir``. Idempotent.
         Messages received but not read stay stored for the next opening."""
+        self._closed.set()
         self._native.close()
 
     # --- async variants -------------------------------------------------------------------
@@ -364,6 +410,14 @@ class StaticClient(_Closeable):
     async def open_channel_async(self, name: str) -> Channel:
         """Async :meth:`open_channel`."""
         return await _in_thread(self.open_channel, name)
+
+    async def address_async(self) -> str:
+        """Async :attr:`address`."""
+        return await _in_thread(lambda: self.address)
+
+    async def allow_invitations_async(self, accounts: list[str]) -> None:
+        """Async :meth:`allow_invitations`."""
+        await _in_thread(self.allow_invitations, accounts)
 
     async def close_async(self) -> None:
         """Async :meth:`close`."""
@@ -473,6 +527,20 @@ class Channel(_Closeable):
             raise EOFError(f"channel {self.name!r} has ended")
         raise TimeoutError(f"no message on {self.name!r} within {timeout} s")
 
+    def invite(self, address: str | Address) -> None:
+        """Invite the agent at ``address`` (its :attr:`StaticClient.address`): claim one of its
+        key packages from the relay's directory, commit its addition (as :meth:`add_member`
+        does) and leave the invitation with the relay, where the agent's
+        :meth:`StaticClient.invitations` finds it. Returns once the commit is accepted.
+
+        :raises ValueError: ``address`` is not an address.
+        :raises AuthError: the address is unknown, has no key package listed, or does not
+            accept invitations from our account (one answer for all three, so that nobody can
+            probe the directory).
+        """
+        target = as_address(address)
+        self._native.invite(target.account, target.identity)
+
     def remove_member(self, identity: bytes) -> None:
         """Remove the member whose identity is ``identity`` (a commit, like ``add_member``)."""
         self._native.remove_member(_check_bytes("identity", identity))
@@ -570,6 +638,10 @@ class Channel(_Closeable):
         :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
         """
         return await _first(AsyncMessageIterator(self._native), self.name)
+
+    async def invite_async(self, address: str | Address) -> None:
+        """Async :meth:`invite`."""
+        await _in_thread(self.invite, address)
 
     async def remove_member_async(self, identity: bytes) -> None:
         """Async :meth:`remove_member`."""

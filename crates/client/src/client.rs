@@ -11,6 +11,7 @@ use tonic::Code;
 
 use crate::channel::Channel;
 use crate::config::{ClientOptions, PROGRESS_TIMEOUT};
+use crate::directory::stock::Stock;
 use crate::error::{Error, Result};
 use crate::receive::applier::Pool;
 use crate::receive::inbox::Marks;
@@ -35,7 +36,12 @@ const RUNTIME_TIMEOUT: Duration = Duration::from_secs(2);
 /// One agent's client: see the crate docs.
 pub struct Client {
     runtime: Mutex<Option<Runtime>>,
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
+    /// Our key packages in the relay's directory (`directory::stock`), kept from the first
+    /// call about invitations on.
+    pub(crate) stock: Arc<Stock>,
+    /// The newest invitation `list_invitations` has seen (a newer one nudges the stock).
+    pub(crate) newest_invitation: std::sync::atomic::AtomicU64,
     channels: Mutex<HashMap<String, Arc<Channel>>>,
     /// The client's one publisher (see `publisher`), shared by its channels.
     outbound: mpsc::UnboundedSender<Vec<Outbound>>,
@@ -99,6 +105,8 @@ impl Client {
             runtime: Mutex::new(Some(runtime)),
             subscriptions: Subscriptions::new(Arc::clone(&shared)),
             shared,
+            stock: Arc::new(Stock::new()),
+            newest_invitation: std::sync::atomic::AtomicU64::new(0),
             channels: Mutex::new(HashMap::new()),
             outbound,
             appliers,

@@ -34,9 +34,13 @@
 //! * Readers of messages take them from the inbox (`receive::inbox`; blocking with a condition
 //!   variable, or async through a readiness socket per waiter, see [`Waker`]).
 //!
+//! * Agents meet through the relay (`directory`): our address, the key packages we keep listed
+//!   in its directory, the invitations it holds for us, and `Channel::invite`.
+//!
 //! Layout: `channel/` one open channel (the façade, its core, its commits); `send/` a message
 //! from the caller to the relay; `receive/` the log from the relay to the readers; `relay/`
-//! talking to the relay (gRPC client, tokens, refusals, retry). At the top: `client`, `shared`
+//! talking to the relay (gRPC client, tokens, refusals, retry); `directory/` addresses and
+//! invitations. At the top: `client`, `shared`
 //! (what a client's channels share), `config`, `error`, `sync` (locks and watches, used by all).
 
 #![forbid(unsafe_code)]
@@ -44,6 +48,7 @@
 mod channel;
 mod client;
 mod config;
+mod directory;
 mod error;
 mod receive;
 mod relay;
@@ -55,6 +60,7 @@ pub use channel::core::{now_ns, End, Progress, Timings, Waker};
 pub use channel::{Channel, Next, RosterMember};
 pub use client::{Client, CLOSE_TIMEOUT};
 pub use config::{ClientOptions, MAX_PAYLOAD};
+pub use directory::{Address, AddressError, Invitation};
 pub use error::{Error, ErrorKind, Result};
 pub use receive::inbox::Message;
 pub use relay::refusal::Refusal;

@@ -194,6 +194,11 @@ impl Shared {
         }
     }
 
+    /// Raised when the client closes (background tasks of its own end on it).
+    pub(crate) fn closing(&self) -> watch::Receiver<bool> {
+        self.closing.subscribe()
+    }
+
     /// The client is closing: no call starts any more, and the calls waiting in
     /// [`Shared::block_on`] end now.
     pub(crate) fn close(&self) {

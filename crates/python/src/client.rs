@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use static_client::{
-    Channel as CoreChannel, Client as CoreClient, ClientOptions, Message, Next,
-    SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
+    Address, Channel as CoreChannel, Client as CoreClient, ClientOptions, Invitation, Message,
+    Next, SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
 };
 
 use crate::convert::{bytes, native};
@@ -113,11 +113,79 @@ impl Client {
         })
     }
 
+    /// Our address: (account, identity).
+    fn address(&self, py: Python<'_>) -> PyResult<(String, Py<PyBytes>)> {
+        let inner = Arc::clone(&self.inner);
+        let address = native(exit::without_gil(py, move || inner.address()))?;
+        Ok((address.account, bytes(py, &address.identity)))
+    }
+
+    fn allow_invitations(&self, py: Python<'_>, accounts: Vec<String>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || {
+            inner.allow_invitations(accounts)
+        }))
+    }
+
+    /// Our pending invitations after `after_id`, each (id, channel, inviter identity, inviter
+    /// account, created at ms, expires at ms).
+    fn list_invitations(&self, py: Python<'_>, after_id: u64) -> PyResult<Vec<InvitationFields>> {
+        let inner = Arc::clone(&self.inner);
+        let listed = native(exit::without_gil(py, move || {
+            inner.list_invitations(after_id)
+        }))?;
+        Ok(listed
+            .into_iter()
+            .map(|i: Invitation| {
+                (
+                    i.id,
+                    i.channel,
+                    bytes(py, &i.inviter_identity),
+                    i.inviter_account,
+                    i.created_at_ms,
+                    i.expires_at_ms,
+                )
+            })
+            .collect())
+    }
+
+    fn accept_invitation(&self, py: Python<'_>, id: u64, channel: &str) -> PyResult<Channel> {
+        let inner = Arc::clone(&self.inner);
+        let joined = native(exit::without_gil(py, move || {
+            inner.accept_invitation(id, channel)
+        }))?;
+        Ok(Channel {
+            inner: joined,
+            _client: Arc::clone(&self.inner),
+        })
+    }
+
+    fn decline_invitation(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.decline_invitation(id)))
+    }
+
     /// Stops all background work and releases the data directory.
     fn close(&self, py: Python<'_>) {
         let inner = Arc::clone(&self.inner);
         exit::without_gil(py, move || inner.close());
     }
+}
+
+/// An invitation as Python gets it (see `Client.list_invitations`).
+type InvitationFields = (u64, String, Py<PyBytes>, String, u64, u64);
+
+/// Splits a printed address into (account, identity); ValueError when it is not one.
+#[pyfunction]
+fn parse_address(py: Python<'_>, text: &str) -> PyResult<(String, Py<PyBytes>)> {
+    let address = native(Address::parse(text))?;
+    Ok((address.account, bytes(py, &address.identity)))
+}
+
+/// The printed form of the address (account, identity).
+#[pyfunction]
+fn format_address(account: String, identity: Vec<u8>) -> String {
+    Address { account, identity }.to_string()
 }
 
 /// A timeout argument in seconds (finite, >= 0).
@@ -276,6 +344,13 @@ impl Channel {
             inner.add_member(key_package.to_vec())
         }))?;
         Ok(bytes(py, &welcome))
+    }
+
+    /// Invites the address (account, identity) into the channel.
+    fn invite(&self, py: Python<'_>, account: String, identity: Vec<u8>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        let address = Address { account, identity };
+        native(exit::without_gil(py, move || inner.invite(&address)))
     }
 
     fn remove_member(&self, py: Python<'_>, identity: &[u8]) -> PyResult<()> {
@@ -439,6 +514,8 @@ impl Waker {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
+    m.add_function(wrap_pyfunction!(parse_address, m)?)?;
+    m.add_function(wrap_pyfunction!(format_address, m)?)?;
     m.add_class::<Channel>()?;
     m.add_class::<Waker>()?;
     m.add_class::<SendHandle>()?;

@@ -51,6 +51,14 @@ pub(crate) static INTERNAL_ERROR: ImportedClass = ImportedClass::new("InternalEr
 pub(crate) enum NativeError {
     Engine(static_mls::Error),
     Client(static_client::Error),
+    /// A string that is not an address: bad input of a pure function, so `ValueError`.
+    Address(static_client::AddressError),
+}
+
+impl From<static_client::AddressError> for NativeError {
+    fn from(err: static_client::AddressError) -> Self {
+        Self::Address(err)
+    }
 }
 
 impl From<static_mls::Error> for NativeError {
@@ -74,6 +82,9 @@ impl From<NativeError> for PyErr {
                 (e.kind(), e.to_string())
             }
             NativeError::Client(e) => (e.kind(), e.to_string()),
+            NativeError::Address(e) => {
+                return pyo3::exceptions::PyValueError::new_err(e.to_string());
+            }
         };
         let class = match kind {
             ErrorKind::InvalidChannelName => &INVALID_CHANNEL_NAME_ERROR,

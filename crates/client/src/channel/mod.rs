@@ -158,6 +158,11 @@ impl Channel {
         &self.core.name
     }
 
+    /// What the channel shares with its client (its relay, engine and runtime).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.core.shared
+    }
+
     /// When the latest message passed each stage (see [`Timings`]).
     pub fn timings(&self) -> &Timings {
         &self.core.timings

@@ -9,6 +9,11 @@ impl Engine {
         self.with_group_read(channel, |group| Ok(members_of(group)))
     }
 
+    /// Our leaf's index in the group's current tree.
+    pub fn own_leaf_index(&self, channel: &str) -> Result<u32> {
+        self.with_group_read(channel, |group| Ok(group.own_leaf_index().u32()))
+    }
+
     /// The group's current epoch.
     pub fn epoch(&self, channel: &str) -> Result<u64> {
         self.with_group_read(channel, |group| Ok(group.epoch().as_u64()))
