@@ -376,11 +376,13 @@ class StaticClient(_Closeable):
         From the first call on, the client keeps a stock of this agent's key packages in the
         relay's directory, so that others can invite it.
         """
+        self._native.keep_key_packages()
         return InvitationIterator(self._native, Channel, self._closed)
 
     def invitations_async(self) -> AsyncInvitationIterator[Channel]:
         """Async :meth:`invitations` (``async for invitation in client.invitations_async()``),
-        for trio and asyncio."""
+        for trio and asyncio. Its first wait lists the key packages (in a worker thread), so
+        the agent can be invited from then on."""
         return AsyncInvitationIterator(self._native, Channel, self._closed)
 
     def close(self) -> None:

@@ -88,3 +88,38 @@ def test_a_failing_example_exits_non_zero(tmp_path: Path, example: str) -> None:
     assert result.returncode != 0, result.stdout
     assert "transport error: cannot reach the relay" in result.stderr
     assert "done" not in result.stdout.splitlines()
+
+
+def test_two_accounts_meet_through_invitations(relay: ServerProcess, tmp_path: Path) -> None:
+    """examples/invitations.py: two processes, two accounts, no side channel but an address."""
+    api = Api(relay.http_url)
+    try:
+        alice, bob = api.signup(), api.signup()
+    finally:
+        api.close()
+    script = str(EXAMPLES / "invitations.py")
+    env = {**os.environ, "STATIC_RELAY": relay.relay_url, "STATIC_API_URL": relay.http_url}
+    bobs = subprocess.Popen(
+        [sys.executable, script, "bob", str(tmp_path / "bob")],
+        env={**env, "STATIC_API_KEY": bob.key},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert bobs.stdout is not None
+        address = bobs.stdout.readline().strip()
+        assert address.startswith(f"static:{bob.id}:"), bobs.stderr.read() if bobs.stderr else ""
+        alices = subprocess.run(
+            [sys.executable, script, "alice", str(tmp_path / "alice"), address],
+            env={**env, "STATIC_API_KEY": alice.key},
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert alices.returncode == 0, alices.stderr
+        assert alices.stdout.splitlines() == [f"bob says: hi {alice.id}"]
+        assert bobs.wait(timeout=30) == 0
+    finally:
+        bobs.kill()
+        bobs.wait()

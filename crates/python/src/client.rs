@@ -120,6 +120,11 @@ impl Client {
         Ok((address.account, bytes(py, &address.identity)))
     }
 
+    fn keep_key_packages(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || inner.keep_key_packages()))
+    }
+
     fn allow_invitations(&self, py: Python<'_>, accounts: Vec<String>) -> PyResult<()> {
         let inner = Arc::clone(&self.inner);
         native(exit::without_gil(py, move || {

@@ -45,6 +45,13 @@ impl Client {
         })
     }
 
+    /// Keeps our key packages listed in the relay's directory from now on (the first call
+    /// lists them before it returns), so that others can invite us.
+    pub fn keep_key_packages(&self) -> Result<()> {
+        self.shared.check_open()?;
+        self.stock.start(&self.shared)
+    }
+
     /// Lets callers of `accounts` (besides our own; `"*"`: any account) claim our key packages,
     /// and so invite us; replaces what was allowed before. Starts keeping our key packages
     /// listed.
@@ -64,7 +71,7 @@ impl Client {
             )));
         }
         self.shared.check_open()?;
-        self.stock.start(&self.shared);
+        self.stock.start(&self.shared)?;
         let shared = Arc::clone(&self.shared);
         let identity = self.identity().to_vec();
         self.shared.block_on(async move {
@@ -93,7 +100,7 @@ impl Client {
     /// is new (a package of ours was claimed).
     pub fn list_invitations(&self, after_id: u64) -> Result<Vec<Invitation>> {
         self.shared.check_open()?;
-        self.stock.start(&self.shared);
+        self.stock.start(&self.shared)?;
         if let Some(failure) = self.stock.failure() {
             return Err(failure);
         }

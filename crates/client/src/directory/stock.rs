@@ -55,16 +55,25 @@ impl Stock {
         }
     }
 
-    /// Starts the keeper, once.
-    pub(crate) fn start(self: &Arc<Self>, shared: &Arc<Shared>) {
+    /// Lists our packages now, the first time (so that once `allow_invitations` or the first
+    /// `list_invitations` returns, others can invite us), then starts the keeper, once.
+    pub(crate) fn start(self: &Arc<Self>, shared: &Arc<Shared>) -> Result<()> {
+        if self.started.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        // Concurrent first calls may both top up: the relay's stock cap bounds it.
+        let stock = Arc::clone(self);
+        let first = Arc::clone(shared);
+        shared.block_on(async move { stock.top_up(&first).await })?;
         if self.started.swap(true, Ordering::SeqCst) {
-            return;
+            return Ok(());
         }
         let stock = Arc::clone(self);
         let keeper_shared = Arc::clone(shared);
         shared
             .handle
             .spawn(async move { stock.keep(keeper_shared).await });
+        Ok(())
     }
 
     /// A package was claimed (a new invitation): check now; `last_resort` when it was the
@@ -81,13 +90,25 @@ impl Stock {
         lock(&self.failure).clone().map(Error::Auth)
     }
 
+    /// Checks the stock every [`CHECK_INTERVAL`], or at once when nudged, until the client
+    /// closes (the first check was `start`'s).
     async fn keep(&self, shared: Arc<Shared>) {
         let mut closing = shared.closing();
+        let mut wait = CHECK_INTERVAL;
         loop {
+            tokio::select! {
+                changed = closing.changed() => if changed.is_err() { return },
+                () = self.nudge.notified() => {}
+                () = tokio::time::sleep(wait) => {}
+            }
             if seen(&mut closing, |closed| *closed) {
                 return;
             }
-            let wait = match self.top_up(&shared).await {
+            let checked = tokio::select! {
+                _ = closing.changed() => return,
+                checked = self.top_up(&shared) => checked,
+            };
+            wait = match checked {
                 Ok(()) => {
                     lock(&self.failure).take();
                     CHECK_INTERVAL
@@ -96,14 +117,9 @@ impl Stock {
                     *lock(&self.failure) = Some(why);
                     CHECK_INTERVAL
                 }
-                // Anything else (the relay unreachable, closing) is retried soon.
+                // Anything else (the relay unreachable) is retried soon.
                 Err(_) => RETRY_INTERVAL,
             };
-            tokio::select! {
-                changed = closing.changed() => if changed.is_err() { return },
-                () = self.nudge.notified() => {}
-                () = tokio::time::sleep(wait) => {}
-            }
         }
     }
 
