@@ -11,6 +11,10 @@
 //! bytes: whichever prunes most), then the floors no policy passes: the idempotency window
 //! (entries younger than it stay, so a retry within it gets its original seq) and the oldest
 //! Welcome still kept (its joiner subscribes from its commit).
+//!
+//! Each pass also prunes the key-package directory (docs/design.md §5.5), in transactions of
+//! at most `prune_batch` rows per table: packages past their lifetime, claims older than a
+//! day, invitations expired or settled more than a day ago.
 
 use std::time::Duration;
 
@@ -20,7 +24,14 @@ use crate::log::ChannelLog;
 use crate::shutdown::{Phase, Watch};
 pub use crate::store::Policy;
 pub(crate) use crate::store::PruneStep;
+use crate::store::directory::DirectoryPrune;
 use crate::store::RetentionRow;
+
+/// A claim is kept this long for the Invite that follows it (the claimer adds the package,
+/// publishes the commit, then records the invitation: seconds, or a retry later).
+const CLAIM_KEPT_MS: i64 = 24 * 3600 * 1000;
+/// A settled invitation is kept this long (a retried SettleInvitation is answered the same).
+const SETTLED_KEPT_MS: i64 = 24 * 3600 * 1000;
 
 /// Channels read per page of a pass.
 const CHANNEL_PAGE: usize = 256;
@@ -54,6 +65,9 @@ pub struct PassReport {
     pub welcomes: u64,
     /// Channels whose horizon moved.
     pub channels: u64,
+    /// Rows of the key-package directory that went: expired packages, old claims, settled
+    /// or expired invitations.
+    pub directory: u64,
 }
 
 fn millis(d: Duration) -> i64 {
@@ -104,6 +118,22 @@ pub(crate) async fn pass(log: &ChannelLog, settings: &RetentionSettings) -> Resu
             .await?;
         report.welcomes += expired as u64;
         due = expired >= batch;
+    }
+    // The directory's rows, in bounded transactions.
+    loop {
+        let gone = log
+            .directory()
+            .prune(DirectoryPrune {
+                now_ms: now,
+                claims_before_ms: now.saturating_sub(CLAIM_KEPT_MS),
+                settled_before_ms: now.saturating_sub(SETTLED_KEPT_MS),
+                limit: batch,
+            })
+            .await?;
+        report.directory += gone as u64;
+        if gone < batch {
+            break;
+        }
     }
     let mut after_id = 0;
     loop {

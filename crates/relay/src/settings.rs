@@ -373,6 +373,24 @@ settings! {
             "--relay-group-checks-per-account", 1.0, 10_000.0,
             "costly MLS checks (group creation, handshakes) one account may have running or \
              waiting on the relay";
+        /// Key packages one account may claim from the directory per second, with a burst of
+        /// 4 s of it; 0 = no limit. A claim costs a few store statements.
+        claim_rate_per_account: f64 = 50.0,
+            "--relay-claim-rate", 0.0, f64::INFINITY,
+            "key packages one account may claim from the relay's directory per second (a \
+             burst of 4 s of it), 0 for no limit";
+        /// Key packages of one address that may be claimed per second, with a burst of 20 s
+        /// of it; 0 = no limit. Counted only for callers its policy lets claim.
+        claim_rate_per_address: f64 = 1.0,
+            "--relay-address-claim-rate", 0.0, f64::INFINITY,
+            "key packages of one directory address that may be claimed per second (a burst of \
+             20 s of it), 0 for no limit";
+        /// Pending invitations an address may have; past it claims of its packages are
+        /// refused.
+        max_pending_invitations: usize = 100,
+            "--relay-max-pending-invitations", 1.0, 1_000_000.0,
+            "pending invitations one directory address may have before claims of its key \
+             packages are refused";
     }
 }
 

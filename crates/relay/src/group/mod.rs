@@ -12,6 +12,7 @@
 
 mod error;
 mod handshake;
+mod key_package;
 mod slot;
 
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use static_mls::CIPHERSUITE;
 
 pub use error::{ErrorKind, GroupError};
 pub use handshake::{CommitOutcome, Handshake};
+pub use key_package::{check_key_package, CheckedPackage, PackageError};
 use slot::{Records, Slot};
 
 /// The first byte of [`GroupState::to_bytes`]: format 1 is four length-prefixed records

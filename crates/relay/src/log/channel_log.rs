@@ -17,6 +17,7 @@ use super::{Checked, LogSettings, Outcome, MAX_BATCH};
 use crate::error::{shutting_down, RelayError, Result};
 use crate::group::GroupState;
 use crate::members::{Membership, Reach};
+use crate::store::directory::Directory;
 use crate::store::{self, ChannelRow, LogReader, Policy, PruneStep, StoredGroup};
 
 /// The relay's channels: load, create, publish (group-committed), read. Cheap to clone.
@@ -37,6 +38,7 @@ pub(super) struct Inner {
     /// Several relays share the database (PostgreSQL): memory may be behind on bindings.
     shared: bool,
     pub(super) reader: Arc<dyn LogReader>,
+    directory: Arc<dyn Directory>,
 }
 
 impl Drop for Inner {
@@ -101,8 +103,14 @@ impl ChannelLog {
                 commits_inline,
                 shared: !commits_inline,
                 reader: opened.reader,
+                directory: opened.directory,
             }),
         })
+    }
+
+    /// The key-package directory and invitations (`store/directory/`).
+    pub(crate) fn directory(&self) -> &dyn Directory {
+        self.inner.directory.as_ref()
     }
 
     /// Create channel `name` at epoch 0 for `account`, from the creator's group `state` whose

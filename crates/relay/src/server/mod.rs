@@ -38,7 +38,7 @@ use crate::observe::health::{self, Health};
 use crate::observe::metrics::{self, metrics};
 use crate::pb::relay_server::RelayServer as GrpcServer;
 use crate::retention::{self, PassReport, RetentionSettings};
-use crate::service::{GateSettings, Relay, ServiceSettings};
+use crate::service::{DirectorySettings, GateSettings, Relay, ServiceSettings};
 use crate::settings::RelayConfig;
 use crate::shutdown::{Phase, Shutdown};
 
@@ -110,6 +110,12 @@ impl RelayServer {
             max_follows_per_account: config.max_follows_per_account,
             default_policy: retention.default_policy,
             stream_buffer_bytes: config.stream_buffer_bytes,
+            directory: DirectorySettings {
+                claim_rate_per_account: config.claim_rate_per_account,
+                claim_rate_per_address: config.claim_rate_per_address,
+                max_pending_invitations: config.max_pending_invitations,
+                welcome_ttl: retention.welcome_ttl,
+            },
             gate: GateSettings {
                 max_group_size: config.max_group_size,
                 create_rate: config.create_rate_per_account,

@@ -149,7 +149,8 @@ addressed!(
     pb::ListMembersRequest,
     pb::FetchWelcomeRequest,
     pb::SetRetentionRequest,
-    pb::GetRetentionRequest
+    pb::GetRetentionRequest,
+    pb::InviteRequest
 );
 
 pub(super) fn channel_name(name: String) -> Result<String> {

@@ -119,7 +119,7 @@ impl Gate {
     }
 
     /// Runs a costly group check for `account` in the pool.
-    async fn check<T, F>(&self, account: &str, check: F) -> Result<T>
+    pub(super) async fn check<T, F>(&self, account: &str, check: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,

@@ -8,6 +8,8 @@
 //! - [`subscribe`]: Subscribe, and the paging of the log it shares with [`many`]
 //!   (SubscribeMany);
 //! - [`retention`]: SetRetention, GetRetention;
+//! - [`directory`]: OfferKeyPackages, SetInvitationPolicy, ClaimKeyPackage (the key-package
+//!   directory); [`invitations`]: Invite, ListInvitations, OpenInvitation, SettleInvitation;
 //! - [`caller`]: who a call is and what it may do; [`refusal`]: how refusals are worded and
 //!   counted; [`driven`]: the response stream of every streaming call.
 //!
@@ -36,7 +38,9 @@ use crate::wire::rules::TokenBucket;
 
 mod caller;
 mod create;
+mod directory;
 mod driven;
+mod invitations;
 mod many;
 mod members;
 mod pipeline;
@@ -46,6 +50,7 @@ mod retention;
 mod subscribe;
 
 pub(crate) use create::GateSettings;
+pub(crate) use directory::DirectorySettings;
 use driven::{Driven, Sender};
 pub(crate) use refusal::transport_error;
 
@@ -67,6 +72,8 @@ pub(crate) struct ServiceSettings {
     pub stream_buffer_bytes: usize,
     /// CreateChannel's limits and the pool of costly group checks (`create`).
     pub gate: GateSettings,
+    /// The key-package directory's limits (`directory`).
+    pub directory: DirectorySettings,
 }
 
 impl ServiceSettings {
@@ -109,6 +116,8 @@ struct Inner {
     follows: Mutex<HashMap<String, usize>>,
     /// Rate limits of creates and org claims; the pool of costly group checks.
     gate: create::Gate,
+    /// The directory's claim rates.
+    claims: directory::ClaimRates,
     shutdown: Shutdown,
 }
 
@@ -120,10 +129,12 @@ impl Relay {
         shutdown: Shutdown,
     ) -> Relay {
         let gate = create::Gate::new(settings.gate.clone());
+        let claims = directory::ClaimRates::new(&settings.directory);
         Relay(Arc::new(Inner {
             log,
             auth,
             gate,
+            claims,
             settings,
             buckets: Mutex::new(HashMap::new()),
             follows: Mutex::new(HashMap::new()),
@@ -240,5 +251,54 @@ impl pb::relay_server::Relay for Relay {
         request: Request<pb::GetRetentionRequest>,
     ) -> Result<Response<pb::RetentionResponse>, Status> {
         Ok(retention::get_retention(&self.0, request).await?)
+    }
+
+    async fn offer_key_packages(
+        &self,
+        request: Request<pb::OfferKeyPackagesRequest>,
+    ) -> Result<Response<pb::OfferKeyPackagesResponse>, Status> {
+        Ok(directory::offer_key_packages(&self.0, request).await?)
+    }
+
+    async fn set_invitation_policy(
+        &self,
+        request: Request<pb::SetInvitationPolicyRequest>,
+    ) -> Result<Response<pb::SetInvitationPolicyResponse>, Status> {
+        Ok(directory::set_invitation_policy(&self.0, request).await?)
+    }
+
+    async fn claim_key_package(
+        &self,
+        request: Request<pb::ClaimKeyPackageRequest>,
+    ) -> Result<Response<pb::ClaimKeyPackageResponse>, Status> {
+        Ok(directory::claim_key_package(&self.0, request).await?)
+    }
+
+    async fn invite(
+        &self,
+        request: Request<pb::InviteRequest>,
+    ) -> Result<Response<pb::InviteResponse>, Status> {
+        Ok(invitations::invite(&self.0, request).await?)
+    }
+
+    async fn list_invitations(
+        &self,
+        request: Request<pb::ListInvitationsRequest>,
+    ) -> Result<Response<pb::ListInvitationsResponse>, Status> {
+        Ok(invitations::list_invitations(&self.0, request).await?)
+    }
+
+    async fn open_invitation(
+        &self,
+        request: Request<pb::OpenInvitationRequest>,
+    ) -> Result<Response<pb::OpenInvitationResponse>, Status> {
+        Ok(invitations::open_invitation(&self.0, request).await?)
+    }
+
+    async fn settle_invitation(
+        &self,
+        request: Request<pb::SettleInvitationRequest>,
+    ) -> Result<Response<pb::SettleInvitationResponse>, Status> {
+        Ok(invitations::settle_invitation(&self.0, request).await?)
     }
 }

@@ -13,6 +13,7 @@
 //! NOTIFYed so that the other relays wake their subscribers. The statements both share are
 //! written once ([`sql`]), as is the list of migrations ([`schema`]).
 
+pub(crate) mod directory;
 mod keys;
 pub(crate) mod postgres;
 pub mod schema;
@@ -326,6 +327,8 @@ pub(crate) trait LogReader: Send + Sync {
 pub(crate) struct Opened {
     pub writer: Box<dyn LogWriter>,
     pub reader: Arc<dyn LogReader>,
+    /// The key-package directory and invitations.
+    pub directory: Arc<dyn directory::Directory>,
 }
 
 /// What a store shared with other relays (PostgreSQL) tells of their commits: registered

@@ -197,6 +197,9 @@ pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
     match writer {
         Ok(writer) => Ok(Opened {
             writer: Box::new(writer),
+            directory: Arc::new(super::directory::postgres::PgDirectory::new(
+                reader.config.clone(),
+            )),
             reader: Arc::new(PgReader(reader)),
         }),
         Err(err) => {
@@ -208,7 +211,7 @@ pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
 
 /// A connection for statements (not notifications), its task spawned on the current runtime,
 /// its session set up.
-async fn connect(config: &Config) -> PgResult<Client> {
+pub(in crate::store) async fn connect(config: &Config) -> PgResult<Client> {
     let (client, connection) = config.connect(NoTls).await?;
     tokio::spawn(async move {
         // Ends when the client is dropped, or with the connection's error, which the client's
@@ -297,7 +300,7 @@ fn describe(err: &tokio_postgres::Error) -> String {
 }
 
 /// A store failure, as the relay answers it.
-fn store_error(err: tokio_postgres::Error) -> RelayError {
+pub(in crate::store) fn store_error(err: tokio_postgres::Error) -> RelayError {
     RelayError::store(describe(&err))
 }
 

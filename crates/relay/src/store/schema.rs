@@ -25,6 +25,7 @@ pub const SQLITE: &[&str] = &[
     RELAY_HEALTH,
     migration!("0008_departures.sqlite.sql"),
     ORG_KEYS,
+    migration!("0010_directory.sqlite.sql"),
 ];
 
 /// The relay's tables on PostgreSQL, in order.
@@ -35,4 +36,5 @@ pub const POSTGRESQL: &[&str] = &[
     RELAY_HEALTH,
     migration!("0008_departures.postgresql.sql"),
     ORG_KEYS,
+    migration!("0010_directory.postgresql.sql"),
 ];

@@ -124,6 +124,83 @@ statements! {
          ORDER BY seq";
     SHADOWED = "SELECT DISTINCT name FROM relay_channels WHERE scope <> ''";
     EPOCH_START = "SELECT start_seq FROM relay_epochs WHERE channel_id = $1 AND epoch = $2";
+
+    // The key-package directory and invitations (`store/directory/`, migration 0010).
+    /// `replace`: the address's packages not yet claimed go.
+    DROP_UNCLAIMED = "DELETE FROM relay_key_packages \
+         WHERE account = $1 AND identity = $2 AND claimed_at IS NULL";
+    /// Whether a package is listed already (claimed or not): listing it again is a no-op.
+    PACKAGE_LISTED = "SELECT 1 FROM relay_key_packages WHERE key_package_ref = $1";
+    /// The address's one-time packages listed, not claimed and not expired.
+    ONE_TIME_STOCK = "SELECT count(*) FROM relay_key_packages WHERE account = $1 \
+         AND identity = $2 AND last_resort = $3 AND claimed_at IS NULL AND not_after > $4";
+    /// A new last-resort package replaces the address's previous one.
+    DROP_LAST_RESORT = "DELETE FROM relay_key_packages WHERE account = $1 AND identity = $2 \
+         AND last_resort = $3 AND key_package_ref <> $4";
+    LIST_PACKAGE = "INSERT INTO relay_key_packages (key_package_ref, account, identity, \
+         last_resort, key_package, not_after, listed_at) VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (key_package_ref) DO NOTHING";
+    /// Per kind (last resort or not): how many are listed unclaimed and unexpired, and the
+    /// earliest end of their lifetimes.
+    STOCK = "SELECT last_resort, count(*), min(not_after) FROM relay_key_packages \
+         WHERE account = $1 AND identity = $2 AND claimed_at IS NULL AND not_after > $3 \
+         GROUP BY last_resort";
+    CLEAR_POLICY = "DELETE FROM relay_invitation_policies WHERE account = $1 AND identity = $2";
+    ALLOW = "INSERT INTO relay_invitation_policies (account, identity, allowed) \
+         VALUES ($1, $2, $3) ON CONFLICT (account, identity, allowed) DO NOTHING";
+    /// Whether `$3` may claim a package of the address ($1, $2) and one is there: its own
+    /// account, or one its policy names (or '*').
+    CONSENTS = "SELECT EXISTS (SELECT 1 FROM relay_key_packages WHERE account = $1 \
+         AND identity = $2 AND claimed_at IS NULL AND not_after > $4) \
+         AND ($1 = $3 OR EXISTS (SELECT 1 FROM relay_invitation_policies \
+         WHERE account = $1 AND identity = $2 AND allowed IN ($3, '*')))";
+    PENDING_INVITATIONS = "SELECT count(*) FROM relay_invitations WHERE account = $1 \
+         AND identity = $2 AND state = 0 AND (expires_at IS NULL OR expires_at > $3)";
+    /// The address's newest last-resort package (kept when handed out).
+    LAST_RESORT = "SELECT key_package_ref, key_package FROM relay_key_packages \
+         WHERE account = $1 AND identity = $2 AND last_resort = $3 AND not_after > $4 \
+         ORDER BY id DESC LIMIT 1";
+    RECORD_CLAIM = "INSERT INTO relay_key_package_claims (key_package_ref, channel_id, \
+         claimer, account, identity, last_resort, claimed_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
+         ON CONFLICT (key_package_ref, channel_id, claimer) \
+         DO UPDATE SET claimed_at = excluded.claimed_at";
+    CLAIM_OF = "SELECT account, identity, last_resort FROM relay_key_package_claims \
+         WHERE key_package_ref = $1 AND channel_id = $2 AND claimer = $3";
+    INVITATION_OF = "SELECT id FROM relay_invitations \
+         WHERE key_package_ref = $1 AND channel_id = $2";
+    /// When the channel's Welcome naming the ref was stored.
+    WELCOME_CREATED = "SELECT w.created_at FROM relay_welcome_refs r JOIN relay_welcomes w \
+         ON w.channel_id = r.channel_id AND w.digest = r.digest \
+         WHERE r.channel_id = $1 AND r.key_package_ref = $2";
+    INSERT_INVITATION = "INSERT INTO relay_invitations (account, identity, channel_id, \
+         channel, key_package_ref, inviter_account, inviter_identity, last_resort, created_at, \
+         expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+         ON CONFLICT (key_package_ref, channel_id) DO NOTHING RETURNING id";
+    INVITATIONS = "SELECT id, channel, inviter_identity, inviter_account, created_at, \
+         expires_at, last_resort FROM relay_invitations WHERE account = $1 AND identity = $2 \
+         AND state = 0 AND id > $3 AND (expires_at IS NULL OR expires_at > $4) \
+         ORDER BY id LIMIT $5";
+    OPEN_INVITATION = "SELECT i.channel, w.welcome, w.epoch FROM relay_invitations i \
+         JOIN relay_welcome_refs r \
+         ON r.channel_id = i.channel_id AND r.key_package_ref = i.key_package_ref \
+         JOIN relay_welcomes w ON w.channel_id = r.channel_id AND w.digest = r.digest \
+         WHERE i.id = $1 AND i.account = $2 AND i.identity = $3 AND i.state = 0 \
+         AND (i.expires_at IS NULL OR i.expires_at > $4)";
+    SETTLE = "UPDATE relay_invitations SET state = $4, settled_at = $5 \
+         WHERE id = $1 AND account = $2 AND identity = $3 AND state = 0";
+    INVITATION_EXISTS = "SELECT 1 FROM relay_invitations \
+         WHERE id = $1 AND account = $2 AND identity = $3";
+    /// The pruner's bounded deletes (at most `$2` / `$3` rows each).
+    PRUNE_PACKAGES = "DELETE FROM relay_key_packages WHERE id IN \
+         (SELECT id FROM relay_key_packages WHERE not_after <= $1 LIMIT $2)";
+    PRUNE_CLAIMS = "DELETE FROM relay_key_package_claims \
+         WHERE (key_package_ref, channel_id, claimer) IN \
+         (SELECT key_package_ref, channel_id, claimer FROM relay_key_package_claims \
+         WHERE claimed_at <= $1 LIMIT $2)";
+    PRUNE_INVITATIONS = "DELETE FROM relay_invitations WHERE id IN \
+         (SELECT id FROM relay_invitations WHERE settled_at <= $1 OR expires_at <= $2 \
+         LIMIT $3)";
 }
 
 #[cfg(test)]

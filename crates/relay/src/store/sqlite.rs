@@ -145,7 +145,7 @@ fn open_checkpointer(path: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
-fn open_connection(path: &Path, access: OpenFlags) -> rusqlite::Result<Connection> {
+pub(in crate::store) fn open_connection(path: &Path, access: OpenFlags) -> rusqlite::Result<Connection> {
     // No CREATE: the Python store's migrations made the file; a wrong path fails here.
     let flags = access | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)?;
@@ -641,6 +641,7 @@ pub(crate) fn open(path: &Path) -> Result<Opened> {
             bytes_since_checkpoint: 0,
         }),
         reader: Arc::new(reader),
+        directory: Arc::new(super::directory::sqlite::SqliteDirectory::open(path)?),
     })
 }
 
