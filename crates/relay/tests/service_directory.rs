@@ -19,6 +19,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Status};
 
 use service_support::*;
+use service_support::postgres;
 
 /// A relay that checks tokens, configured by `configure`.
 async fn relay_with(configure: impl FnOnce(&mut RelayConfig)) -> Relay {
@@ -659,4 +660,124 @@ async fn every_directory_call_needs_a_valid_token() {
             assert_eq!(status.code(), Code::Unauthenticated, "{token}: {status:?}");
         }
     }
+}
+
+// --- on PostgreSQL, two relays on one database -----------------------------------------------
+
+/// Two relays checking tokens on one new database of a cluster of the test's own (kept as long
+/// as this is); None, after saying so, without PostgreSQL.
+async fn two_relays(
+    name: &str,
+    configure: impl Fn(&mut RelayConfig),
+) -> Option<(postgres::Cluster, Relay, Relay)> {
+    let cluster = postgres::Cluster::start()?;
+    let url = cluster.database(name).await;
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let dir = tempfile::tempdir().unwrap();
+        relays.push(
+            Relay::on_database(
+                static_relay::Database::parse(&url),
+                dir,
+                &configure,
+                Some(Arc::new(FakeVerify)),
+            )
+            .await,
+        );
+    }
+    let b = relays.pop().unwrap();
+    Some((cluster, relays.pop().unwrap(), b))
+}
+
+/// On PostgreSQL: bob lists through relay B, alice claims through both relays at once (each
+/// one-time package once, then the last-resort one), invites through A; bob lists, opens and
+/// settles through B. Concurrent offers through both relays keep the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_directory_is_exact_across_relays_on_postgresql() {
+    let Some((_cluster, a, b)) =
+        two_relays("directory", |c| c.claim_rate_per_address = 0.0).await
+    else {
+        return;
+    };
+    let (mut on_a, mut on_b) = (a.client().await, b.client().await);
+    let alice = Member::with_token("alice", "alice.k1");
+    let bob = Member::with_token("bob", "bob.k1");
+    let stock = offer(&mut on_b, &bob, packages(&bob, 6, true), false)
+        .await
+        .unwrap();
+    assert_eq!((stock.one_time, stock.last_resort), (6, true));
+    set_policy(&mut on_b, &bob, &["alice"]).await;
+    alice.create(&mut on_a, CHANNEL).await;
+
+    let mut claims = Vec::new();
+    for i in 0..16 {
+        let mut client = if i % 2 == 0 { on_a.clone() } else { on_b.clone() };
+        let request = claim_request(&bob, CHANNEL);
+        claims.push(tokio::spawn(async move {
+            client
+                .claim_key_package(authed(request, "alice.k1"))
+                .await
+                .unwrap()
+                .into_inner()
+        }));
+    }
+    let mut one_time = HashSet::new();
+    let mut last_resort = Vec::new();
+    for claimed in claims {
+        let claimed = claimed.await.unwrap();
+        if claimed.last_resort {
+            last_resort.push(claimed);
+        } else {
+            assert!(
+                one_time.insert(claimed.key_package_ref.to_vec()),
+                "a one-time package was handed out twice"
+            );
+        }
+    }
+    assert_eq!((one_time.len(), last_resort.len()), (6, 10));
+
+    let package = &last_resort[0];
+    let welcome = add_package(&mut on_a, &alice, CHANNEL, &package.key_package).await;
+    let id = invite_as(&mut on_a, &alice, CHANNEL, &package.key_package_ref)
+        .await
+        .unwrap();
+    assert_eq!(
+        invite_as(&mut on_b, &alice, CHANNEL, &package.key_package_ref)
+            .await
+            .unwrap(),
+        id
+    );
+    let listed = list(&mut on_b, &bob, "bob").await;
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].last_resort);
+    let opened = open(&mut on_b, &bob, "bob", id).await.unwrap();
+    assert_eq!(opened.welcome.as_ref(), welcome.as_slice());
+    bob.join(&mut on_b, CHANNEL, &opened.welcome).await;
+    settle(&mut on_b, &bob, "bob", id, true).await.unwrap();
+    assert!(list(&mut on_a, &bob, "bob").await.is_empty());
+
+    // The cap, with offers racing through both relays: 60 listed of 80.
+    let all = packages(&bob, 80, false);
+    let mut offers = Vec::new();
+    for (i, chunk) in all.chunks(10).enumerate() {
+        let mut client = if i % 2 == 0 { on_a.clone() } else { on_b.clone() };
+        let request = pb::OfferKeyPackagesRequest {
+            identity: b"bob".to_vec().into(),
+            packages: chunk.to_vec(),
+            replace: false,
+        };
+        offers.push(tokio::spawn(async move {
+            client.offer_key_packages(authed(request, "bob.k1")).await
+        }));
+    }
+    let mut listed = 0;
+    for offered in offers {
+        match offered.await.unwrap() {
+            Ok(_) => listed += 1,
+            Err(status) => assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}"),
+        }
+    }
+    assert_eq!(listed, 6);
+    let stock = offer(&mut on_a, &bob, vec![], false).await.unwrap();
+    assert_eq!(stock.one_time, 60);
 }
