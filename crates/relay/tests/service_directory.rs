@@ -442,7 +442,6 @@ async fn the_stock_cap_holds_under_concurrent_offers() {
     let mut client = relay.client().await;
     let bob = Member::with_token("bob", "bob.k1");
     let all = packages(&bob, 80, false);
-    let again = all[..5].to_vec();
     let mut offers = Vec::new();
     for chunk in all.chunks(10) {
         let mut client = client.clone();
@@ -455,26 +454,53 @@ async fn the_stock_cap_holds_under_concurrent_offers() {
             client.offer_key_packages(authed(request, "bob.k1")).await
         }));
     }
-    let mut listed = 0;
-    let mut refused = 0;
+    // Per request of 10, in order: listed or refused.
+    let mut results = Vec::new();
     for offered in offers {
         match offered.await.unwrap() {
-            Ok(_) => listed += 1,
+            Ok(_) => results.push(true),
             Err(status) => {
                 assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-                refused += 1;
+                results.push(false);
             }
         }
     }
+    let listed = results.iter().filter(|ok| **ok).count();
+    let refused = results.len() - listed;
     assert_eq!((listed, refused), (6, 2));
     let stock = offer(&mut client, &bob, vec![], false).await.unwrap();
     assert_eq!(stock.one_time, 60);
     assert!(60 <= MAX_ONE_TIME_PACKAGES);
-    // Listing a package again is a no-op (not counted twice), if it was listed.
-    let before = stock.one_time;
-    let _ = offer(&mut client, &bob, again, false).await;
-    let stock = offer(&mut client, &bob, vec![], false).await.unwrap();
-    assert!(stock.one_time <= 64 && stock.one_time >= before, "{stock:?}");
+    // Filled up to the cap; listing packages again is a no-op, even at the cap.
+    let stock = offer(&mut client, &bob, packages(&bob, 4, false), false)
+        .await
+        .unwrap();
+    assert_eq!(stock.one_time, 64);
+    let listed_again: Vec<_> = all
+        .chunks(10)
+        .zip(&results)
+        .filter(|(_, ok)| **ok)
+        .flat_map(|(chunk, _)| chunk.to_vec())
+        .take(5)
+        .collect();
+    assert_eq!(
+        offer(&mut client, &bob, listed_again, false)
+            .await
+            .unwrap()
+            .one_time,
+        64
+    );
+    // Past the cap, an offer is refused before its packages are checked (these would be
+    // PERMISSION_DENIED: bound to another account).
+    let status = offer(&mut client, &bob, packages_for(&bob, "mallory", 1, false), false)
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    // A last-resort package is no one-time one: listed at the cap.
+    let stock = offer(&mut client, &bob, packages(&bob, 0, true), false)
+        .await
+        .unwrap();
+    assert_eq!((stock.one_time, stock.last_resort), (64, true));
     // `replace` drops the unclaimed ones first.
     let stock = offer(&mut client, &bob, packages(&bob, 3, true), true)
         .await

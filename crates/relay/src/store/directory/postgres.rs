@@ -35,6 +35,9 @@ const TAKE_ONE_TIME: &str = "UPDATE relay_key_packages SET claimed_at = $3 WHERE
      (SELECT id FROM relay_key_packages WHERE account = $1 AND identity = $2 \
      AND last_resort = FALSE AND claimed_at IS NULL AND not_after > $3 ORDER BY id LIMIT 1 \
      FOR UPDATE SKIP LOCKED) RETURNING key_package_ref, key_package";
+/// How many of the refs are listed (one statement where SQLite looks each up).
+const ANY_LISTED: &str =
+    "SELECT count(*) FROM relay_key_packages WHERE key_package_ref = ANY($1)";
 /// Offers of one address wait for each other (until COMMIT).
 const LOCK_ADDRESS: &str = "SELECT pg_advisory_xact_lock($1)";
 
@@ -317,6 +320,30 @@ async fn prune(client: &mut Client, prune: DirectoryPrune) -> PgResult<usize> {
 impl Directory for PgDirectory {
     fn offer(&self, offer: Offer) -> StoreFuture<Offered> {
         self.run(move |client| Box::pin(self::offer(client, offer)))
+    }
+
+    fn listed(
+        &self,
+        address: Address,
+        refs: Vec<Vec<u8>>,
+        now_ms: i64,
+    ) -> StoreFuture<(u32, usize)> {
+        self.run(move |client| {
+            Box::pin(async move {
+                let held: i64 = client
+                    .query_one(
+                        ONE_TIME_STOCK,
+                        &[&address.account, &address.identity, &false, &now_ms],
+                    )
+                    .await?
+                    .get(0);
+                let listed: i64 = client.query_one(ANY_LISTED, &[&refs]).await?.get(0);
+                Ok((
+                    u32::try_from(held).unwrap_or(u32::MAX),
+                    usize::try_from(listed).unwrap_or(0),
+                ))
+            })
+        })
     }
 
     fn stock(&self, address: Address, now_ms: i64) -> StoreFuture<Stock> {

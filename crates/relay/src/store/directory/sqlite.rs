@@ -292,6 +292,32 @@ impl Directory for SqliteDirectory {
         self.run(move |conn| self::offer(conn, &offer))
     }
 
+    fn listed(
+        &self,
+        address: Address,
+        refs: Vec<Vec<u8>>,
+        now_ms: i64,
+    ) -> StoreFuture<(u32, usize)> {
+        self.run(move |conn| {
+            let held: i64 = conn.prepare_cached(ONE_TIME_STOCK)?.query_row(
+                params![address.account, address.identity, false, now_ms],
+                |row| row.get(0),
+            )?;
+            let mut listed = 0;
+            for key_package_ref in &refs {
+                if conn
+                    .prepare_cached(PACKAGE_LISTED)?
+                    .query_row(params![key_package_ref], |_| Ok(()))
+                    .optional()?
+                    .is_some()
+                {
+                    listed += 1;
+                }
+            }
+            Ok((u32::try_from(held).unwrap_or(u32::MAX), listed))
+        })
+    }
+
     fn stock(&self, address: Address, now_ms: i64) -> StoreFuture<Stock> {
         self.run(move |conn| self::stock(conn, &address, now_ms))
     }
