@@ -242,8 +242,7 @@ pub(super) async fn set_invitation_policy(
     let caller = inner.caller(&metadata, &extensions).await?;
     check_identity(&request.identity)?;
     let accounts = request.policy.unwrap_or_default().accounts;
-    if accounts.len() > MAX_POLICY_ACCOUNTS
-        || accounts.iter().any(|a| a.len() > MAX_ACCOUNT_BYTES)
+    if accounts.len() > MAX_POLICY_ACCOUNTS || accounts.iter().any(|a| a.len() > MAX_ACCOUNT_BYTES)
     {
         return Err(RelayError::InvalidArgument(format!(
             "a policy names at most {MAX_POLICY_ACCOUNTS} accounts of at most \

@@ -11,9 +11,8 @@ use sha2::{Digest, Sha256};
 use tokio_postgres::{Client, Config, GenericClient};
 
 use super::{
-    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow,
-    Invited, NewInvitation, NewPackage, Offer, Offered, OpenedInvitation, Stock, ACCEPTED,
-    DECLINED,
+    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow, Invited,
+    NewInvitation, NewPackage, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
 };
 use crate::store::postgres::{connect, store_error};
 use crate::store::sql::{
@@ -36,8 +35,7 @@ const TAKE_ONE_TIME: &str = "UPDATE relay_key_packages SET claimed_at = $3 WHERE
      AND last_resort = FALSE AND claimed_at IS NULL AND not_after > $3 ORDER BY id LIMIT 1 \
      FOR UPDATE SKIP LOCKED) RETURNING key_package_ref, key_package";
 /// How many of the refs are listed (one statement where SQLite looks each up).
-const ANY_LISTED: &str =
-    "SELECT count(*) FROM relay_key_packages WHERE key_package_ref = ANY($1)";
+const ANY_LISTED: &str = "SELECT count(*) FROM relay_key_packages WHERE key_package_ref = ANY($1)";
 /// Offers of one address wait for each other (until COMMIT).
 const LOCK_ADDRESS: &str = "SELECT pg_advisory_xact_lock($1)";
 
@@ -68,7 +66,11 @@ impl PgDirectory {
     {
         let pool = Arc::clone(&self.0);
         Box::pin(async move {
-            let idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let idle = pool
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
             let mut client = match idle {
                 Some(client) if !client.is_closed() => client,
                 _ => connect(&pool.config).await.map_err(store_error)?,
@@ -269,11 +271,10 @@ async fn invite(client: &mut Client, new: NewInvitation) -> PgResult<Invited> {
     let id: i64 = match inserted {
         Some(row) => row.get(0),
         // Another relay recorded it meanwhile.
-        None => {
-            tx.query_one(INVITATION_OF, &[&new.key_package_ref, &new.channel_id])
-                .await?
-                .get(0)
-        }
+        None => tx
+            .query_one(INVITATION_OF, &[&new.key_package_ref, &new.channel_id])
+            .await?
+            .get(0),
     };
     tx.commit().await?;
     Ok(Invited::Recorded(id))

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{
-    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow,
-    Invited, NewInvitation, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
+    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow, Invited,
+    NewInvitation, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
 };
 use crate::error::{RelayError, Result};
 use crate::store::sql::sqlite::{
@@ -89,17 +89,18 @@ fn offer(conn: &mut Connection, offer: &Offer) -> rusqlite::Result<Offered> {
             .query_row(params![package.key_package_ref], |_| Ok(()))
             .optional()?
             .is_some();
-        let repeated = new.iter().any(|p: &&super::NewPackage| {
-            p.key_package_ref == package.key_package_ref
-        });
+        let repeated = new
+            .iter()
+            .any(|p: &&super::NewPackage| p.key_package_ref == package.key_package_ref);
         if !listed && !repeated {
             new.push(package);
         }
     }
-    let held: i64 = tx.prepare_cached(ONE_TIME_STOCK)?.query_row(
-        params![account, identity, false, offer.now_ms],
-        |row| row.get(0),
-    )?;
+    let held: i64 = tx
+        .prepare_cached(ONE_TIME_STOCK)?
+        .query_row(params![account, identity, false, offer.now_ms], |row| {
+            row.get(0)
+        })?;
     let adding = new.iter().filter(|p| !p.last_resort).count();
     let held_count = usize::try_from(held).unwrap_or(usize::MAX);
     if held_count.saturating_add(adding) > offer.max_one_time {
@@ -139,10 +140,9 @@ fn offer(conn: &mut Connection, offer: &Offer) -> rusqlite::Result<Offered> {
 fn claim(conn: &mut Connection, claim: &Claim) -> rusqlite::Result<Claimed> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let (account, identity) = (&claim.address.account, &claim.address.identity);
-    let pending: i64 = tx.prepare_cached(PENDING_INVITATIONS)?.query_row(
-        params![account, identity, claim.now_ms],
-        |row| row.get(0),
-    )?;
+    let pending: i64 = tx
+        .prepare_cached(PENDING_INVITATIONS)?
+        .query_row(params![account, identity, claim.now_ms], |row| row.get(0))?;
     if usize::try_from(pending).unwrap_or(usize::MAX) >= claim.max_pending {
         return Ok(Claimed::TooManyPending);
     }
@@ -328,8 +328,11 @@ impl Directory for SqliteDirectory {
             tx.prepare_cached(CLEAR_POLICY)?
                 .execute(params![address.account, address.identity])?;
             for account in &allowed {
-                tx.prepare_cached(ALLOW)?
-                    .execute(params![address.account, address.identity, account])?;
+                tx.prepare_cached(ALLOW)?.execute(params![
+                    address.account,
+                    address.identity,
+                    account
+                ])?;
             }
             tx.commit()
         })
