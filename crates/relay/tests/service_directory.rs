@@ -278,6 +278,34 @@ async fn an_agent_is_claimed_invited_and_joins_through_the_directory() {
     // Bob is a member: his leaf is bound to his account.
     let members = bob.list_members(&mut client, CHANNEL).await.unwrap();
     assert!(members.members.iter().any(|m| m.account == "bob"));
+    // Nothing of it is due for pruning yet.
+    assert_eq!(relay.server().prune_now().await.unwrap().directory, 0);
+    assert!(list(&mut client, &bob, "bob").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anonymous_agent_has_an_address_of_the_anonymous_account() {
+    let relay = Relay::start_with(|c| c.allow_anonymous = true, Some(Arc::new(FakeVerify))).await;
+    let mut client = relay.client().await;
+    let agent = Member::anonymous("agent");
+    let other = Member::anonymous("other");
+    let alice = Member::with_token("alice", "alice.k1");
+    let stock = offer(&mut client, &agent, packages(&agent, 1, false), false)
+        .await
+        .unwrap();
+    assert_eq!(stock.one_time, 1);
+    alice.create(&mut client, CHANNEL).await;
+    // Alice's account is not the anonymous one: the default policy refuses her.
+    let status = claim(&mut client, &alice, &agent, CHANNEL)
+        .await
+        .unwrap_err();
+    assert_status(&status, Code::NotFound, NO_SUCH_ADDRESS);
+    // Another anonymous caller is of the address's own account.
+    other.create(&mut client, "anon/a/b").await;
+    let claimed = claim(&mut client, &other, &agent, "anon/a/b")
+        .await
+        .unwrap();
+    assert!(!claimed.last_resort);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -822,4 +850,7 @@ async fn the_directory_is_exact_across_relays_on_postgresql() {
     assert_eq!(listed, 6);
     let stock = offer(&mut on_a, &bob, vec![], false).await.unwrap();
     assert_eq!(stock.one_time, 60);
+    // A prune pass runs the directory's statements; nothing is due yet (the settled
+    // invitation is kept a day, the claims too, the packages live for months).
+    assert_eq!(a.server().prune_now().await.unwrap().directory, 0);
 }

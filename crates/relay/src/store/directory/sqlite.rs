@@ -408,3 +408,103 @@ impl Directory for SqliteDirectory {
         self.run(move |conn| self::prune(conn, &prune))
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn directory() -> (tempfile::TempDir, SqliteDirectory, i64) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(&crate::store::schema::SQLITE.concat())
+            .unwrap();
+        conn.execute(
+            "INSERT INTO relay_channels (scope, name) VALUES ('', 'acme/a/b')",
+            [],
+        )
+        .unwrap();
+        let channel_id = conn.last_insert_rowid();
+        (dir, SqliteDirectory::open(&path).unwrap(), channel_id)
+    }
+
+    fn address() -> Address {
+        Address {
+            account: "bob".to_owned(),
+            identity: b"bob".to_vec(),
+        }
+    }
+
+    fn package(name: &str, last_resort: bool, not_after_ms: i64) -> super::super::NewPackage {
+        super::super::NewPackage {
+            key_package_ref: name.as_bytes().to_vec(),
+            key_package: name.as_bytes().to_vec(),
+            last_resort,
+            not_after_ms,
+        }
+    }
+
+    /// Expired packages are never handed out (nor counted, nor consented on) and the pruner
+    /// deletes them; a claim row and a settled invitation go after their time.
+    #[tokio::test]
+    async fn expired_packages_are_not_handed_out_and_are_pruned() {
+        let (_dir, directory, channel_id) = directory();
+        let now = 1_000_000_000;
+        let offered = directory
+            .offer(Offer {
+                address: address(),
+                packages: vec![
+                    package("old", false, now - 1),
+                    package("old-lr", true, now - 1),
+                    package("new", false, now + 60_000),
+                ],
+                replace: false,
+                max_one_time: 64,
+                now_ms: now,
+            })
+            .await
+            .unwrap();
+        // The old last-resort package was listed and is expired: none counts.
+        assert_eq!(
+            offered,
+            Offered::Listed(Stock {
+                one_time: 1,
+                last_resort: false,
+                earliest_expiry_ms: now + 60_000,
+            })
+        );
+        let claim = |now_ms| Claim {
+            address: address(),
+            claimer: "bob".to_owned(),
+            channel_id,
+            max_pending: 100,
+            now_ms,
+        };
+        match directory.claim(claim(now)).await.unwrap() {
+            Claimed::Package {
+                key_package_ref, ..
+            } => assert_eq!(key_package_ref, b"new"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!directory
+            .consents(address(), "bob".to_owned(), now)
+            .await
+            .unwrap());
+        assert_eq!(
+            directory.claim(claim(now)).await.unwrap(),
+            Claimed::NoPackage
+        );
+        // Pruned: the two expired packages now; later the claimed one (past its lifetime)
+        // and the claim.
+        let prune = |now_ms| DirectoryPrune {
+            now_ms,
+            claims_before_ms: now_ms - 1_000,
+            settled_before_ms: now_ms - 1_000,
+            limit: 10,
+        };
+        assert_eq!(directory.prune(prune(now)).await.unwrap(), 2);
+        assert_eq!(directory.prune(prune(now + 120_000)).await.unwrap(), 2);
+        assert_eq!(directory.prune(prune(now + 240_000)).await.unwrap(), 0);
+    }
+}
