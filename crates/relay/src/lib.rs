@@ -8,7 +8,7 @@
 //! channel's public MLS group state: handshakes checked as a member would) are pure; `clock` is unix ms;
 //! `members` is who may reach a channel (bound leaves); `log` is the channel logs (memory, the
 //! group-committing writer); `store` is the log's I/O over plain rows, one module per database
-//! (it imports nothing above it); `memory` gives freed memory back to the OS;
+//! (it imports nothing above it), and the key-package directory's rows (`store/directory/`); `memory` gives freed memory back to the OS;
 //! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
 //! terminates TLS; `shutdown` is the one stop signal every part watches, in phases); `observe` (`access`: the access log, `metrics`: Prometheus,
 //! `health`: the gRPC health service) watches it; `settings` is its configuration, one table of knobs; `auth` is

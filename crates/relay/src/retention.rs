@@ -22,9 +22,9 @@ use crate::clock::now_ms;
 use crate::error::Result;
 use crate::log::ChannelLog;
 use crate::shutdown::{Phase, Watch};
+use crate::store::directory::DirectoryPrune;
 pub use crate::store::Policy;
 pub(crate) use crate::store::PruneStep;
-use crate::store::directory::DirectoryPrune;
 use crate::store::RetentionRow;
 
 /// A claim is kept this long for the Invite that follows it (the claimer adds the package,

@@ -34,6 +34,19 @@ pub enum PackageError {
     Binding { index: usize },
 }
 
+/// The KeyPackageRef and last-resort mark of a package, read without checking it (a parse and
+/// one hash: the cheap look before the stock is counted). None: not an MLSMessage(key_package)
+/// (the check says why).
+pub fn peek_key_package(bytes: &[u8]) -> Option<(Vec<u8>, bool)> {
+    let message = MlsMessageIn::tls_deserialize_exact(bytes).ok()?;
+    let MlsMessageBodyIn::KeyPackage(package) = message.extract() else {
+        return None;
+    };
+    let package = package.into_unchecked();
+    let key_package_ref = package.hash_ref(crypto()).ok()?;
+    Some((key_package_ref.as_slice().to_vec(), package.last_resort()))
+}
+
 /// Checks the package at `index` of a request: an MLSMessage(key_package) that validates
 /// (signatures, lifetime, capabilities), of the relay's cipher suite, whose credential is
 /// `identity`, bound to `account` by `binding`.

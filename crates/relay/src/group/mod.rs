@@ -29,7 +29,7 @@ use static_mls::CIPHERSUITE;
 
 pub use error::{ErrorKind, GroupError};
 pub use handshake::{CommitOutcome, Handshake};
-pub use key_package::{check_key_package, CheckedPackage, PackageError};
+pub use key_package::{check_key_package, peek_key_package, CheckedPackage, PackageError};
 use slot::{Records, Slot};
 
 /// The first byte of [`GroupState::to_bytes`]: format 1 is four length-prefixed records

@@ -36,6 +36,13 @@ pub const METHODS: &[&str] = &[
     "FetchWelcome",
     "SetRetention",
     "GetRetention",
+    "OfferKeyPackages",
+    "SetInvitationPolicy",
+    "ClaimKeyPackage",
+    "Invite",
+    "ListInvitations",
+    "OpenInvitation",
+    "SettleInvitation",
     "Health/Check",
     "Health/Watch",
 ];

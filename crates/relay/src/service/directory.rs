@@ -25,7 +25,7 @@ use super::caller::channel_name;
 use super::Inner;
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
-use crate::group::{check_key_package, PackageError};
+use crate::group::{check_key_package, peek_key_package, PackageError};
 use crate::pb;
 use crate::store::directory::{Address, Claim, Claimed, NewPackage, Offer, Offered, Stock};
 use crate::wire::rules::KeyedBuckets;
@@ -158,6 +158,26 @@ pub(super) async fn offer_key_packages(
             directory.stock(address, now_ms()).await?,
         )));
     }
+    // The cap, cheaply (a parse and a hash per package, one read): most offers past it are
+    // refused before any signature is checked. The store decides again when it lists them.
+    if !request.replace {
+        let mut refs = Vec::new();
+        for offer in &request.packages {
+            match peek_key_package(&offer.key_package) {
+                Some((key_package_ref, false)) if !refs.contains(&key_package_ref) => {
+                    refs.push(key_package_ref);
+                }
+                _ => {}
+            }
+        }
+        let (held, listed) = directory
+            .listed(address.clone(), refs.clone(), now_ms())
+            .await?;
+        let adding = refs.len().saturating_sub(listed);
+        if (held as usize).saturating_add(adding) > MAX_ONE_TIME_PACKAGES {
+            return Err(full(held));
+        }
+    }
     let checked = {
         let (account, identity) = (address.account.clone(), address.identity.clone());
         let offers = request.packages;
@@ -201,11 +221,16 @@ pub(super) async fn offer_key_packages(
         .await?;
     match offered {
         Offered::Listed(stock) => Ok(Response::new(stock_response(stock))),
-        Offered::Full { held } => Err(RelayError::resource_exhausted(format!(
-            "this address holds {held} one-time key packages not yet claimed: at most \
-             {MAX_ONE_TIME_PACKAGES} (nothing of the request was listed)"
-        ))),
+        Offered::Full { held } => Err(full(held)),
     }
+}
+
+/// The refusal of an offer past the cap.
+fn full(held: u32) -> RelayError {
+    RelayError::resource_exhausted(format!(
+        "this address holds {held} one-time key packages not yet claimed: at most \
+         {MAX_ONE_TIME_PACKAGES} (nothing of the request was listed)"
+    ))
 }
 
 /// SetInvitationPolicy: the policy's shape, the caller's publish rate, one transaction.
@@ -217,8 +242,7 @@ pub(super) async fn set_invitation_policy(
     let caller = inner.caller(&metadata, &extensions).await?;
     check_identity(&request.identity)?;
     let accounts = request.policy.unwrap_or_default().accounts;
-    if accounts.len() > MAX_POLICY_ACCOUNTS
-        || accounts.iter().any(|a| a.len() > MAX_ACCOUNT_BYTES)
+    if accounts.len() > MAX_POLICY_ACCOUNTS || accounts.iter().any(|a| a.len() > MAX_ACCOUNT_BYTES)
     {
         return Err(RelayError::InvalidArgument(format!(
             "a policy names at most {MAX_POLICY_ACCOUNTS} accounts of at most \

@@ -35,8 +35,7 @@ pub(super) async fn invite(
     inner.require_member(&channel, &caller.account).await?;
     let (_, members) = inner.log.members_of(&channel).await?;
     let inviter = members.into_iter().find(|(leaf, account)| {
-        leaf.leaf_index == request.inviter_leaf
-            && account.as_deref() == Some(&*caller.account)
+        leaf.leaf_index == request.inviter_leaf && account.as_deref() == Some(&*caller.account)
     });
     let Some((leaf, _)) = inviter else {
         return Err(RelayError::PermissionDenied(format!(

@@ -12,6 +12,9 @@
 //! each group commit locks its channels' rows and decides from them, and every commit is
 //! NOTIFYed so that the other relays wake their subscribers. The statements both share are
 //! written once ([`sql`]), as is the list of migrations ([`schema`]).
+//!
+//! The key-package directory and invitations ([`directory`], migration 0010) are rows of the
+//! same database on connections of their own, beside the log (docs/design.md §5.5).
 
 pub(crate) mod directory;
 mod keys;

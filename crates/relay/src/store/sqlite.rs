@@ -145,7 +145,10 @@ fn open_checkpointer(path: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
-pub(in crate::store) fn open_connection(path: &Path, access: OpenFlags) -> rusqlite::Result<Connection> {
+pub(in crate::store) fn open_connection(
+    path: &Path,
+    access: OpenFlags,
+) -> rusqlite::Result<Connection> {
     // No CREATE: the Python store's migrations made the file; a wrong path fails here.
     let flags = access | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)?;

@@ -5,6 +5,8 @@
 //! `tests/relay/mls_vectors.py`), a fake token verifier, a SubscribeMany reader.
 #![allow(clippy::unwrap_used, dead_code)]
 
+pub mod postgres;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;

@@ -137,6 +137,14 @@ pub(crate) trait Directory: Send + Sync {
     /// Lists `offer`'s packages (see [`Offered`]), in one transaction that no other offer of
     /// the address interleaves with (the cap is exact under concurrent offers).
     fn offer(&self, offer: Offer) -> StoreFuture<Offered>;
+    /// The address's one-time packages listed unclaimed, and how many of `refs` are listed
+    /// already (claimed or not): the cheap look at the cap before packages are checked.
+    fn listed(
+        &self,
+        address: Address,
+        refs: Vec<Vec<u8>>,
+        now_ms: i64,
+    ) -> StoreFuture<(u32, usize)>;
     /// The address's stock.
     fn stock(&self, address: Address, now_ms: i64) -> StoreFuture<Stock>;
     /// Replaces the address's policy with `allowed`.

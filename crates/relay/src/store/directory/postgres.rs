@@ -11,9 +11,8 @@ use sha2::{Digest, Sha256};
 use tokio_postgres::{Client, Config, GenericClient};
 
 use super::{
-    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow,
-    Invited, NewInvitation, NewPackage, Offer, Offered, OpenedInvitation, Stock, ACCEPTED,
-    DECLINED,
+    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow, Invited,
+    NewInvitation, NewPackage, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
 };
 use crate::store::postgres::{connect, store_error};
 use crate::store::sql::{
@@ -35,6 +34,8 @@ const TAKE_ONE_TIME: &str = "UPDATE relay_key_packages SET claimed_at = $3 WHERE
      (SELECT id FROM relay_key_packages WHERE account = $1 AND identity = $2 \
      AND last_resort = FALSE AND claimed_at IS NULL AND not_after > $3 ORDER BY id LIMIT 1 \
      FOR UPDATE SKIP LOCKED) RETURNING key_package_ref, key_package";
+/// How many of the refs are listed (one statement where SQLite looks each up).
+const ANY_LISTED: &str = "SELECT count(*) FROM relay_key_packages WHERE key_package_ref = ANY($1)";
 /// Offers of one address wait for each other (until COMMIT).
 const LOCK_ADDRESS: &str = "SELECT pg_advisory_xact_lock($1)";
 
@@ -65,7 +66,11 @@ impl PgDirectory {
     {
         let pool = Arc::clone(&self.0);
         Box::pin(async move {
-            let idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner).pop();
+            let idle = pool
+                .idle
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .pop();
             let mut client = match idle {
                 Some(client) if !client.is_closed() => client,
                 _ => connect(&pool.config).await.map_err(store_error)?,
@@ -266,11 +271,10 @@ async fn invite(client: &mut Client, new: NewInvitation) -> PgResult<Invited> {
     let id: i64 = match inserted {
         Some(row) => row.get(0),
         // Another relay recorded it meanwhile.
-        None => {
-            tx.query_one(INVITATION_OF, &[&new.key_package_ref, &new.channel_id])
-                .await?
-                .get(0)
-        }
+        None => tx
+            .query_one(INVITATION_OF, &[&new.key_package_ref, &new.channel_id])
+            .await?
+            .get(0),
     };
     tx.commit().await?;
     Ok(Invited::Recorded(id))
@@ -317,6 +321,30 @@ async fn prune(client: &mut Client, prune: DirectoryPrune) -> PgResult<usize> {
 impl Directory for PgDirectory {
     fn offer(&self, offer: Offer) -> StoreFuture<Offered> {
         self.run(move |client| Box::pin(self::offer(client, offer)))
+    }
+
+    fn listed(
+        &self,
+        address: Address,
+        refs: Vec<Vec<u8>>,
+        now_ms: i64,
+    ) -> StoreFuture<(u32, usize)> {
+        self.run(move |client| {
+            Box::pin(async move {
+                let held: i64 = client
+                    .query_one(
+                        ONE_TIME_STOCK,
+                        &[&address.account, &address.identity, &false, &now_ms],
+                    )
+                    .await?
+                    .get(0);
+                let listed: i64 = client.query_one(ANY_LISTED, &[&refs]).await?.get(0);
+                Ok((
+                    u32::try_from(held).unwrap_or(u32::MAX),
+                    usize::try_from(listed).unwrap_or(0),
+                ))
+            })
+        })
     }
 
     fn stock(&self, address: Address, now_ms: i64) -> StoreFuture<Stock> {

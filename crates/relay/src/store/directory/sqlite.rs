@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{
-    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow,
-    Invited, NewInvitation, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
+    stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow, Invited,
+    NewInvitation, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
 };
 use crate::error::{RelayError, Result};
 use crate::store::sql::sqlite::{
@@ -89,17 +89,18 @@ fn offer(conn: &mut Connection, offer: &Offer) -> rusqlite::Result<Offered> {
             .query_row(params![package.key_package_ref], |_| Ok(()))
             .optional()?
             .is_some();
-        let repeated = new.iter().any(|p: &&super::NewPackage| {
-            p.key_package_ref == package.key_package_ref
-        });
+        let repeated = new
+            .iter()
+            .any(|p: &&super::NewPackage| p.key_package_ref == package.key_package_ref);
         if !listed && !repeated {
             new.push(package);
         }
     }
-    let held: i64 = tx.prepare_cached(ONE_TIME_STOCK)?.query_row(
-        params![account, identity, false, offer.now_ms],
-        |row| row.get(0),
-    )?;
+    let held: i64 = tx
+        .prepare_cached(ONE_TIME_STOCK)?
+        .query_row(params![account, identity, false, offer.now_ms], |row| {
+            row.get(0)
+        })?;
     let adding = new.iter().filter(|p| !p.last_resort).count();
     let held_count = usize::try_from(held).unwrap_or(usize::MAX);
     if held_count.saturating_add(adding) > offer.max_one_time {
@@ -139,10 +140,9 @@ fn offer(conn: &mut Connection, offer: &Offer) -> rusqlite::Result<Offered> {
 fn claim(conn: &mut Connection, claim: &Claim) -> rusqlite::Result<Claimed> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let (account, identity) = (&claim.address.account, &claim.address.identity);
-    let pending: i64 = tx.prepare_cached(PENDING_INVITATIONS)?.query_row(
-        params![account, identity, claim.now_ms],
-        |row| row.get(0),
-    )?;
+    let pending: i64 = tx
+        .prepare_cached(PENDING_INVITATIONS)?
+        .query_row(params![account, identity, claim.now_ms], |row| row.get(0))?;
     if usize::try_from(pending).unwrap_or(usize::MAX) >= claim.max_pending {
         return Ok(Claimed::TooManyPending);
     }
@@ -292,6 +292,32 @@ impl Directory for SqliteDirectory {
         self.run(move |conn| self::offer(conn, &offer))
     }
 
+    fn listed(
+        &self,
+        address: Address,
+        refs: Vec<Vec<u8>>,
+        now_ms: i64,
+    ) -> StoreFuture<(u32, usize)> {
+        self.run(move |conn| {
+            let held: i64 = conn.prepare_cached(ONE_TIME_STOCK)?.query_row(
+                params![address.account, address.identity, false, now_ms],
+                |row| row.get(0),
+            )?;
+            let mut listed = 0;
+            for key_package_ref in &refs {
+                if conn
+                    .prepare_cached(PACKAGE_LISTED)?
+                    .query_row(params![key_package_ref], |_| Ok(()))
+                    .optional()?
+                    .is_some()
+                {
+                    listed += 1;
+                }
+            }
+            Ok((u32::try_from(held).unwrap_or(u32::MAX), listed))
+        })
+    }
+
     fn stock(&self, address: Address, now_ms: i64) -> StoreFuture<Stock> {
         self.run(move |conn| self::stock(conn, &address, now_ms))
     }
@@ -302,8 +328,11 @@ impl Directory for SqliteDirectory {
             tx.prepare_cached(CLEAR_POLICY)?
                 .execute(params![address.account, address.identity])?;
             for account in &allowed {
-                tx.prepare_cached(ALLOW)?
-                    .execute(params![address.account, address.identity, account])?;
+                tx.prepare_cached(ALLOW)?.execute(params![
+                    address.account,
+                    address.identity,
+                    account
+                ])?;
             }
             tx.commit()
         })
@@ -377,5 +406,105 @@ impl Directory for SqliteDirectory {
 
     fn prune(&self, prune: DirectoryPrune) -> StoreFuture<usize> {
         self.run(move |conn| self::prune(conn, &prune))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn directory() -> (tempfile::TempDir, SqliteDirectory, i64) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(&crate::store::schema::SQLITE.concat())
+            .unwrap();
+        conn.execute(
+            "INSERT INTO relay_channels (scope, name) VALUES ('', 'acme/a/b')",
+            [],
+        )
+        .unwrap();
+        let channel_id = conn.last_insert_rowid();
+        (dir, SqliteDirectory::open(&path).unwrap(), channel_id)
+    }
+
+    fn address() -> Address {
+        Address {
+            account: "bob".to_owned(),
+            identity: b"bob".to_vec(),
+        }
+    }
+
+    fn package(name: &str, last_resort: bool, not_after_ms: i64) -> super::super::NewPackage {
+        super::super::NewPackage {
+            key_package_ref: name.as_bytes().to_vec(),
+            key_package: name.as_bytes().to_vec(),
+            last_resort,
+            not_after_ms,
+        }
+    }
+
+    /// Expired packages are never handed out (nor counted, nor consented on) and the pruner
+    /// deletes them; a claim row and a settled invitation go after their time.
+    #[tokio::test]
+    async fn expired_packages_are_not_handed_out_and_are_pruned() {
+        let (_dir, directory, channel_id) = directory();
+        let now = 1_000_000_000;
+        let offered = directory
+            .offer(Offer {
+                address: address(),
+                packages: vec![
+                    package("old", false, now - 1),
+                    package("old-lr", true, now - 1),
+                    package("new", false, now + 60_000),
+                ],
+                replace: false,
+                max_one_time: 64,
+                now_ms: now,
+            })
+            .await
+            .unwrap();
+        // The old last-resort package was listed and is expired: none counts.
+        assert_eq!(
+            offered,
+            Offered::Listed(Stock {
+                one_time: 1,
+                last_resort: false,
+                earliest_expiry_ms: now + 60_000,
+            })
+        );
+        let claim = |now_ms| Claim {
+            address: address(),
+            claimer: "bob".to_owned(),
+            channel_id,
+            max_pending: 100,
+            now_ms,
+        };
+        match directory.claim(claim(now)).await.unwrap() {
+            Claimed::Package {
+                key_package_ref, ..
+            } => assert_eq!(key_package_ref, b"new"),
+            other => panic!("{other:?}"),
+        }
+        assert!(!directory
+            .consents(address(), "bob".to_owned(), now)
+            .await
+            .unwrap());
+        assert_eq!(
+            directory.claim(claim(now)).await.unwrap(),
+            Claimed::NoPackage
+        );
+        // Pruned: the two expired packages now; later the claimed one (past its lifetime)
+        // and the claim.
+        let prune = |now_ms| DirectoryPrune {
+            now_ms,
+            claims_before_ms: now_ms - 1_000,
+            settled_before_ms: now_ms - 1_000,
+            limit: 10,
+        };
+        assert_eq!(directory.prune(prune(now)).await.unwrap(), 2);
+        assert_eq!(directory.prune(prune(now + 120_000)).await.unwrap(), 2);
+        assert_eq!(directory.prune(prune(now + 240_000)).await.unwrap(), 0);
     }
 }
