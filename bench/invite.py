@@ -15,8 +15,8 @@ identities that never join). Then, ``--repeat`` times each, with a fresh invitee
 * **invite**: ``Channel.invite(address)``: the claim from the directory, the commit (Welcome
   with it) and the relay's invitation;
 * **discovery**: from invite's return until the invitee's ``invitations()``, waiting in a
-  thread since before the invite, yields it: the SDK polls every second while nothing is
-  pending, so this is up to a second, half on average;
+  thread since before the invite, yields it (its call waits at the relay, which answers it
+  when the invitation is recorded);
 * **accept**: ``Invitation.accept()``: the Welcome fetched, joined, the leaf bound, settled;
 * baseline, **add + join**: ``add_member`` of a key package the invitee generated before the
   timer, then ``join_channel`` with the Welcome handed over in-process.
@@ -120,7 +120,7 @@ def run(relay: str, tmp: Path, sizes: list[int], repeat: int) -> None:
             base = statistics.median(add_join)
             print(f"group size {size} ({repeat} samples each, median and p90):", flush=True)
             print(f"  invite                     {_ms(invite)}")
-            print(f"  discovery (1 s poll)       {_ms(discovery)}")
+            print(f"  discovery                 {_ms(discovery)}")
             print(f"  accept                     {_ms(accept)}")
             print(
                 f"  invite + accept            {_ms(direct)}  "

@@ -21,11 +21,13 @@ from static._native import client as native_client
 
 __all__ = ["Address", "AsyncInvitationIterator", "Invitation", "InvitationIterator"]
 
-#: How often an iterator asks the relay for new invitations while none is pending (seconds):
-#: one indexed read on the relay per agent per poll.
-POLL_INTERVAL: Final[float] = 1.0
-#: A blocking iterator's sleep is cut in slices this long, so ``close()`` ends it promptly.
-_SLICE: Final[float] = 0.1
+#: How long each of an iterator's calls waits for an invitation while none is pending (seconds):
+#: the relay holds the call (a long poll) and answers it as soon as an invitation for this agent
+#: is recorded; so a waiting agent costs the relay one call, one indexed read, a second. Also
+#: how soon a blocking iterator answers Ctrl-C.
+LONG_POLL: Final[float] = 1.0
+#: A relay that answers at once (an older one) is asked at most this often.
+_MIN_POLL: Final[float] = 0.5
 
 _C = TypeVar("_C")
 
@@ -157,24 +159,22 @@ class InvitationIterator(_Invitations[_C]):
         while not self._ready:
             if self._closed.is_set():
                 raise StopIteration
+            asked = time.monotonic()
             try:
-                self._take(self._native.list_invitations(self._after))
+                self._take(self._native.list_invitations(self._after, LONG_POLL))
             except RuntimeError:
                 if self._closed.is_set():
                     raise StopIteration from None
                 raise
-            if self._ready:
-                break
-            deadline = time.monotonic() + POLL_INTERVAL
-            while not self._closed.is_set() and time.monotonic() < deadline:
-                # An Event wait answers close() at once; Ctrl-C is checked between slices.
-                self._closed.wait(_SLICE)
+            if not self._ready:
+                # An Event wait answers close() at once.
+                self._closed.wait(max(0.0, asked + _MIN_POLL - time.monotonic()))
         return self._ready.popleft()
 
 
 class AsyncInvitationIterator(_Invitations[_C]):
-    """Async :class:`InvitationIterator`, for trio and asyncio (each poll runs in a worker
-    thread; cancelling a wait loses nothing)."""
+    """Async :class:`InvitationIterator`, for trio and asyncio (each call runs in a worker
+    thread; cancelling a wait loses nothing: an invitation not yielded stays pending)."""
 
     def __aiter__(self) -> AsyncInvitationIterator[_C]:
         return self
@@ -183,14 +183,20 @@ class AsyncInvitationIterator(_Invitations[_C]):
         while not self._ready:
             if self._closed.is_set():
                 raise StopAsyncIteration
+            asked = time.monotonic()
             try:
-                listed = await anyio.to_thread.run_sync(self._native.list_invitations, self._after)
+                # Cancelling abandons the call (what it lists stays pending for the next one).
+                listed = await anyio.to_thread.run_sync(
+                    self._native.list_invitations,
+                    self._after,
+                    LONG_POLL,
+                    abandon_on_cancel=True,
+                )
             except RuntimeError:
                 if self._closed.is_set():
                     raise StopAsyncIteration from None
                 raise
             self._take(listed)
-            if self._ready:
-                break
-            await anyio.sleep(POLL_INTERVAL)
+            if not self._ready:
+                await anyio.sleep(max(0.0, asked + _MIN_POLL - time.monotonic()))
         return self._ready.popleft()

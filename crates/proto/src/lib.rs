@@ -56,6 +56,9 @@ pub mod directory {
     pub const MAX_ACCOUNT_BYTES: usize = 64;
     /// The policy entry that lets any account claim.
     pub const ANY_ACCOUNT: &str = "*";
+    /// The longest `ListInvitations` holds a call that found nothing (its `wait_ms` is cut to
+    /// it), in milliseconds.
+    pub const MAX_LIST_WAIT_MS: u32 = 20_000;
     /// Invitations `ListInvitations` returns at most per call.
     pub const MAX_LISTED_INVITATIONS: usize = 100;
     /// The text of NOT_FOUND from `ClaimKeyPackage`: one answer for an unknown address, an

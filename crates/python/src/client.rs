@@ -133,11 +133,19 @@ impl Client {
     }
 
     /// Our pending invitations after `after_id`, each (id, channel, inviter identity, inviter
-    /// account, created at ms, expires at ms).
-    fn list_invitations(&self, py: Python<'_>, after_id: u64) -> PyResult<Vec<InvitationFields>> {
+    /// account, created at ms, expires at ms); when none is pending, the relay holds the call up
+    /// to `wait` seconds (at most 20) for one to come.
+    #[pyo3(signature = (after_id, wait=0.0))]
+    fn list_invitations(
+        &self,
+        py: Python<'_>,
+        after_id: u64,
+        wait: f64,
+    ) -> PyResult<Vec<InvitationFields>> {
+        let wait = seconds_arg("wait", wait)?;
         let inner = Arc::clone(&self.inner);
         let listed = native(exit::without_gil(py, move || {
-            inner.list_invitations(after_id)
+            inner.list_invitations(after_id, wait)
         }))?;
         Ok(listed
             .into_iter()

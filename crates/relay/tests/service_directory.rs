@@ -157,6 +157,7 @@ async fn list(
     let request = pb::ListInvitationsRequest {
         identity: identity.as_bytes().to_vec().into(),
         after_id: 0,
+        wait_ms: 0,
     };
     client
         .list_invitations(member.request(request))
@@ -713,6 +714,7 @@ async fn every_directory_call_needs_a_valid_token() {
                 .list_invitations(bad.request(pb::ListInvitationsRequest {
                     identity: b"bob".to_vec().into(),
                     after_id: 0,
+                    wait_ms: 0,
                 }))
                 .await
                 .unwrap_err(),
@@ -723,6 +725,88 @@ async fn every_directory_call_needs_a_valid_token() {
             assert_eq!(status.code(), Code::Unauthenticated, "{token}: {status:?}");
         }
     }
+}
+
+fn held_list(identity: &str, wait_ms: u32) -> pb::ListInvitationsRequest {
+    pb::ListInvitationsRequest {
+        identity: identity.as_bytes().to_vec().into(),
+        after_id: 0,
+        wait_ms,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_list_is_answered_by_the_invite_and_ends_with_its_token() {
+    let mut relay = relay_with(|_| {}).await;
+    let mut client = relay.client().await;
+    let alice = Member::with_token("alice", "alice.k1");
+    let bob = Member::with_token("bob", "bob.k1");
+    offer(&mut client, &bob, packages(&bob, 2, true), false)
+        .await
+        .unwrap();
+    set_policy(&mut client, &bob, &["alice"]).await;
+    alice.create(&mut client, CHANNEL).await;
+
+    // Nothing pending: the call is held, then answered empty when its wait is over.
+    let started = std::time::Instant::now();
+    let empty = client
+        .list_invitations(bob.request(held_list("bob", 300)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(empty.invitations.is_empty());
+    assert!(started.elapsed() >= std::time::Duration::from_millis(290));
+
+    // A held call is answered as soon as the invitation is recorded, not at its next check.
+    let mut waiting = relay.client().await;
+    let held = bob.request(held_list("bob", 20_000));
+    let listing = tokio::spawn(async move { waiting.list_invitations(held).await });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let claimed = claim(&mut client, &alice, &bob, CHANNEL).await.unwrap();
+    add_package(&mut client, &alice, CHANNEL, &claimed.key_package).await;
+    let invited_at = std::time::Instant::now();
+    let id = invite_as(&mut client, &alice, CHANNEL, &claimed.key_package_ref)
+        .await
+        .unwrap();
+    let answered = listing.await.unwrap().unwrap().into_inner();
+    assert!(
+        invited_at.elapsed() < std::time::Duration::from_millis(500),
+        "{:?}",
+        invited_at.elapsed()
+    );
+    assert_eq!(
+        answered
+            .invitations
+            .iter()
+            .map(|i| i.id)
+            .collect::<Vec<_>>(),
+        [id]
+    );
+    settle(&mut client, &bob, "bob", id, false).await.unwrap();
+
+    // A token that expires while the call is held ends it, within a second.
+    let expiring = Member::with_token("bob", "bob.k2.400");
+    let started = std::time::Instant::now();
+    let status = client
+        .list_invitations(expiring.request(held_list("bob", 20_000)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::Unauthenticated, "token expired")
+    );
+    assert!(started.elapsed() < std::time::Duration::from_millis(1500));
+
+    // So does the relay's shutdown.
+    let mut waiting = relay.client().await;
+    let held = bob.request(held_list("bob", 20_000));
+    let listing = tokio::spawn(async move { waiting.list_invitations(held).await });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let stopping = std::time::Instant::now();
+    relay.shutdown().await;
+    let status = listing.await.unwrap().unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(stopping.elapsed() < std::time::Duration::from_secs(5));
 }
 
 // --- on PostgreSQL, two relays on one database -----------------------------------------------

@@ -1,12 +1,15 @@
 //! Our side of invitations: our address, who may invite us (our policy), and the invitations
 //! the relay holds for us: listed, accepted (joining from the Welcome) or declined.
 //!
-//! Each call is one relay call or a few; `list_invitations` is polled by the SDK's iterators
-//! (one indexed read on the relay per poll) and starts the stock keeper.
+//! Each call is one relay call or a few; `list_invitations` is the SDK iterators' long poll
+//! (the relay holds it until an invitation comes) and starts the stock keeper.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use static_proto::directory::{ANY_ACCOUNT, MAX_ACCOUNT_BYTES, MAX_POLICY_ACCOUNTS};
+use static_proto::directory::{
+    ANY_ACCOUNT, MAX_ACCOUNT_BYTES, MAX_LIST_WAIT_MS, MAX_POLICY_ACCOUNTS,
+};
 
 use super::address::Address;
 use crate::channel::Channel;
@@ -96,9 +99,13 @@ impl Client {
     }
 
     /// Our pending invitations with an id above `after_id`, oldest first (at most 100 per
-    /// call). Starts keeping our key packages listed, and nudges the keeper when an invitation
-    /// is new (a package of ours was claimed).
-    pub fn list_invitations(&self, after_id: u64) -> Result<Vec<Invitation>> {
+    /// call); when there is none, the relay holds the call up to `wait` for one to come (a long
+    /// poll, at most 20 s). Starts keeping our key packages listed, and nudges the keeper when
+    /// an invitation is new (a package of ours was claimed).
+    pub fn list_invitations(&self, after_id: u64, wait: Duration) -> Result<Vec<Invitation>> {
+        let wait_ms = u32::try_from(wait.as_millis())
+            .unwrap_or(u32::MAX)
+            .min(MAX_LIST_WAIT_MS);
         self.shared.check_open()?;
         self.stock.start(&self.shared)?;
         if let Some(failure) = self.stock.failure() {
@@ -115,6 +122,7 @@ impl Client {
                     || pb::ListInvitationsRequest {
                         identity: identity.clone().into(),
                         after_id,
+                        wait_ms,
                     },
                     |mut relay, request| async move { relay.list_invitations(request).await },
                     |_| false,

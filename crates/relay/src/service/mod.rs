@@ -118,6 +118,8 @@ struct Inner {
     gate: create::Gate,
     /// The directory's claim rates.
     claims: directory::ClaimRates,
+    /// Held ListInvitations calls, woken by Invite.
+    invited: invitations::Wakeups,
     shutdown: Shutdown,
 }
 
@@ -135,6 +137,7 @@ impl Relay {
             auth,
             gate,
             claims,
+            invited: invitations::Wakeups::default(),
             settings,
             buckets: Mutex::new(HashMap::new()),
             follows: Mutex::new(HashMap::new()),

@@ -9,7 +9,7 @@ pub(crate) mod sqlite;
 use crate::store::StoreFuture;
 
 /// An address: the account its calls act for, and an identity (a credential's content).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Address {
     pub account: String,
     pub identity: Vec<u8>,
@@ -91,9 +91,10 @@ pub(crate) struct NewInvitation {
     pub now_ms: i64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Invited {
-    Recorded(i64),
+    /// The invitation's id, and the invitee (whose held ListInvitations calls are woken).
+    Recorded(i64, Address),
     /// The caller's account made no claim of the ref for the channel.
     NoClaim,
     /// No Welcome of the channel names the ref.

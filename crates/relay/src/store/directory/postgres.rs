@@ -241,7 +241,7 @@ async fn invite(client: &mut Client, new: NewInvitation) -> PgResult<Invited> {
         .query_opt(INVITATION_OF, &[&new.key_package_ref, &new.channel_id])
         .await?
     {
-        return Ok(Invited::Recorded(row.get(0)));
+        return Ok(Invited::Recorded(row.get(0), Address { account, identity }));
     }
     let Some(created) = tx
         .query_opt(WELCOME_CREATED, &[&new.channel_id, &new.key_package_ref])
@@ -277,7 +277,7 @@ async fn invite(client: &mut Client, new: NewInvitation) -> PgResult<Invited> {
             .get(0),
     };
     tx.commit().await?;
-    Ok(Invited::Recorded(id))
+    Ok(Invited::Recorded(id, Address { account, identity }))
 }
 
 async fn settle(

@@ -204,7 +204,7 @@ fn invite(conn: &mut Connection, new: &NewInvitation) -> rusqlite::Result<Invite
         })
         .optional()?;
     if let Some(id) = existing {
-        return Ok(Invited::Recorded(id));
+        return Ok(Invited::Recorded(id, Address { account, identity }));
     }
     let created: Option<i64> = tx
         .prepare_cached(WELCOME_CREATED)?
@@ -232,7 +232,7 @@ fn invite(conn: &mut Connection, new: &NewInvitation) -> rusqlite::Result<Invite
         |row| row.get(0),
     )?;
     tx.commit()?;
-    Ok(Invited::Recorded(id))
+    Ok(Invited::Recorded(id, Address { account, identity }))
 }
 
 fn invitation_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<InvitationRow> {
