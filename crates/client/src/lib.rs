@@ -31,6 +31,9 @@
 //! * Failures are typed ([`Error`]); the relay's refusals are classified once ([`Refusal`],
 //!   `relay::refusal`) and every loop that talks to the relay follows one retry policy
 //!   (`relay::retry`).
+//! * Request/reply (`request`): requests and replies are application messages marked by their
+//!   authenticated data, kept apart from the inbox, with idempotency keys of their own so that
+//!   each request gets exactly one reply across retries and crashes.
 //! * Readers of messages take them from the inbox (`receive::inbox`; blocking with a condition
 //!   variable, or async through a readiness socket per waiter, see [`Waker`]).
 //!
@@ -47,6 +50,7 @@ mod config;
 mod error;
 mod receive;
 mod relay;
+mod request;
 mod send;
 mod shared;
 mod sync;
@@ -60,4 +64,5 @@ pub use receive::inbox::Message;
 pub use relay::refusal::Refusal;
 pub use relay::tokens::{Token, TokenError, TokenProvider};
 pub use relay::transport;
+pub use request::{NextRequest, Outstanding, Request, RequestId, MAX_REQUEST_PAYLOAD};
 pub use send::pipeline::SendHandle;
