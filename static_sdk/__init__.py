@@ -7,6 +7,7 @@ error classes); it imports nothing of the server.
 from static.sdk import (
     MAX_PAYLOAD,
     AsyncMessageIterator,
+    AsyncRequestIterator,
     AsyncSenderMessageIterator,
     AuthError,
     Channel,
@@ -17,6 +18,7 @@ from static.sdk import (
     MessageIterator,
     MLSEngineError,
     Request,
+    RequestIterator,
     SenderMessageIterator,
     SendHandle,
     StaticClient,
@@ -27,6 +29,7 @@ from static.sdk import (
 __all__ = [
     "MAX_PAYLOAD",
     "AsyncMessageIterator",
+    "AsyncRequestIterator",
     "AsyncSenderMessageIterator",
     "AuthError",
     "Channel",
@@ -37,6 +40,7 @@ __all__ = [
     "Message",
     "MessageIterator",
     "Request",
+    "RequestIterator",
     "SendHandle",
     "SenderMessageIterator",
     "StaticClient",

@@ -41,6 +41,16 @@ def _no_request(channel: Channel, wait: float = 1.0) -> None:
     assert code == _EMPTY, f"an unexpected request: {fields!r}"
 
 
+def test_request_is_public() -> None:
+    import static.sdk
+    import static_sdk
+
+    for module in (static.sdk, static_sdk):
+        for name in ("Request", "RequestIterator", "AsyncRequestIterator"):
+            assert name in module.__all__
+            assert getattr(module, name).__doc__
+
+
 def test_a_request_gets_its_reply_with_the_responders_identity(
     relay: ServerProcess, clients: Clients
 ) -> None:
