@@ -67,3 +67,98 @@ impl Engine {
         self.with_db(|db| db.light_transaction(|conn| Ok(request::forget_in(conn, channel, id)?)))
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::bench_support::two_member_group;
+    use crate::request::{Kind, KIND_REPLY, KIND_REQUEST};
+    use crate::{Incoming, LogEntry};
+
+    const CH: &str = "test/requests/channel";
+
+    #[test]
+    fn kinds_and_framing() {
+        assert_eq!(Kind::of(&[]), Kind::Plain);
+        assert_eq!(Kind::of(&[KIND_REQUEST]), Kind::Request);
+        assert_eq!(Kind::of(&[KIND_REPLY]), Kind::Reply);
+        assert_eq!(Kind::of(&[3]), Kind::Unknown);
+        assert_eq!(Kind::of(&[KIND_REQUEST, 0]), Kind::Unknown);
+        assert!(request::split(&[0; 15]).is_none());
+        let (id, body) = request::split(&[7; 18]).unwrap();
+        assert_eq!((id, body), ([7; 16], &[7, 7][..]));
+    }
+
+    #[test]
+    fn requests_and_first_replies_are_stored_where_they_belong() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Engine::open(dir.path().join("a"), b"alice").unwrap();
+        let b = Engine::open(dir.path().join("b"), b"bob").unwrap();
+        two_member_group(&a, &b, CH).unwrap();
+        // Alice asks; Bob's processing stores the request, not an inbox message.
+        let id = a.new_request_id().unwrap();
+        let hash = a.request_hash(b"question").unwrap();
+        a.record_request(CH, &id, &hash).unwrap();
+        assert_eq!(a.requests_with_hash(CH, &hash).unwrap(), vec![id]);
+        let body = [&id[..], b"question"].concat();
+        let plain = a.encrypt(CH, b"plain").unwrap();
+        let asked = a
+            .encrypt_framed_unsynced(CH, &[(&[KIND_REQUEST][..], body.as_slice())])
+            .unwrap();
+        let entries = [LogEntry::new(1, &plain), LogEntry::new(2, &asked[0])];
+        let applied = b.process_entries(CH, &entries).unwrap();
+        assert!(matches!(
+            applied[0].outcome,
+            Ok(Incoming::Application { .. })
+        ));
+        assert!(matches!(
+            &applied[1].outcome,
+            Ok(Incoming::Request { id: got, payload, .. }) if *got == id && payload == b"question"
+        ));
+        assert_eq!(b.inbox_count_after(CH, 0).unwrap(), 1);
+        let received = b.received_request_after(CH, 0).unwrap().unwrap();
+        assert_eq!((received.id, received.seq), (id, 2));
+        assert!(b
+            .received_request_after(CH, received.row)
+            .unwrap()
+            .is_none());
+        // Two replies: the first is kept, the second dropped.
+        let (first, second) = ([&id[..], b"first"].concat(), [&id[..], b"second"].concat());
+        let replies = b
+            .encrypt_framed_unsynced(
+                CH,
+                &[
+                    (&[KIND_REPLY][..], first.as_slice()),
+                    (&[KIND_REPLY][..], second.as_slice()),
+                    (&[9][..], &b"a later kind"[..]),
+                ],
+            )
+            .unwrap();
+        b.request_replied(CH, &id).unwrap();
+        assert!(b.received_request_after(CH, 0).unwrap().is_none());
+        let entries: Vec<LogEntry<'_>> = (3..)
+            .zip(&replies)
+            .map(|(seq, m)| LogEntry::new(seq, m))
+            .collect();
+        let applied = a.process_entries(CH, &entries).unwrap();
+        assert!(matches!(
+            applied[0].outcome,
+            Ok(Incoming::Reply { kept: true, .. })
+        ));
+        assert!(matches!(
+            applied[1].outcome,
+            Ok(Incoming::Reply { kept: false, .. })
+        ));
+        assert!(matches!(
+            applied[2].outcome,
+            Ok(Incoming::Unrecognized { .. })
+        ));
+        assert_eq!(a.inbox_count_after(CH, 0).unwrap(), 0);
+        let reply = a.request_reply(CH, &id).unwrap().unwrap();
+        assert_eq!((reply.payload.as_slice(), reply.seq), (&b"first"[..], 3));
+        a.forget_request(CH, &id).unwrap();
+        assert!(a.request_reply(CH, &id).unwrap().is_none());
+        assert!(a.requests_with_hash(CH, &hash).unwrap().is_empty());
+    }
+}
