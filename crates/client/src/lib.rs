@@ -39,7 +39,8 @@
 //!
 //! Layout: `channel/` one open channel (the façade, its core, its commits); `send/` a message
 //! from the caller to the relay; `receive/` the log from the relay to the readers; `relay/`
-//! talking to the relay (gRPC client, tokens, refusals, retry). At the top: `client`, `shared`
+//! talking to the relay (gRPC client, tokens, refusals, retry); `request/` request/reply on a
+//! channel. At the top: `client`, `shared`
 //! (what a client's channels share), `config`, `error`, `sync` (locks and watches, used by all).
 
 #![forbid(unsafe_code)]
