@@ -15,6 +15,9 @@ MessageFields = tuple[bytes, bytes, str | None, int, int]
 #: A pending invitation: (id, channel, inviter identity, inviter account, created at unix ms,
 #: expires at unix ms).
 InvitationFields = tuple[int, str, bytes, str, int, int]
+#: A received request: (request id, payload, sender identity, publishing account or None, seq,
+#: epoch).
+RequestFields = tuple[bytes, bytes, bytes, str | None, int, int]
 
 MAX_PAYLOAD: Final[int]
 
@@ -119,8 +122,29 @@ class Channel:
         """The next message (waiting as long as it takes, answering Ctrl-C), None at the end."""
     @overload
     def next_payload(self, detailed: Literal[True]) -> MessageFields | None: ...
+    def request(self, payload: bytes) -> PendingRequest:
+        """Sends a request (or takes over the one an earlier call with the same payload left
+        waiting for its reply); returns once it is in the log."""
+    def reply(self, id: bytes, payload: bytes) -> None:
+        """Replies to request ``id`` (blocking until the reply is in the log)."""
+    def poll_request(self) -> tuple[int, RequestFields | None]:
+        """The next request received, without waiting (codes as ``poll_next``'s)."""
+    def next_request(self, timeout: float | None = None) -> tuple[int, RequestFields | None]:
+        """The next request received, waiting up to ``timeout`` seconds (forever if None)."""
     def waker(self) -> Waker: ...
     def close(self) -> None: ...
+
+@final
+class PendingRequest:
+    """A request of ours waiting for its reply; dropping it leaves the request recorded (a
+    later ``request`` with the same payload takes it over)."""
+
+    @property
+    def id(self) -> bytes: ...
+    def poll(self) -> MessageFields | None:
+        """The reply if it came (handed out once), else None; raises once the channel ended."""
+    def wait(self, timeout: float | None = None) -> MessageFields | None:
+        """Waits up to ``timeout`` seconds (forever if None) for the reply; None on timeout."""
 
 @final
 class SendHandle:

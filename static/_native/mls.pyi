@@ -12,7 +12,17 @@ from typing import Final, Literal, final
 CIPHERSUITE: Final[str]
 PAST_EPOCHS: Final[int]
 
-IncomingKind = Literal["application", "commit", "own_commit", "removed", "proposal", "own"]
+IncomingKind = Literal[
+    "application",
+    "commit",
+    "own_commit",
+    "removed",
+    "proposal",
+    "own",
+    "request",
+    "reply",
+    "unrecognized",
+]
 
 def validate_channel_name(name: str) -> None: ...
 
@@ -27,7 +37,10 @@ class Incoming:
     application: another member's message (sender, payload, epoch); commit: another member's
     commit, merged (sender, epoch = new epoch); own_commit: our pending commit echoed, merged;
     removed: a commit removed us, the group is deleted locally; proposal: stored until a commit
-    covers it (sender); own: our own message echoed, skipped.
+    covers it (sender); own: our own message echoed, skipped; request / reply: another
+    member's request or reply (sender, payload = its body, epoch; see docs/sdk.md, Request and
+    reply); unrecognized: an application message of a kind this version does not know (sender),
+    dropped.
     """
 
     @property

@@ -32,16 +32,26 @@ from static.sdk._invitations import (
     InvitationIterator,
     as_address,
 )
+from static.sdk._requests import (
+    AsyncRequestIterator,
+    Request,
+    RequestIterator,
+    request,
+    request_async,
+)
 from static.sdk._tokens import TokenSource, resolve_ca_file
 
 __all__ = [
     "MAX_PAYLOAD",
     "AsyncMessageIterator",
+    "AsyncRequestIterator",
     "AsyncSenderMessageIterator",
     "Channel",
     "Member",
     "Message",
     "MessageIterator",
+    "Request",
+    "RequestIterator",
     "SendHandle",
     "SenderMessageIterator",
     "StaticClient",
@@ -580,6 +590,32 @@ class Channel(_Closeable):
             raise EOFError(f"channel {self.name!r} has ended")
         raise TimeoutError(f"no message on {self.name!r} within {timeout} s")
 
+    def request(self, payload: bytes, timeout: float) -> Message:
+        """Send ``payload`` as a request and return the first reply another member sends to it
+        (:meth:`requests`, :meth:`Request.reply`), waiting up to ``timeout`` seconds.
+
+        Each request gets exactly one reply: after a timeout (or a crash of this process, the
+        same ``data_dir`` reopened), calling again with the same payload takes the earlier
+        request over (the responders see it once) and returns its reply. Requests and replies
+        are encrypted like any message and never show up in :meth:`messages`.
+
+        :raises TimeoutError: no reply within ``timeout``.
+        :raises TransportError: the payload is over ``MAX_PAYLOAD - 16`` bytes, or the relay
+            cannot be reached.
+        :raises InternalError: the channel was closed meanwhile.
+        """
+        checked = _check_timeout("timeout", timeout)
+        if checked is None:
+            raise TypeError("timeout must be a number of seconds, not None")
+        return _message(request(self._native, payload, checked))
+
+    def requests(self) -> RequestIterator:
+        """A blocking iterator over the requests other members send (:class:`Request`, to
+        reply to with :meth:`Request.reply`), each once per opening of the channel; one not
+        replied to comes again after the channel is reopened. Ends when the channel is closed
+        or we are removed."""
+        return RequestIterator(self._native)
+
     def epoch(self) -> int:
         """The MLS epoch our group state is at."""
         return self._native.epoch()
@@ -675,6 +711,18 @@ class Channel(_Closeable):
         :raises EOFError: the channel is closed or we were removed, and nothing is left to read.
         """
         return await _first(AsyncSenderMessageIterator(self._native), self.name)
+
+    async def request_async(self, payload: bytes, timeout: float) -> Message:  # noqa: ASYNC109 - the API's
+        """Async :meth:`request` (the reply is awaited without a thread)."""
+        checked = _check_timeout("timeout", timeout)
+        if checked is None:
+            raise TypeError("timeout must be a number of seconds, not None")
+        return _message(await request_async(self._native, payload, checked))
+
+    def requests_async(self) -> AsyncRequestIterator:
+        """Async :meth:`requests` (``async for req in ch.requests_async()``), for trio or
+        asyncio. Waiting uses no thread."""
+        return AsyncRequestIterator(self._native)
 
     async def epoch_async(self) -> int:
         """Async :meth:`epoch`."""

@@ -31,6 +31,9 @@
 //! * Failures are typed ([`Error`]); the relay's refusals are classified once ([`Refusal`],
 //!   `relay::refusal`) and every loop that talks to the relay follows one retry policy
 //!   (`relay::retry`).
+//! * Request/reply (`request`): requests and replies are application messages marked by their
+//!   authenticated data, kept apart from the inbox, with idempotency keys of their own so that
+//!   each request gets exactly one reply across retries and crashes.
 //! * Readers of messages take them from the inbox (`receive::inbox`; blocking with a condition
 //!   variable, or async through a readiness socket per waiter, see [`Waker`]).
 //!
@@ -40,7 +43,7 @@
 //! Layout: `channel/` one open channel (the façade, its core, its commits); `send/` a message
 //! from the caller to the relay; `receive/` the log from the relay to the readers; `relay/`
 //! talking to the relay (gRPC client, tokens, refusals, retry); `directory/` addresses and
-//! invitations. At the top: `client`, `shared`
+//! invitations; `request/` request/reply on a channel. At the top: `client`, `shared`
 //! (what a client's channels share), `config`, `error`, `sync` (locks and watches, used by all).
 
 #![forbid(unsafe_code)]
@@ -52,6 +55,7 @@ mod directory;
 mod error;
 mod receive;
 mod relay;
+mod request;
 mod send;
 mod shared;
 mod sync;
@@ -66,4 +70,5 @@ pub use receive::inbox::Message;
 pub use relay::refusal::Refusal;
 pub use relay::tokens::{Token, TokenError, TokenProvider};
 pub use relay::transport;
+pub use request::{NextRequest, Outstanding, Request, RequestId, MAX_REQUEST_PAYLOAD};
 pub use send::pipeline::SendHandle;

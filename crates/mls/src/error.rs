@@ -395,6 +395,9 @@ pub enum InternalError {
     Reload { channel: String, detail: String },
     #[error("panic while {what}")]
     Panic { what: &'static str },
+    /// The crypto provider could not give random bytes or a hash (request/reply's ids).
+    #[error("the crypto provider failed: {detail}")]
+    Crypto { detail: String },
     /// A measurement of `bench_support` could not be set up.
     #[error("benchmark setup failed: {detail}")]
     Bench { detail: String },

@@ -17,6 +17,7 @@ pub mod crypto;
 pub mod engine;
 pub mod error;
 pub mod outbox;
+pub mod request;
 pub mod store;
 pub mod suite;
 

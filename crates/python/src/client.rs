@@ -14,6 +14,7 @@ use static_client::{
 
 use crate::convert::{bytes, native};
 use crate::exit;
+use crate::request::{self, PendingRequest};
 use crate::token::PyTokenProvider;
 
 /// The SDK's native client: engine + relay transport on a runtime of its own.
@@ -215,7 +216,7 @@ fn seconds_arg(name: &str, seconds: f64) -> PyResult<Duration> {
 /// Waits with `wait(slice)` in slices of at most 50 ms with the GIL released, checking for
 /// signals (Ctrl-C) between slices, until it answers `Some` or `timeout` (forever if None)
 /// passes.
-fn wait_in_slices<T: Send>(
+pub(crate) fn wait_in_slices<T: Send>(
     py: Python<'_>,
     timeout: Option<f64>,
     wait: impl Fn(Duration) -> static_client::Result<Option<T>> + Sync,
@@ -238,13 +239,17 @@ fn wait_in_slices<T: Send>(
 }
 
 /// Outcome codes of `Channel.poll_next` / `Channel.next_message`.
-const NEXT_MESSAGE: u8 = 0;
-const NEXT_EMPTY: u8 = 1;
-const NEXT_END: u8 = 2;
+pub(crate) const NEXT_MESSAGE: u8 = 0;
+pub(crate) const NEXT_EMPTY: u8 = 1;
+pub(crate) const NEXT_END: u8 = 2;
 
 /// A message as Python gets it: its payload, or with `detailed` the tuple
 /// (payload, sender, account, seq, epoch).
-fn message_object(py: Python<'_>, message: &Message, detailed: bool) -> PyResult<PyObject> {
+pub(crate) fn message_object(
+    py: Python<'_>,
+    message: &Message,
+    detailed: bool,
+) -> PyResult<PyObject> {
     let payload = bytes(py, &message.payload);
     if !detailed {
         return Ok(payload.into_any());
@@ -473,6 +478,45 @@ impl Channel {
         }
     }
 
+    /// Sends a request (see `Channel::request` in the core) and returns it waiting for its
+    /// reply.
+    fn request(&self, py: Python<'_>, payload: &[u8]) -> PyResult<PendingRequest> {
+        let inner = Arc::clone(&self.inner);
+        let pending = native(exit::without_gil(py, move || {
+            inner.request(payload.to_vec())
+        }))?;
+        Ok(PendingRequest {
+            inner: Arc::new(pending),
+        })
+    }
+
+    /// Replies to the request `id` (blocking until the reply is in the log).
+    fn reply(&self, py: Python<'_>, id: &[u8], payload: &[u8]) -> PyResult<()> {
+        let id = request::request_id(id)?;
+        let inner = Arc::clone(&self.inner);
+        native(exit::without_gil(py, move || {
+            inner.reply(id, payload.to_vec())
+        }))
+    }
+
+    /// The next request received without waiting: (0, (id, payload, sender, account, seq,
+    /// epoch)), (1, None) nothing yet, (2, None) ended.
+    fn poll_request(&self, py: Python<'_>) -> PyResult<(u8, Option<PyObject>)> {
+        let inner = Arc::clone(&self.inner);
+        let next = native(exit::without_gil(py, move || inner.poll_request()))?;
+        request::next_request_tuple(py, next)
+    }
+
+    /// The next request, waiting up to `timeout` seconds (forever if None), answering Ctrl-C.
+    #[pyo3(signature = (timeout=None))]
+    fn next_request(
+        &self,
+        py: Python<'_>,
+        timeout: Option<f64>,
+    ) -> PyResult<(u8, Option<PyObject>)> {
+        request::next_request(py, &self.inner, timeout)
+    }
+
     /// A readiness socket for one async waiter.
     fn waker(&self) -> PyResult<Waker> {
         Ok(Waker {
@@ -532,6 +576,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Channel>()?;
     m.add_class::<Waker>()?;
     m.add_class::<SendHandle>()?;
+    m.add_class::<PendingRequest>()?;
     m.add("MAX_PAYLOAD", static_client::MAX_PAYLOAD)?;
     Ok(())
 }

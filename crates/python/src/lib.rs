@@ -17,6 +17,7 @@ mod exit;
 mod logging;
 mod mls;
 mod relay;
+mod request;
 mod token;
 
 use pyo3::prelude::*;

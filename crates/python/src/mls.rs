@@ -57,6 +57,19 @@ impl Incoming {
             CoreIncoming::Removed { epoch, .. } => ("removed", None, None, Some(epoch)),
             CoreIncoming::Proposal { sender } => ("proposal", sender, None, None),
             CoreIncoming::Own => ("own", None, None, None),
+            CoreIncoming::Request {
+                sender,
+                payload,
+                epoch,
+                ..
+            } => ("request", Some(sender), Some(payload), Some(epoch)),
+            CoreIncoming::Reply {
+                sender,
+                payload,
+                epoch,
+                ..
+            } => ("reply", Some(sender), Some(payload), Some(epoch)),
+            CoreIncoming::Unrecognized { sender, .. } => ("unrecognized", Some(sender), None, None),
         };
         Self {
             kind,

@@ -133,6 +133,8 @@ pub(crate) struct ChannelCore {
     /// The roster the commit that removed us left (the engine deleted the group): what
     /// `members` says after the removal.
     pub(crate) removed_roster: Mutex<Option<Vec<Member>>>,
+    /// Request/reply's state in this process (see `request`).
+    pub(crate) requests: crate::request::Requests,
 }
 
 impl ChannelCore {
@@ -157,6 +159,7 @@ impl ChannelCore {
             pipeline: Arc::new(Pipeline::default()),
             applying: Mutex::new(()),
             removed_roster: Mutex::new(None),
+            requests: crate::request::Requests::default(),
         }
     }
 

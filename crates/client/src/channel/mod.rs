@@ -22,7 +22,7 @@ use crate::receive::reader::Follower;
 use crate::receive::subscriber::Subscriptions;
 use crate::relay::retry::Retry;
 use crate::relay::transport::pb;
-use crate::send::encrypt::{Encryptor, Trouble};
+use crate::send::encrypt::{Encryptor, Framing, Trouble};
 use crate::send::journal::Journal;
 use crate::send::pipeline::SendHandle;
 use crate::send::publisher::{Destination, Outbound, Outcome};
@@ -74,7 +74,7 @@ impl Destination for ChannelCore {
 
 /// One channel of ours, with its background work. See the module docs.
 pub struct Channel {
-    core: Arc<ChannelCore>,
+    pub(crate) core: Arc<ChannelCore>,
     encryptor: Arc<Encryptor>,
     committer: Arc<Committer>,
     /// The channel's tasks (its commits of members' proposals; it is followed on the client's
@@ -274,8 +274,14 @@ impl Channel {
     /// the receivers' out-of-order tolerance. A message the relay did not answer for (it may be
     /// in the log) is resent with the same bytes, which the relay's idempotency makes safe.
     pub fn send(&self, payload: Vec<u8>) -> Result<()> {
-        let core = &self.core;
         check_payload(&payload)?;
+        self.send_framed(payload, Framing::default())
+    }
+
+    /// [`Channel::send`] of a message framed as `framing` says (a request or a reply: see
+    /// `request`); the plain framing is exactly `send`'s.
+    pub(crate) fn send_framed(&self, payload: Vec<u8>, framing: Framing) -> Result<()> {
+        let core = &self.core;
         core.check_usable()?;
         stamp(&core.timings.send_started);
         self.reach()?;
@@ -290,7 +296,9 @@ impl Channel {
         let deadline = retry
             .deadline()
             .unwrap_or_else(|| Instant::now() + core.shared.options.retry_timeout);
-        let mut answer = self.encryptor.encrypt_and_publish(&payload, deadline);
+        let mut answer = self
+            .encryptor
+            .encrypt_and_publish(&payload, &framing, deadline);
         let mut reencrypted = 0;
         loop {
             // On the runtime rather than `blocking_recv`, so that the client's close ends the
@@ -305,7 +313,7 @@ impl Channel {
                     core.check_usable()?;
                     answer = self
                         .encryptor
-                        .republish(vec![message], deadline)
+                        .republish(vec![message], &framing.key, deadline)
                         .pop()
                         .ok_or_else(|| Error::Internal("a resend was lost".into()))?;
                     continue;
@@ -316,7 +324,9 @@ impl Channel {
             self.encryptor
                 .recover(trouble, &mut retry, &mut reencrypted)?;
             core.check_usable()?;
-            answer = self.encryptor.encrypt_and_publish(&payload, deadline);
+            answer = self
+                .encryptor
+                .encrypt_and_publish(&payload, &framing, deadline);
         }
     }
 

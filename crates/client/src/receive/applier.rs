@@ -332,6 +332,7 @@ pub(crate) fn apply_batch(
         }
     };
     let mut proposals = false;
+    let mut wake = false;
     let mut removed = false;
     let mut removed_at = None;
     let mut last = passed;
@@ -361,6 +362,14 @@ pub(crate) fn apply_batch(
                 }
             }
             Ok(Incoming::Proposal { .. }) => proposals = true,
+            // A request for the responders, or the reply a requester waits for: stored by the
+            // engine (see `request`); the waiters look.
+            Ok(Incoming::Request { .. } | Incoming::Reply { kept: true, .. }) => wake = true,
+            Ok(Incoming::Unrecognized { sender, aad }) => log::warn!(
+                "channel {name:?}: dropped a message of {} with an unknown kind (AAD {aad:02x?}): \
+                 a later version's?",
+                String::from_utf8_lossy(&sender)
+            ),
             Ok(Incoming::Removed { epoch, members }) => {
                 removed = true;
                 // The engine deleted the group: the channel keeps the removal's epoch and
@@ -405,6 +414,8 @@ pub(crate) fn apply_batch(
         // Only batches with messages for us: our own messages come back too.
         core.timings.received.store(received_at, Ordering::Relaxed);
         stamp(&core.timings.applied);
+        core.notify();
+    } else if wake {
         core.notify();
     }
     if removed {

@@ -15,10 +15,21 @@ use crate::error::{Error, Result};
 use crate::relay::refusal::Refusal;
 use crate::relay::retry::Retry;
 use crate::sync::lock;
+use static_mls::engine::Framed;
+
+/// How a message is framed beyond its payload: its authenticated data (empty for a plain
+/// message, a kind byte for request/reply) and its idempotency key (empty: the relay's
+/// default).
+#[derive(Clone, Default)]
+pub(crate) struct Framing {
+    pub(crate) aad: &'static [u8],
+    pub(crate) key: Vec<u8>,
+}
 
 /// A payload waiting to be encrypted.
 pub(crate) struct Pending {
     pub(crate) payload: Arc<Vec<u8>>,
+    pub(crate) framing: Framing,
     pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Outcome>,
 }
@@ -68,11 +79,13 @@ impl Encryptor {
     pub(crate) fn encrypt_and_publish(
         &self,
         payload: &Arc<Vec<u8>>,
+        framing: &Framing,
         deadline: Instant,
     ) -> oneshot::Receiver<Outcome> {
         let (reply, answer) = oneshot::channel();
         self.encrypt_and_publish_all(vec![Pending {
             payload: Arc::clone(payload),
+            framing: framing.clone(),
             deadline,
             reply,
         }]);
@@ -84,6 +97,7 @@ impl Encryptor {
     pub(crate) fn republish(
         &self,
         messages: Vec<Vec<u8>>,
+        key: &[u8],
         deadline: Instant,
     ) -> Vec<oneshot::Receiver<Outcome>> {
         let mut answers = Vec::with_capacity(messages.len());
@@ -95,6 +109,7 @@ impl Encryptor {
                 Outbound {
                     channel: self.destination(),
                     message,
+                    key: key.to_vec(),
                     deadline,
                     reply,
                     unit: None,
@@ -119,8 +134,11 @@ impl Encryptor {
         let core = &self.core;
         let engine = core.shared.engine();
         let encrypted = engine.as_ref().map_err(Clone::clone).and_then(|engine| {
-            let refs: Vec<&[u8]> = batch.iter().map(|p| p.payload.as_slice()).collect();
-            Ok(engine.encrypt_many_unsynced(&core.name, &refs)?)
+            let items: Vec<Framed<'_>> = batch
+                .iter()
+                .map(|p| (p.framing.aad, p.payload.as_slice()))
+                .collect();
+            Ok(engine.encrypt_framed_unsynced(&core.name, &items)?)
         });
         let ticket = {
             let mut handoff = lock(&self.handoff.0);
@@ -157,6 +175,7 @@ impl Encryptor {
                     .map(|(p, message)| Outbound {
                         channel: self.destination(),
                         message,
+                        key: p.framing.key,
                         deadline: p.deadline,
                         reply: p.reply,
                         unit: None,

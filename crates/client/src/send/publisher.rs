@@ -88,7 +88,7 @@ pub(crate) async fn publisher(
                         channel: o.channel.name().to_owned(),
                         message: o.message.clone().into(),
                         welcome: Default::default(),
-                        idempotency_key: Default::default(),
+                        idempotency_key: o.key.clone().into(),
                     })
                     .collect(),
             };
@@ -251,6 +251,9 @@ pub(crate) struct Outbound {
     /// Its channel.
     pub(crate) channel: Arc<dyn Destination>,
     pub(crate) message: Vec<u8>,
+    /// Its idempotency key (`PublishRequest.idempotency_key`); empty: the relay's default,
+    /// the SHA-256 of the message. Requests and replies have theirs (see `request`).
+    pub(crate) key: Vec<u8>,
     /// Until when failures of the call are retried for it.
     pub(crate) deadline: Instant,
     pub(crate) reply: oneshot::Sender<Outcome>,
@@ -437,6 +440,7 @@ mod tests {
         let item = Outbound {
             channel: Arc::new(Nowhere),
             message: vec![0; len],
+            key: Vec::new(),
             deadline: Instant::now() + Duration::from_secs(30),
             reply,
             unit: None,

@@ -150,7 +150,7 @@ impl Sender {
                     own.remember(message);
                 }
             }
-            let answers = self.encryptor.republish(messages, deadline);
+            let answers = self.encryptor.republish(messages, &[], deadline);
             // The first trouble decides what happens to the rest.
             let mut trouble: Option<Trouble> = None;
             let mut next = Vec::with_capacity(todo.len());

@@ -10,30 +10,39 @@ fn check_payload(payload: &[u8]) -> Result<(), EncryptError> {
     Ok(())
 }
 
+/// One plaintext to encrypt: its authenticated data (empty for a plain message; a kind byte
+/// for request/reply, see [`crate::request`]) and its payload.
+pub type Framed<'a> = (&'a [u8], &'a [u8]);
+
 /// One application message, serialized.
 fn create_message(
     group: &mut MlsGroup,
     provider: &Provider<'_>,
     signer: &Ed25519Signer,
     channel: &str,
-    payload: &[u8],
+    (aad, payload): Framed<'_>,
 ) -> Result<Vec<u8>> {
     // Encrypting advances our ratchet of the current epoch and nothing else (OpenMLS's
     // `encrypt` takes `message_secrets_mut()`): the past epochs' part is not rewritten.
     let _scope = provider.storage().scoped(Scope::CurrentEpoch);
-    let msg = group
-        .create_message(provider, signer, payload)
-        .map_err(|e| match e {
-            CreateMessageError::GroupStateError(MlsGroupStateError::PendingProposal) => {
-                EncryptError::PendingProposals {
-                    channel: channel.to_owned(),
-                }
-            }
-            e => EncryptError::Create {
+    // The AAD is the group's in memory, for the next message only (OpenMLS resets it after a
+    // message; reset here too, so that a failure leaves none for the next plain message).
+    group.set_aad(aad.to_vec());
+    let msg = group.create_message(provider, signer, payload);
+    if !aad.is_empty() {
+        group.set_aad(Vec::new());
+    }
+    let msg = msg.map_err(|e| match e {
+        CreateMessageError::GroupStateError(MlsGroupStateError::PendingProposal) => {
+            EncryptError::PendingProposals {
                 channel: channel.to_owned(),
-                detail: openmls_detail(&e),
-            },
-        })?;
+            }
+        }
+        e => EncryptError::Create {
+            channel: channel.to_owned(),
+            detail: openmls_detail(&e),
+        },
+    })?;
     serialize(&msg)
 }
 
@@ -43,7 +52,7 @@ impl Engine {
         check_payload(payload)?;
         self.with_group(channel, |group, provider, conn| {
             self.check_may_encrypt(group, conn, channel)?;
-            create_message(group, provider, &self.signer, channel, payload)
+            create_message(group, provider, &self.signer, channel, (&[], payload))
         })
     }
 
@@ -60,6 +69,16 @@ impl Engine {
     /// encrypt the next batch while the previous one is being synced.
     pub fn encrypt_many_unsynced(&self, channel: &str, payloads: &[&[u8]]) -> Result<Vec<Vec<u8>>> {
         self.encrypt_with_durability(channel, payloads, false)
+    }
+
+    /// [`Engine::encrypt_many_unsynced`] of plaintexts each with its authenticated data (an
+    /// empty one gives exactly a plain message): the same rule about syncing before sending.
+    pub fn encrypt_framed_unsynced(
+        &self,
+        channel: &str,
+        items: &[Framed<'_>],
+    ) -> Result<Vec<Vec<u8>>> {
+        self.encrypt_framed_then(channel, items, false, |_, _, messages| Ok(messages))
     }
 
     /// Waits until every transaction committed so far is on disk: syncs the write-ahead log,
@@ -135,7 +154,19 @@ impl Engine {
         durable: bool,
         record: impl FnOnce(&rusqlite::Connection, u64, Vec<Vec<u8>>) -> Result<T>,
     ) -> Result<T> {
-        for payload in payloads {
+        let items: Vec<Framed<'_>> = payloads.iter().map(|p| (&[][..], *p)).collect();
+        self.encrypt_framed_then(channel, &items, durable, record)
+    }
+
+    /// [`Engine::encrypt_then`] of plaintexts with their authenticated data.
+    fn encrypt_framed_then<T>(
+        &self,
+        channel: &str,
+        payloads: &[Framed<'_>],
+        durable: bool,
+        record: impl FnOnce(&rusqlite::Connection, u64, Vec<Vec<u8>>) -> Result<T>,
+    ) -> Result<T> {
+        for (_, payload) in payloads {
             check_payload(payload)?;
         }
         self.with_group_durability(channel, durable, |group, provider, conn| {
@@ -147,7 +178,7 @@ impl Engine {
             }
             let messages = payloads
                 .iter()
-                .map(|payload| create_message(group, provider, &self.signer, channel, payload))
+                .map(|item| create_message(group, provider, &self.signer, channel, *item))
                 .collect::<Result<Vec<_>>>()?;
             record(conn, group.epoch().as_u64(), messages)
         })

@@ -35,6 +35,7 @@ use crate::error::{
     Error, ExportError, GroupLookupError, InternalError, InvalidKeyPackage, JoinError,
     KeyPackageError, LeaveError, OpenError, ProcessError, RemoveMemberError, Result,
 };
+use crate::request::{self, Kind, RequestId};
 use crate::store::storage::Scope;
 use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
 use crate::suite::{
@@ -42,6 +43,7 @@ use crate::suite::{
 };
 
 mod application;
+pub use application::Framed;
 mod creation;
 mod export;
 mod inbox;
@@ -49,6 +51,7 @@ mod membership;
 mod outbox;
 mod processing;
 pub use creation::{key_package_encryption_key, DirectoryKeyPackage};
+mod request_store;
 
 /// The OpenMLS provider of every engine call.
 type Provider<'a> = store::Provider<'a, StaticCrypto>;
@@ -111,6 +114,26 @@ pub enum Incoming {
     Proposal { sender: Option<Vec<u8>> },
     /// Our own application message or proposal echoed by the relay: recognised and skipped.
     Own,
+    /// Another member's request (see [`crate::request`]), decrypted and stored for the
+    /// responder; `payload` is its body.
+    Request {
+        sender: Vec<u8>,
+        id: RequestId,
+        payload: Vec<u8>,
+        epoch: u64,
+    },
+    /// Another member's reply to a request, decrypted; stored if it is the first reply to a
+    /// request of ours still waiting for one (`kept`), dropped otherwise.
+    Reply {
+        sender: Vec<u8>,
+        id: RequestId,
+        payload: Vec<u8>,
+        epoch: u64,
+        kept: bool,
+    },
+    /// An application message whose AAD this version does not know (a later kind), or a
+    /// request or reply too short for its id: dropped, never handed out as a plain message.
+    Unrecognized { sender: Vec<u8>, aad: Vec<u8> },
 }
 
 /// The group's members, by leaf index.
@@ -371,12 +394,14 @@ fn apply_message(
     let epoch = processed.epoch().as_u64();
     let sender = identity_of(processed.credential());
     let from_us = processed.sender() == &Sender::Member(group.own_leaf_index());
+    let aad = processed.aad().to_vec();
     match processed.into_content() {
-        ProcessedMessageContent::ApplicationMessage(app) => Ok(Incoming::Application {
-            sender: sender.unwrap_or_default(),
-            payload: app.into_bytes(),
+        ProcessedMessageContent::ApplicationMessage(app) => Ok(classify(
+            sender.unwrap_or_default(),
+            &aad,
+            app.into_bytes(),
             epoch,
-        }),
+        )),
         ProcessedMessageContent::ProposalMessage(proposal) => {
             // Our own proposals (now PublicMessages, so verified like anyone's) are in the
             // store since we made them; storing again is a no-op (keyed by reference).
@@ -446,14 +471,79 @@ fn write_deferred_message_secrets(group: &mut MlsGroup, provider: &Provider<'_>)
     Ok(())
 }
 
+/// An application message by its kind (its AAD, see [`crate::request`]).
+fn classify(sender: Vec<u8>, aad: &[u8], payload: Vec<u8>, epoch: u64) -> Incoming {
+    let kind = Kind::of(aad);
+    let framed = match kind {
+        Kind::Plain => {
+            return Incoming::Application {
+                sender,
+                payload,
+                epoch,
+            }
+        }
+        Kind::Request | Kind::Reply => request::split(&payload),
+        Kind::Unknown => None,
+    };
+    let Some((id, body)) = framed else {
+        return Incoming::Unrecognized {
+            sender,
+            aad: aad.to_vec(),
+        };
+    };
+    let payload = body.to_vec();
+    if kind == Kind::Request {
+        Incoming::Request {
+            sender,
+            id,
+            payload,
+            epoch,
+        }
+    } else {
+        Incoming::Reply {
+            sender,
+            id,
+            payload,
+            epoch,
+            kept: false,
+        }
+    }
+}
+
 /// Stores a decrypted application message in the inbox (with the state change that
 /// decrypted it: MLS deletes the key once used); its inbox row id, `None` for anything else.
+/// A request goes to the responder's table, a reply to its request's row (see
+/// [`crate::request`]), in the same transaction.
 fn keep_for_caller(
     conn: &rusqlite::Connection,
     channel: &str,
     entry: &LogEntry<'_>,
-    incoming: &Incoming,
+    incoming: &mut Incoming,
 ) -> Result<Option<i64>> {
+    match incoming {
+        Incoming::Request {
+            sender,
+            id,
+            payload,
+            epoch,
+        } => {
+            let received = received(entry, sender, id, payload, *epoch);
+            request::store_request(conn, channel, &received)?;
+            return Ok(None);
+        }
+        Incoming::Reply {
+            sender,
+            id,
+            payload,
+            epoch,
+            kept,
+        } => {
+            let received = received(entry, sender, id, payload, *epoch);
+            *kept = request::store_reply(conn, channel, &received)?;
+            return Ok(None);
+        }
+        _ => {}
+    }
     let Incoming::Application {
         sender,
         payload,
@@ -472,6 +562,25 @@ fn keep_for_caller(
     };
     store::rows::inbox_push(conn, channel, &message)?;
     Ok(Some(conn.last_insert_rowid()))
+}
+
+/// A request or reply of `entry`, as stored.
+fn received(
+    entry: &LogEntry<'_>,
+    sender: &[u8],
+    id: &RequestId,
+    payload: &[u8],
+    epoch: u64,
+) -> request::Received {
+    request::Received {
+        row: 0,
+        id: *id,
+        seq: entry.seq,
+        sender: sender.to_vec(),
+        payload: payload.to_vec(),
+        epoch,
+        account: entry.account.map(str::to_owned),
+    }
 }
 
 /// What [`apply_entries_fast`] did.
@@ -510,8 +619,8 @@ fn apply_entries_fast(
         let outcome = parse_for_channel(channel, message)
             .and_then(|protocol| apply_message(channel, group, provider, conn, protocol, message));
         match outcome {
-            Ok(incoming) => {
-                let inbox_id = keep_for_caller(conn, channel, entry, &incoming)?;
+            Ok(mut incoming) => {
+                let inbox_id = keep_for_caller(conn, channel, entry, &mut incoming)?;
                 batch.removed = matches!(incoming, Incoming::Removed { .. });
                 batch.epoch_changed |= changes_epoch(&incoming);
                 last = Some(seq);

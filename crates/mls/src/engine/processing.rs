@@ -44,8 +44,8 @@ impl Engine {
                     apply_message(channel, group, provider, conn, protocol, message)
                 });
                 match outcome {
-                    Ok(incoming) => {
-                        let inbox_id = keep_for_caller(conn, channel, entry, &incoming)?;
+                    Ok(mut incoming) => {
+                        let inbox_id = keep_for_caller(conn, channel, entry, &mut incoming)?;
                         removed = matches!(incoming, Incoming::Removed { .. });
                         epoch_changed |= changes_epoch(&incoming);
                         if !removed {

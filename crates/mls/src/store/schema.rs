@@ -75,6 +75,35 @@ const OUTBOX_TABLES: &str = "CREATE TABLE IF NOT EXISTS static_outbox (
          upto INTEGER NOT NULL
      );";
 
+/// Request/reply's records (see [`crate::request`]): the requester's requests awaiting their
+/// reply being handed out, and the responder's requests not replied to yet. Not tied to the
+/// group, like the inbox.
+const REQUEST_TABLES: &str = "CREATE TABLE IF NOT EXISTS static_requests_out (
+         name TEXT NOT NULL,
+         id BLOB NOT NULL,
+         payload_hash BLOB NOT NULL,
+         created_ms INTEGER NOT NULL,
+         reply_sender BLOB,
+         reply_payload BLOB,
+         reply_account TEXT,
+         reply_seq INTEGER,
+         reply_epoch INTEGER,
+         PRIMARY KEY (name, id)
+     ) WITHOUT ROWID;
+     CREATE INDEX IF NOT EXISTS static_requests_out_by_hash
+         ON static_requests_out (name, payload_hash);
+     CREATE TABLE IF NOT EXISTS static_requests_in (
+         row INTEGER PRIMARY KEY AUTOINCREMENT,
+         name TEXT NOT NULL,
+         id BLOB NOT NULL,
+         seq INTEGER NOT NULL,
+         sender BLOB NOT NULL,
+         payload BLOB NOT NULL,
+         epoch INTEGER NOT NULL,
+         account TEXT,
+         UNIQUE (name, id)
+     );";
+
 /// The inbox's hand-out slots and marks (see [`crate::store::inbox_slot`]): created on first
 /// use, not at opening.
 pub(crate) const INBOX_SLOTS_TABLE: &str = "CREATE TABLE IF NOT EXISTS static_inbox_slots (
@@ -94,6 +123,7 @@ pub(crate) fn create_tables(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(MESSAGE_SECRETS_PAST)?;
     conn.execute_batch(STORE_TABLES)?;
     conn.execute_batch(OUTBOX_TABLES)?;
+    conn.execute_batch(REQUEST_TABLES)?;
     // Inboxes of an older version: the message's epoch and the publishing account came later
     // (an old row reads as epoch 0, account unknown).
     for (column, ddl) in [
