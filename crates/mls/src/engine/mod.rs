@@ -43,15 +43,16 @@ use crate::suite::{
 };
 
 mod application;
-pub use application::Framed;
 mod creation;
 mod export;
 mod inbox;
 mod membership;
 mod outbox;
 mod processing;
-pub use creation::{key_package_encryption_key, DirectoryKeyPackage};
 mod request_store;
+
+pub use application::Framed;
+pub use creation::{key_package_encryption_key, DirectoryKeyPackage};
 
 /// The OpenMLS provider of every engine call.
 type Provider<'a> = store::Provider<'a, StaticCrypto>;
