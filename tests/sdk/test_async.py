@@ -104,11 +104,11 @@ def test_asyncio_flow_and_cancellation(relay: ServerProcess, clients: Clients) -
 
 
 #: Blocking calls that need no twin: properties, ``close`` (has ``close_async``), the
-#: iterators (their async forms are ``messages_async``, ``messages_with_sender_async`` and
-#: ``requests_async``),
+#: iterators (their async forms are ``messages_async``, ``messages_with_sender_async``,
+#: ``requests_async`` and ``invitations_async``),
 #: ``receive``/``receive_message`` (``receive_async``/``receive_message_async``) and
 #: ``SendHandle.done`` (never blocks).
-_NO_TWIN = {"messages", "messages_with_sender", "requests", "done"}
+_NO_TWIN = {"messages", "messages_with_sender", "requests", "invitations", "done"}
 
 
 def test_every_blocking_call_has_an_async_twin() -> None:
