@@ -8,14 +8,15 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use static_client::{
-    Address, Channel as CoreChannel, Client as CoreClient, ClientOptions, Invitation, Message,
-    Next, SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
+    Address, Channel as CoreChannel, Client as CoreClient, ClientOptions, Invitation, Next,
+    SendHandle as CoreSendHandle, Token, TokenProvider, Waker as CoreWaker,
 };
 
-use crate::convert::{bytes, native};
+use crate::convert::{bytes, message_object, native};
 use crate::exit;
 use crate::request::{self, PendingRequest};
 use crate::token::PyTokenProvider;
+use crate::waiting::{seconds_arg, wait_in_slices, NEXT_EMPTY, NEXT_END, NEXT_MESSAGE};
 
 /// The SDK's native client: engine + relay transport on a runtime of its own.
 #[pyclass(frozen, module = "static._native.client")]
@@ -200,68 +201,6 @@ fn parse_address(py: Python<'_>, text: &str) -> PyResult<(String, Py<PyBytes>)> 
 #[pyfunction]
 fn format_address(account: String, identity: Vec<u8>) -> String {
     Address { account, identity }.to_string()
-}
-
-/// A timeout argument in seconds (finite, >= 0).
-fn seconds_arg(name: &str, seconds: f64) -> PyResult<Duration> {
-    if seconds.is_finite() && seconds >= 0.0 {
-        Ok(Duration::from_secs_f64(seconds.min(1e9)))
-    } else {
-        Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "{name} must be a finite number of seconds >= 0"
-        )))
-    }
-}
-
-/// Waits with `wait(slice)` in slices of at most 50 ms with the GIL released, checking for
-/// signals (Ctrl-C) between slices, until it answers `Some` or `timeout` (forever if None)
-/// passes.
-pub(crate) fn wait_in_slices<T: Send>(
-    py: Python<'_>,
-    timeout: Option<f64>,
-    wait: impl Fn(Duration) -> static_client::Result<Option<T>> + Sync,
-) -> PyResult<Option<T>> {
-    let timeout = timeout.map(|t| seconds_arg("timeout", t)).transpose()?;
-    let deadline = timeout.map(|t| Instant::now() + t);
-    loop {
-        let mut slice = Duration::from_millis(50);
-        if let Some(deadline) = deadline {
-            slice = slice.min(deadline.saturating_duration_since(Instant::now()));
-        }
-        if let Some(done) = native(exit::without_gil(py, || wait(slice)))? {
-            return Ok(Some(done));
-        }
-        py.check_signals()?;
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(None);
-        }
-    }
-}
-
-/// Outcome codes of `Channel.poll_next` / `Channel.next_message`.
-pub(crate) const NEXT_MESSAGE: u8 = 0;
-pub(crate) const NEXT_EMPTY: u8 = 1;
-pub(crate) const NEXT_END: u8 = 2;
-
-/// A message as Python gets it: its payload, or with `detailed` the tuple
-/// (payload, sender, account, seq, epoch).
-pub(crate) fn message_object(
-    py: Python<'_>,
-    message: &Message,
-    detailed: bool,
-) -> PyResult<PyObject> {
-    let payload = bytes(py, &message.payload);
-    if !detailed {
-        return Ok(payload.into_any());
-    }
-    let fields = (
-        payload,
-        bytes(py, &message.sender),
-        message.account.clone(),
-        message.seq,
-        message.epoch,
-    );
-    Ok(fields.into_pyobject(py)?.into_any().unbind())
 }
 
 fn next_tuple(py: Python<'_>, next: Next, detailed: bool) -> PyResult<(u8, Option<PyObject>)> {

@@ -19,6 +19,7 @@ mod mls;
 mod relay;
 mod request;
 mod token;
+mod waiting;
 
 use pyo3::prelude::*;
 

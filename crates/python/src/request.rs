@@ -7,9 +7,9 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use static_client::{Message, NextRequest, Outstanding, Request, RequestId};
 
-use crate::client::{message_object, wait_in_slices, NEXT_EMPTY, NEXT_END, NEXT_MESSAGE};
-use crate::convert::{bytes, native};
+use crate::convert::{bytes, message_object, native};
 use crate::exit;
+use crate::waiting::{wait_in_slices, NEXT_EMPTY, NEXT_END, NEXT_MESSAGE};
 
 /// A request of ours waiting for its reply (see `Channel::request` in the core). Dropping it
 /// leaves the request recorded: a later `request` with the same payload takes it over.

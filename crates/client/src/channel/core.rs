@@ -134,7 +134,7 @@ pub(crate) struct ChannelCore {
     /// `members` says after the removal.
     pub(crate) removed_roster: Mutex<Option<Vec<Member>>>,
     /// Request/reply's state in this process (see `request`).
-    pub(crate) requests: crate::request::Requests,
+    pub(crate) requests: crate::request::state::Requests,
 }
 
 impl ChannelCore {
@@ -159,7 +159,7 @@ impl ChannelCore {
             pipeline: Arc::new(Pipeline::default()),
             applying: Mutex::new(()),
             removed_roster: Mutex::new(None),
-            requests: crate::request::Requests::default(),
+            requests: crate::request::state::Requests::default(),
         }
     }
 

@@ -21,9 +21,8 @@
 //!   again by the next opening until it is replied to ([`Channel::reply`], which deletes it
 //!   once the reply is in the log).
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::channel::core::ChannelCore;
@@ -35,19 +34,12 @@ use crate::send::encrypt::Framing;
 use crate::sync::lock;
 use static_mls::request::{KIND_REPLY, KIND_REQUEST, REQUEST_ID_LEN};
 
+pub(crate) mod state;
+
 pub use static_mls::request::RequestId;
 
 /// Largest body of a request or a reply: a payload's maximum less the id.
 pub const MAX_REQUEST_PAYLOAD: usize = MAX_PAYLOAD - REQUEST_ID_LEN;
-
-/// A channel's request/reply state in this process.
-#[derive(Default)]
-pub(crate) struct Requests {
-    /// Our requests a call is waiting for (see the module docs).
-    busy: Mutex<HashSet<RequestId>>,
-    /// The row of the last request received that this opening handed out.
-    handed: AtomicI64,
-}
 
 /// A request another member sent us, to reply to with [`Channel::reply`].
 #[derive(Debug, Clone, PartialEq, Eq)]

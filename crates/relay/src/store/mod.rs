@@ -16,6 +16,7 @@
 //! The key-package directory and invitations ([`directory`], migration 0010) are rows of the
 //! same database on connections of their own, beside the log (docs/design.md §5.5).
 
+mod connect;
 pub(crate) mod directory;
 mod keys;
 pub(crate) mod postgres;

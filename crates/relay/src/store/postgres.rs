@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use super::connect::{connect, describe, store_error};
 use bytes::Bytes;
 use futures_util::future::{try_join3, try_join_all};
 use sha2::{Digest, Sha256};
@@ -69,14 +70,6 @@ const COMMIT_ATTEMPTS: usize = 3;
 /// The listener's wait before reconnecting.
 const LISTEN_RETRY: Duration = Duration::from_millis(500);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Run on every connection before its statements are prepared. Every statement here is an
-/// index lookup, but a prepared statement's generic plan is made from the statistics of the
-/// moment: chosen while the log was empty it scans the whole table, and a publish then costs
-/// time in proportion to the log (13 ms at 20,000 entries, measured). Planning each execution
-/// instead (`plan_cache_mode`) cost ~0.3 ms a commit. Without sequential scans and hash or
-/// merge joins, the generic plans are the index plans whatever the table's size.
-const SESSION: &str =
-    "SET enable_seqscan = off; SET enable_hashjoin = off; SET enable_mergejoin = off";
 
 // PostgreSQL's own statements; the shared ones are in `store/sql.rs`. Its writes take a
 // batch's rows at once (UNNEST of arrays, which SQLite lacks), its locked paths lock rows
@@ -209,19 +202,6 @@ pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
     }
 }
 
-/// A connection for statements (not notifications), its task spawned on the current runtime,
-/// its session set up.
-pub(in crate::store) async fn connect(config: &Config) -> PgResult<Client> {
-    let (client, connection) = config.connect(NoTls).await?;
-    tokio::spawn(async move {
-        // Ends when the client is dropped, or with the connection's error, which the client's
-        // next statement reports.
-        let _ = connection.await;
-    });
-    client.batch_execute(SESSION).await?;
-    Ok(client)
-}
-
 // -- the writer -------------------------------------------------------------------------------
 
 struct PgWriter {
@@ -286,23 +266,6 @@ impl PgWriter {
 }
 
 type PgResult<T> = std::result::Result<T, tokio_postgres::Error>;
-
-/// What went wrong, in PostgreSQL's words where it has some (tokio-postgres's own text is
-/// only "db error" or "error connecting to server", the detail being its source).
-fn describe(err: &tokio_postgres::Error) -> String {
-    if let Some(db) = err.as_db_error() {
-        return format!("{}: {}", db.severity(), db.message());
-    }
-    match std::error::Error::source(err) {
-        Some(source) => format!("{err}: {source}"),
-        None => err.to_string(),
-    }
-}
-
-/// A store failure, as the relay answers it.
-pub(in crate::store) fn store_error(err: tokio_postgres::Error) -> RelayError {
-    RelayError::store(describe(&err))
-}
 
 impl Drop for PgWriter {
     fn drop(&mut self) {

@@ -18,8 +18,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
+use super::connect::open_connection;
 use bytes::Bytes;
 use rusqlite::{params, Connection, ErrorCode, OpenFlags, OptionalExtension, TransactionBehavior};
 use sha2::{Digest, Sha256};
@@ -50,10 +50,6 @@ const CHECKPOINT_COMMITS: u32 = 64;
 const CHECKPOINT_BYTES: usize = 1024 * 1024;
 /// Idle read connections kept for the next read.
 const IDLE_READERS: usize = 4;
-
-/// The Python API writes accounts and keys into the same database file: wait for it.
-const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
-const STATEMENT_CACHE: usize = 32;
 
 // SQLite's own statements; the shared ones are in `store/sql.rs`. A row a statement: SQLite has
 // no arrays, and a cached statement in-process costs no round trip, where PostgreSQL's writes
@@ -142,19 +138,6 @@ fn open_reader(path: &Path) -> rusqlite::Result<Connection> {
 fn open_checkpointer(path: &Path) -> rusqlite::Result<Connection> {
     let conn = open_connection(path, OpenFlags::SQLITE_OPEN_READ_WRITE)?;
     conn.execute_batch("PRAGMA synchronous=FULL;")?;
-    Ok(conn)
-}
-
-pub(in crate::store) fn open_connection(
-    path: &Path,
-    access: OpenFlags,
-) -> rusqlite::Result<Connection> {
-    // No CREATE: the Python store's migrations made the file; a wrong path fails here.
-    let flags = access | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-    let conn = Connection::open_with_flags(path, flags)?;
-    conn.busy_timeout(BUSY_TIMEOUT)?;
-    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-    conn.execute_batch("PRAGMA foreign_keys=ON;")?;
     Ok(conn)
 }
 
@@ -1322,9 +1305,9 @@ mod tests {
             head.committed(&plan);
         }
         // The create and 63 group commits: one checkpoint requested, on its own thread.
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while runs() == 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert_eq!(runs(), 1);
         assert_eq!(head.head_seq(), u64::from(CHECKPOINT_COMMITS) - 1);

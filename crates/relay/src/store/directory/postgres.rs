@@ -14,7 +14,7 @@ use super::{
     stock_of, to_db, Address, Claim, Claimed, Directory, DirectoryPrune, InvitationRow, Invited,
     NewInvitation, NewPackage, Offer, Offered, OpenedInvitation, Stock, ACCEPTED, DECLINED,
 };
-use crate::store::postgres::{connect, store_error};
+use crate::store::connect::{connect, store_error};
 use crate::store::sql::{
     ALLOW, CLAIM_OF, CLEAR_POLICY, CONSENTS, DROP_LAST_RESORT, DROP_UNCLAIMED, INSERT_INVITATION,
     INVITATIONS, INVITATION_EXISTS, INVITATION_OF, LAST_RESORT, LIST_PACKAGE, ONE_TIME_STOCK,

@@ -33,7 +33,7 @@ pub(crate) struct SqliteDirectory(Arc<Mutex<Connection>>);
 
 impl SqliteDirectory {
     pub(crate) fn open(path: &Path) -> Result<SqliteDirectory> {
-        let conn = crate::store::sqlite::open_connection(
+        let conn = crate::store::connect::open_connection(
             path,
             rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE,
         )
