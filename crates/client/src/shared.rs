@@ -454,6 +454,23 @@ impl Shared {
         }
     }
 
+    /// [`Shared::call`] under a fresh retry policy, for a call whose every refusal is its
+    /// error.
+    pub(crate) async fn unary<M, R, Fut>(
+        &self,
+        name: &str,
+        message: impl Fn() -> M,
+        send: impl Fn(RelayClient, Request<M>) -> Fut,
+    ) -> Result<R>
+    where
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<R>, tonic::Status>>,
+    {
+        let mut retry = Retry::within(self.options.retry_timeout);
+        self.call(name, &mut retry, message, send, |_| false)
+            .await?
+            .map_err(|refusal| refusal.into_error(name))
+    }
+
     /// What a loop does after `refusal` of `call` under `retry`: the wait before its next
     /// attempt (a refused `token` is dropped first, so the next attempt fetches a fresh one),
     /// or the error that ends it.

@@ -78,11 +78,9 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let identity = self.identity().to_vec();
         self.shared.block_on(async move {
-            let mut retry = Retry::within(shared.options.retry_timeout);
             shared
-                .call(
+                .unary(
                     "SetInvitationPolicy",
-                    &mut retry,
                     || pb::SetInvitationPolicyRequest {
                         identity: identity.clone().into(),
                         policy: Some(pb::InvitationPolicy {
@@ -90,11 +88,9 @@ impl Client {
                         }),
                     },
                     |mut relay, request| async move { relay.set_invitation_policy(request).await },
-                    |_| false,
                 )
-                .await?
+                .await
                 .map(|_| ())
-                .map_err(|refusal| refusal.into_error("SetInvitationPolicy"))
         })
     }
 
@@ -114,21 +110,17 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let identity = self.identity().to_vec();
         let listed = self.shared.block_on(async move {
-            let mut retry = Retry::within(shared.options.retry_timeout);
             shared
-                .call(
+                .unary(
                     "ListInvitations",
-                    &mut retry,
                     || pb::ListInvitationsRequest {
                         identity: identity.clone().into(),
                         after_id,
                         wait_ms,
                     },
                     |mut relay, request| async move { relay.list_invitations(request).await },
-                    |_| false,
                 )
-                .await?
-                .map_err(|refusal| refusal.into_error("ListInvitations"))
+                .await
         })?;
         let mut newest = self
             .newest_invitation
@@ -187,20 +179,16 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let identity = self.identity().to_vec();
         self.shared.block_on(async move {
-            let mut retry = Retry::within(shared.options.retry_timeout);
             shared
-                .call(
+                .unary(
                     "OpenInvitation",
-                    &mut retry,
                     || pb::OpenInvitationRequest {
                         identity: identity.clone().into(),
                         id,
                     },
                     |mut relay, request| async move { relay.open_invitation(request).await },
-                    |_| false,
                 )
-                .await?
-                .map_err(|refusal| refusal.into_error("OpenInvitation"))
+                .await
         })
     }
 
@@ -208,22 +196,18 @@ impl Client {
         let shared = Arc::clone(&self.shared);
         let identity = self.identity().to_vec();
         self.shared.block_on(async move {
-            let mut retry = Retry::within(shared.options.retry_timeout);
             shared
-                .call(
+                .unary(
                     "SettleInvitation",
-                    &mut retry,
                     || pb::SettleInvitationRequest {
                         identity: identity.clone().into(),
                         id,
                         accept,
                     },
                     |mut relay, request| async move { relay.settle_invitation(request).await },
-                    |_| false,
                 )
-                .await?
+                .await
                 .map(|_| ())
-                .map_err(|refusal| refusal.into_error("SettleInvitation"))
         })
     }
 }

@@ -54,22 +54,18 @@ impl Channel {
         let inviter_leaf = shared.engine()?.own_leaf_index(&name)?;
         let key_package_ref = claimed.key_package_ref.to_vec();
         self.shared().block_on(async move {
-            let mut retry = Retry::within(shared.options.retry_timeout);
             shared
-                .call(
+                .unary(
                     "Invite",
-                    &mut retry,
                     || pb::InviteRequest {
                         channel: name.clone(),
                         key_package_ref: key_package_ref.clone().into(),
                         inviter_leaf,
                     },
                     |mut relay, request| async move { relay.invite(request).await },
-                    |_| false,
                 )
-                .await?
+                .await
                 .map(|_| ())
-                .map_err(|refusal| refusal.into_error("Invite"))
         })
     }
 }

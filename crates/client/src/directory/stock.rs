@@ -164,7 +164,6 @@ async fn offer(
     packages: Vec<DirectoryKeyPackage>,
     replace: bool,
 ) -> Result<pb::OfferKeyPackagesResponse> {
-    let mut retry = Retry::within(shared.options.retry_timeout);
     let offers: Vec<pb::KeyPackageOffer> = packages
         .into_iter()
         .map(|p| pb::KeyPackageOffer {
@@ -173,17 +172,14 @@ async fn offer(
         })
         .collect();
     shared
-        .call(
+        .unary(
             "OfferKeyPackages",
-            &mut retry,
             || pb::OfferKeyPackagesRequest {
                 identity: identity.to_vec().into(),
                 packages: offers.clone(),
                 replace,
             },
             |mut relay, request| async move { relay.offer_key_packages(request).await },
-            |_| false,
         )
-        .await?
-        .map_err(|refusal| refusal.into_error("OfferKeyPackages"))
+        .await
 }
