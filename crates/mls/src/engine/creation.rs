@@ -40,21 +40,25 @@ pub fn key_package_encryption_key(package: &KeyPackage) -> Result<Vec<u8>> {
 }
 
 impl Engine {
+    /// Builds a key package of ours (its private keys stored through `provider`).
+    fn build_key_package(
+        &self,
+        provider: &Provider<'_>,
+        builder: KeyPackageBuilder,
+    ) -> Result<KeyPackageBundle> {
+        Ok(builder
+            .build(CIPHERSUITE, provider, &self.signer, self.credential.clone())
+            .map_err(|e| KeyPackageError::Create {
+                detail: openmls_detail(&e),
+            })?)
+    }
+
     /// A fresh key package (an `MLSMessage`), its private keys stored until a Welcome uses it.
     pub fn generate_key_package(&self) -> Result<Vec<u8>> {
         let db = lock(&self.db);
         db.transaction(|conn| {
             let provider = Provider::new(&self.crypto, conn);
-            let bundle = KeyPackage::builder()
-                .build(
-                    CIPHERSUITE,
-                    &provider,
-                    &self.signer,
-                    self.credential.clone(),
-                )
-                .map_err(|e| KeyPackageError::Create {
-                    detail: openmls_detail(&e),
-                })?;
+            let bundle = self.build_key_package(&provider, KeyPackage::builder())?;
             serialize(&MlsMessageOut::from(bundle.key_package().clone()))
         })
     }
@@ -86,16 +90,7 @@ impl Engine {
                 if is_last_resort {
                     builder = builder.mark_as_last_resort();
                 }
-                let bundle = builder
-                    .build(
-                        CIPHERSUITE,
-                        &provider,
-                        &self.signer,
-                        self.credential.clone(),
-                    )
-                    .map_err(|e| KeyPackageError::Create {
-                        detail: openmls_detail(&e),
-                    })?;
+                let bundle = self.build_key_package(&provider, builder)?;
                 let package = bundle.key_package();
                 let tbs = crate::binding::key_package_binding_tbs(
                     &identity,
