@@ -23,6 +23,7 @@ use tonic::{Request, Response};
 
 use super::caller::channel_name;
 use super::Inner;
+use crate::auth::Caller;
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::group::{check_key_package, peek_key_package, PackageError};
@@ -106,8 +107,25 @@ fn address_key(address: &Address) -> String {
     key
 }
 
+/// The caller, and its address of `identity` (its own account's: INVALID_ARGUMENT unless the
+/// identity is 1 to 255 bytes).
+pub(super) async fn own_address(
+    inner: &Inner,
+    metadata: &tonic::metadata::MetadataMap,
+    extensions: &tonic::Extensions,
+    identity: &[u8],
+) -> Result<(Caller, Address)> {
+    let caller = inner.caller(metadata, extensions).await?;
+    check_identity(identity)?;
+    let address = Address {
+        account: caller.account.to_string(),
+        identity: identity.to_vec(),
+    };
+    Ok((caller, address))
+}
+
 /// INVALID_ARGUMENT unless `identity` is 1 to 255 bytes.
-pub(super) fn check_identity(identity: &[u8]) -> Result<()> {
+fn check_identity(identity: &[u8]) -> Result<()> {
     if identity.is_empty() || identity.len() > MAX_IDENTITY_BYTES {
         return Err(RelayError::InvalidArgument(format!(
             "identity must be 1 to {MAX_IDENTITY_BYTES} bytes"
@@ -131,8 +149,7 @@ pub(super) async fn offer_key_packages(
     request: Request<pb::OfferKeyPackagesRequest>,
 ) -> Result<Response<pb::OfferKeyPackagesResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let caller = inner.caller(&metadata, &extensions).await?;
-    check_identity(&request.identity)?;
+    let (caller, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     if request.packages.len() > MAX_OFFER_PACKAGES {
         return Err(RelayError::InvalidArgument(format!(
             "at most {MAX_OFFER_PACKAGES} key packages per request"
@@ -148,10 +165,6 @@ pub(super) async fn offer_key_packages(
         )));
     }
     inner.rate_limit(&caller)?;
-    let address = Address {
-        account: caller.account.to_string(),
-        identity: request.identity.to_vec(),
-    };
     let directory = inner.log.directory();
     if request.packages.is_empty() && !request.replace {
         return Ok(Response::new(stock_response(
@@ -239,8 +252,7 @@ pub(super) async fn set_invitation_policy(
     request: Request<pb::SetInvitationPolicyRequest>,
 ) -> Result<Response<pb::SetInvitationPolicyResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let caller = inner.caller(&metadata, &extensions).await?;
-    check_identity(&request.identity)?;
+    let (caller, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     let accounts = request.policy.unwrap_or_default().accounts;
     if accounts.len() > MAX_POLICY_ACCOUNTS || accounts.iter().any(|a| a.len() > MAX_ACCOUNT_BYTES)
     {
@@ -250,10 +262,6 @@ pub(super) async fn set_invitation_policy(
         )));
     }
     inner.rate_limit(&caller)?;
-    let address = Address {
-        account: caller.account.to_string(),
-        identity: request.identity.to_vec(),
-    };
     inner.log.directory().set_policy(address, accounts).await?;
     Ok(Response::new(pb::SetInvitationPolicyResponse {}))
 }

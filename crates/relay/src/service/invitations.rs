@@ -24,7 +24,7 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Notify;
 use tonic::{Request, Response};
 
-use super::directory::check_identity;
+use super::directory::own_address;
 use super::Inner;
 use crate::clock::now_ms;
 use crate::error::{shutting_down, RelayError, Result};
@@ -79,21 +79,6 @@ pub(super) async fn invite(
             "no Welcome of channel '{name}' names this key package"
         ))),
     }
-}
-
-/// The caller's address of `identity`.
-async fn own_address(
-    inner: &Inner,
-    metadata: &tonic::metadata::MetadataMap,
-    extensions: &tonic::Extensions,
-    identity: &[u8],
-) -> Result<Address> {
-    let caller = inner.caller(metadata, extensions).await?;
-    check_identity(identity)?;
-    Ok(Address {
-        account: caller.account.to_string(),
-        identity: identity.to_vec(),
-    })
 }
 
 fn db_id(id: u64) -> i64 {
@@ -151,12 +136,7 @@ pub(super) async fn list_invitations(
     request: Request<pb::ListInvitationsRequest>,
 ) -> Result<Response<pb::ListInvitationsResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let caller = inner.caller(&metadata, &extensions).await?;
-    check_identity(&request.identity)?;
-    let address = Address {
-        account: caller.account.to_string(),
-        identity: request.identity.to_vec(),
-    };
+    let (caller, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     let wait = Duration::from_millis(request.wait_ms.min(MAX_LIST_WAIT_MS).into());
     let deadline = Instant::now() + wait;
     let mut shutdown = inner.shutdown.watch();
@@ -222,7 +202,7 @@ pub(super) async fn open_invitation(
     request: Request<pb::OpenInvitationRequest>,
 ) -> Result<Response<pb::OpenInvitationResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let address = own_address(inner, &metadata, &extensions, &request.identity).await?;
+    let (_, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     let opened = inner
         .log
         .directory()
@@ -246,7 +226,7 @@ pub(super) async fn settle_invitation(
     request: Request<pb::SettleInvitationRequest>,
 ) -> Result<Response<pb::SettleInvitationResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let address = own_address(inner, &metadata, &extensions, &request.identity).await?;
+    let (_, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     let settled = inner
         .log
         .directory()
