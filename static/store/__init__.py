@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from static.store._accounts import (
+    ALL_SCOPES,
     AccountRecord,
     AccountStore,
     EmailTaken,
@@ -22,14 +23,20 @@ from static.store._accounts import (
     KeyRecord,
     NewKey,
     SigningKeyRecord,
+    SweptKeys,
 )
+from static.store._audit import AUDIT_CURSOR_PATTERN, AuditPage, AuditStore, parse_audit_cursor
 from static.store._database import Connection, Database, DatabaseError, IntegrityError, Row
 from static.store._migrations import ACCOUNTS, RELAY, migrate
 from static.store._split import relay_path, split_shared_file
 
 __all__ = [
+    "ALL_SCOPES",
+    "AUDIT_CURSOR_PATTERN",
     "AccountRecord",
     "AccountStore",
+    "AuditPage",
+    "AuditStore",
     "Connection",
     "Database",
     "DatabaseError",
@@ -41,8 +48,10 @@ __all__ = [
     "NewKey",
     "Row",
     "SigningKeyRecord",
+    "SweptKeys",
     "database_location",
     "open_database",
+    "parse_audit_cursor",
     "relay_database",
     "sqlite_url",
 ]
