@@ -88,6 +88,15 @@ class ApiSettings:
     signup_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(10, 60))
     #: Authenticated requests per API key (JWTs count against the key they came from).
     key_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(600, 60))
+    #: Authenticated requests per account, all its keys and JWTs together (beside the key's).
+    account_rate_limit: RateLimit | None = field(default_factory=lambda: RateLimit(1200, 60))
+    #: The longest lifetime a new key may ask for (``expires_in``); then it must ask. None: no
+    #: maximum, and a key may never expire.
+    max_key_lifetime_seconds: int | None = None
+    #: Days the audit log keeps its events (both tables; pruned hourly and at start).
+    audit_retention_days: float = 90.0
+    #: Seconds between sweeps of ended keys (rolled past grace, newly expired).
+    key_sweep_seconds: float = 2.0
     #: Failed authentications (401s of every authenticating route; refused tokens on the
     #: relay, a budget of its own) per client address (an IPv6 client's /64); past it, 429
     #: (RESOURCE_EXHAUSTED) until the bucket refills. None disables.

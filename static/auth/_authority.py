@@ -5,13 +5,19 @@ cached: every check of a key (direct, or behind a JWT) is one indexed query, so 
 any process sharing the store fails from that moment. ``last_used_at`` writes are coalesced in
 memory and flushed every ``last_used_flush_seconds`` and at shutdown; readers in this process see
 the pending values through :meth:`Authority.last_used`.
+
+Keys end three ways besides DELETE: at their expiry, and at the end of a roll's grace. Both are
+exact (every check compares with the clock); a sweep every ``key_sweep_seconds`` then records
+them (``revoked_at`` of a rolled key, the ``key.expired`` event) and tells the revocation
+listeners, and an hourly prune keeps the audit log within ``audit_retention_days``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,12 +35,21 @@ from static.auth._tokens import (
     is_uuid,
     mint_token,
 )
-from static.store import AccountStore, Database, DatabaseError, KeyOwner, SigningKeyRecord
+from static.store import (
+    AccountStore,
+    AuditStore,
+    Database,
+    DatabaseError,
+    KeyOwner,
+    SigningKeyRecord,
+)
 
-__all__ = ["INVALID_KEY", "Authority", "IssuedToken", "open_authority"]
+__all__ = ["INVALID_KEY", "KEY_EXPIRED", "Authority", "IssuedToken", "open_authority"]
 
 #: The spec's text for an API key that is unknown or revoked.
 INVALID_KEY = "invalid or revoked api key"
+#: A key past its ``expires_at`` (directly, or behind a JWT minted from it).
+KEY_EXPIRED = "api key expired"
 
 _log = logging.getLogger("static.auth")
 
@@ -62,6 +77,50 @@ class Authority:
         self._signing_keys = signing_keys
         self._verifier = TokenVerifierCore(signing_keys, self._rules)
         self._pending_uses: dict[str, datetime] = {}
+        self._revocation_listeners: list[Callable[[str], None]] = []
+
+    # -- keys ending ------------------------------------------------------------------------
+
+    def add_revocation_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(key_id)`` whenever a key stops working for good: revoked by DELETE,
+        a rolled key's grace swept, an expired key noticed by the sweep. It runs on the event
+        loop, so it must not block; an exception it raises is logged and ignored."""
+        self._revocation_listeners.append(listener)
+
+    def _ended(self, key_ids: Sequence[str]) -> None:
+        for key_id in key_ids:
+            for listener in self._revocation_listeners:
+                try:
+                    listener(key_id)
+                except Exception:  # noqa: BLE001  (a listener's bug must not fail the revocation)
+                    _log.exception("a revocation listener failed for key %s", key_id)
+
+    async def revoke_key(self, account_id: str, key_id: str, *, actor: str) -> bool:
+        """DELETE /v1/keys/:id: revoke the account's key; False if there is no such key."""
+        revoked = await self.store.revoke_key(
+            account_id, key_id, now=datetime.now(UTC), actor=actor
+        )
+        if revoked:
+            self._ended([key_id])
+        return revoked
+
+    async def sweep_keys(self) -> None:
+        """One sweep (see the module docstring); the listeners hear of what it ended."""
+        swept = await self.store.sweep_keys(datetime.now(UTC))
+        self._ended(swept.revoked + swept.expired)
+
+    @staticmethod
+    def _working(owner: KeyOwner | None) -> KeyOwner:
+        """``owner`` if its key works now; else the 401 that says why."""
+        if owner is None:
+            raise Unauthenticated(INVALID_KEY)
+        now = datetime.now(UTC)
+        # Past a roll's grace the key counts as revoked (the sweep soon says so in the store).
+        if owner.grace_ends_at is not None and owner.grace_ends_at <= now:
+            raise Unauthenticated(INVALID_KEY)
+        if owner.expires_at is not None and owner.expires_at <= now:
+            raise Unauthenticated(KEY_EXPIRED)
+        return owner
 
     # -- API keys ---------------------------------------------------------------------------
 
@@ -69,9 +128,7 @@ class Authority:
         """The active key ``secret`` and its account; records the use."""
         if not is_api_key(secret):
             raise Unauthenticated(INVALID_KEY)
-        owner = await self.store.owner_of_secret(hash_api_key(secret))
-        if owner is None:
-            raise Unauthenticated(INVALID_KEY)
+        owner = self._working(await self.store.owner_of_secret(hash_api_key(secret)))
         self._pending_uses[owner.key_id] = datetime.now(UTC)
         return owner
 
@@ -94,15 +151,28 @@ class Authority:
     # -- JWTs -------------------------------------------------------------------------------
 
     def mint(self, owner: KeyOwner) -> IssuedToken:
-        """A JWT for the account of ``owner``, tied to its key."""
+        """A JWT for the account of ``owner``, tied to its key and its channel patterns; it
+        ends with the key if the key ends sooner (expiry, a roll's grace)."""
+        now = time.time()
+        issued = math.floor(now)
+        ttl = self._rules.ttl_seconds
+        not_after = None
+        if owner.ends_at is not None:
+            # Whole seconds, rounded down: the token never outlives the key.
+            not_after = math.floor(owner.ends_at.timestamp())
+            if not_after <= issued:
+                raise Unauthenticated(KEY_EXPIRED)
+            ttl = min(ttl, not_after - issued)
         token = mint_token(
             self._signing_key,
             self._rules,
             account_id=owner.account_id,
             key_id=owner.key_id,
-            now=time.time(),
+            now=now,
+            not_after=not_after,
+            channels=owner.channels,
         )
-        return IssuedToken(token, self._rules.ttl_seconds)
+        return IssuedToken(token, ttl)
 
     def jwks(self) -> dict[str, list[dict[str, str]]]:
         """The public keys that verify our tokens, as a JWK Set."""
@@ -111,8 +181,8 @@ class Authority:
     async def authenticate_token(self, token: str) -> KeyOwner:
         """A JWT's key (still active) and account, in one query."""
         claims = self._verifier.verify(token)
-        owner = await self.store.owner_of_key(claims.key_id)
-        if owner is None or owner.account_id != claims.account_id:
+        owner = self._working(await self.store.owner_of_key(claims.key_id))
+        if owner.account_id != claims.account_id:
             raise Unauthenticated(INVALID_KEY)
         return owner
 
@@ -120,15 +190,20 @@ class Authority:
 
     async def verify_token(self, token: str) -> Principal:
         claims = self._verifier.verify(token)
-        if not await self.store.key_is_active(claims.key_id):
-            raise Unauthenticated(INVALID_KEY)
+        self._working(await self.store.owner_of_key(claims.key_id))
         return Principal(
-            account_id=claims.account_id, key_id=claims.key_id, expires_at=claims.expires_at
+            account_id=claims.account_id,
+            key_id=claims.key_id,
+            expires_at=claims.expires_at,
+            channels=claims.channels,
         )
 
     async def key_is_active(self, key_id: str) -> bool:
         # A malformed id is no key (and PostgreSQL would refuse to compare it with a UUID).
-        return is_uuid(key_id) and await self.store.key_is_active(key_id)
+        return is_uuid(key_id) and await self.store.key_is_active(key_id, datetime.now(UTC))
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return await self.store.inactive_keys(key_ids, datetime.now(UTC))
 
 
 async def _load_signing_keys(store: AccountStore) -> list[SigningKey]:
@@ -153,6 +228,8 @@ async def open_authority(db: Database, settings: ApiSettings) -> AsyncIterator[A
     authority = Authority(store, await _load_signing_keys(store), settings)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_flush_forever, authority, settings.last_used_flush_seconds)
+        nursery.start_soon(_sweep_forever, authority, settings.key_sweep_seconds)
+        nursery.start_soon(_prune_forever, AuditStore(db), settings.audit_retention_days)
         try:
             yield authority
         finally:
@@ -171,3 +248,27 @@ async def _flush_forever(authority: Authority, interval: float) -> None:
             await authority.flush_key_uses()
         except DatabaseError as exc:
             _log.warning("could not record key uses (will retry): %s", exc)
+
+
+async def _sweep_forever(authority: Authority, interval: float) -> None:
+    while True:
+        try:
+            await authority.sweep_keys()
+        except DatabaseError as exc:
+            _log.warning("could not sweep ended keys (will retry): %s", exc)
+        await trio.sleep(interval)
+
+
+async def _prune_forever(audit: AuditStore, retention_days: float) -> None:
+    """Prune the audit log at start, then hourly (more often for a retention under 2 hours,
+    so that it is kept within about half of itself)."""
+    retention_s = retention_days * 86_400
+    interval = min(3600.0, max(1.0, retention_s / 2))
+    while True:
+        try:
+            pruned = await audit.prune(int((time.time() - retention_s) * 1000))
+            if pruned:
+                _log.info("pruned %d audit events older than %g days", pruned, retention_days)
+        except DatabaseError as exc:
+            _log.warning("could not prune the audit log (will retry): %s", exc)
+        await trio.sleep(interval)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +18,9 @@ class Principal:
     key_id: str
     #: Unix time at which the credential stops working (a JWT's ``exp``); None for an API key.
     expires_at: float | None = None
+    #: The channel patterns (``org/namespace/service``, ``*`` matching any one component) the
+    #: credential is limited to, from the JWT's ``channels`` claim; None: every channel.
+    channels: tuple[str, ...] | None = None
 
 
 class Unauthenticated(Exception):
@@ -32,5 +36,11 @@ class TokenVerifier(Protocol):
         ...
 
     async def key_is_active(self, key_id: str) -> bool:
-        """Whether the API key ``key_id`` exists and is not revoked (revocation voids its JWTs)."""
+        """Whether the API key ``key_id`` exists and works: not revoked, not expired, not past a
+        roll's grace (each voids its JWTs)."""
+        ...
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        """Of ``key_ids``, those that do not work now (unknown, revoked, expired, past a roll's
+        grace, or malformed)."""
         ...

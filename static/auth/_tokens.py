@@ -3,7 +3,8 @@
 Tokens are EdDSA (Ed25519) JWS, so whoever verifies them (the relay) needs only the public keys
 published as a JWKS. Header: ``alg`` ``EdDSA``, ``typ`` ``JWT``, ``kid`` (the RFC 7638 thumbprint
 of the public key). Claims: ``iss``, ``sub`` (account id), ``aud``, ``iat``, ``nbf``, ``exp``,
-``jti`` and ``key_id`` (the API key the token was minted from, whose revocation voids it).
+``jti`` and ``key_id`` (the API key the token was minted from, whose revocation voids it); and
+``channels`` (the key's channel patterns) only when the key is limited to some channels.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from static.auth._principal import Unauthenticated
 __all__ = [
     "ALGORITHM",
     "INVALID_TOKEN",
+    "MAX_CHANNEL_PATTERNS",
     "SigningKey",
     "TokenClaims",
     "TokenRules",
@@ -48,6 +50,10 @@ _REQUIRED = ["iss", "sub", "aud", "iat", "nbf", "exp", "jti", "key_id"]
 _TIMES = ("iat", "nbf", "exp")
 #: A bound on ``jti`` (ours are 32 hex digits): a signed token is still no place for a novel.
 _MAX_JTI = 128
+#: Bounds on the ``channels`` claim: a key has at most 100 patterns, each a channel name's size
+#: at most (3 components and 2 slashes; 3 * 255 + 2 is looser than today's 191, on purpose).
+MAX_CHANNEL_PATTERNS = 100
+_MAX_PATTERN_CHARS = 3 * 255 + 2
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _JWT_SHAPE = re.compile(r"[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*")
 # Verified signatures are remembered (never the time checks): Ed25519 verification is the
@@ -147,14 +153,27 @@ class TokenClaims:
     issued_at: int
     expires_at: int
     token_id: str
+    #: The key's channel patterns; None: every channel.
+    channels: tuple[str, ...] | None = None
 
 
 def mint_token(
-    key: SigningKey, rules: TokenRules, *, account_id: str, key_id: str, now: float
+    key: SigningKey,
+    rules: TokenRules,
+    *,
+    account_id: str,
+    key_id: str,
+    now: float,
+    not_after: int | None = None,
+    channels: Sequence[str] | None = None,
 ) -> str:
-    """A signed token for ``account_id``, minted from API key ``key_id``, valid from ``now``."""
+    """A signed token for ``account_id``, minted from API key ``key_id``, valid from ``now``,
+    never past ``not_after`` (the key's own end), limited to ``channels`` when given."""
     issued = math.floor(now)
-    claims = {
+    expires = issued + rules.ttl_seconds
+    if not_after is not None:
+        expires = min(expires, not_after)
+    claims: dict[str, Any] = {
         "iss": rules.issuer,
         "sub": account_id,
         "aud": rules.audience,
@@ -163,10 +182,12 @@ def mint_token(
         # Exactly the configured lifetime after ``iat`` (a ceil here made it 901 s for 900).
         # Whole seconds, so the token may end up to 1 s before now + ``expires_in``: clients
         # refresh with a margin far larger (the SDK: min(30 s, a tenth of it)).
-        "exp": issued + rules.ttl_seconds,
+        "exp": expires,
         "jti": uuid.uuid4().hex,
         "key_id": key_id,
     }
+    if channels is not None:
+        claims["channels"] = list(channels)
     return jwt.encode(
         claims, key.private_key, algorithm=ALGORITHM, headers={"kid": key.kid, "typ": "JWT"}
     )
@@ -220,6 +241,7 @@ class TokenVerifierCore:
             issued_at=payload["iat"],
             expires_at=payload["exp"],
             token_id=payload["jti"],
+            channels=None if "channels" not in payload else tuple(payload["channels"]),
         )
 
     def _verify_signature(self, token: str) -> dict[str, Any]:
@@ -269,6 +291,15 @@ def _claims_well_typed(payload: Any) -> bool:
     # INTERNAL to the caller): a lifetime no server mints is refused here.
     if not 0 < payload["exp"] - payload["iat"] <= MAX_TOKEN_TTL_SECONDS:
         return False
+    if "channels" in payload:
+        channels = payload["channels"]
+        # Present only when the key is limited: a non-empty list of bounded strings.
+        if (
+            type(channels) is not list
+            or not 0 < len(channels) <= MAX_CHANNEL_PATTERNS
+            or not all(type(c) is str and 0 < len(c) <= _MAX_PATTERN_CHARS for c in channels)
+        ):
+            return False
     jti = payload.get("jti")
     return (
         type(payload.get("iss")) is str
