@@ -219,6 +219,33 @@ def _parser() -> argparse.ArgumentParser:
         "'off' disables [STATIC_KEY_RATE] (default %(default)s)",
     )
     serve.add_argument(
+        "--account-rate",
+        type=RateLimit.parse,
+        default=_env("STATIC_ACCOUNT_RATE", str(defaults.api.account_rate_limit or "off")),
+        metavar="N/SECONDS",
+        help="authenticated requests allowed per account, all its keys and JWTs together "
+        "(beside --key-rate); 'off' disables [STATIC_ACCOUNT_RATE] (default %(default)s)",
+    )
+    max_lifetime = os.environ.get("STATIC_MAX_KEY_LIFETIME")
+    serve.add_argument(
+        "--max-key-lifetime",
+        type=int,
+        default=int(max_lifetime) if max_lifetime else defaults.api.max_key_lifetime_seconds,
+        metavar="SECONDS",
+        help="the longest expires_in a new key may ask for; then every new key must ask "
+        "[STATIC_MAX_KEY_LIFETIME] (default: none, keys may live forever)",
+    )
+    serve.add_argument(
+        "--audit-retention-days",
+        type=float,
+        default=float(
+            _env("STATIC_AUDIT_RETENTION_DAYS", f"{defaults.api.audit_retention_days:g}")
+        ),
+        metavar="DAYS",
+        help="days the audit log keeps its events (GET /v1/audit) [STATIC_AUDIT_RETENTION_DAYS] "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
         "--auth-failure-rate",
         type=RateLimit.parse,
         default=_env(
@@ -263,6 +290,10 @@ def _observability_flags(serve: argparse.ArgumentParser, defaults: ServerSetting
 def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
     if not 1 <= args.token_ttl <= MAX_TOKEN_TTL_SECONDS:
         raise ValueError(f"--token-ttl must be between 1 and {MAX_TOKEN_TTL_SECONDS} seconds")
+    if args.max_key_lifetime is not None and not 1 <= args.max_key_lifetime <= 31_536_000:
+        raise ValueError("--max-key-lifetime must be between 1 and 31536000 seconds")
+    if not 0 < args.audit_retention_days <= 36_500:
+        raise ValueError("--audit-retention-days must be above 0 and at most 36500")
     options = _relay_options()
     _fit_connections(args, options, open_files)
     for option in options:
@@ -279,6 +310,9 @@ def _settings(args: argparse.Namespace, open_files: int) -> ServerSettings:
             token_ttl_seconds=args.token_ttl,
             signup_rate_limit=args.signup_rate,
             key_rate_limit=args.key_rate,
+            account_rate_limit=args.account_rate,
+            max_key_lifetime_seconds=args.max_key_lifetime,
+            audit_retention_days=args.audit_retention_days,
             auth_failure_rate_limit=args.auth_failure_rate,
             **{field_name: getattr(args, _dest(flag)) for flag, field_name, _ in _HTTP_CAPS},
         ),

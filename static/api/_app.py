@@ -1,9 +1,10 @@
 """The Quart-Trio application: the routes, and the one place errors become JSON responses.
 
-Routes are thin: read and validate input (``_validation``), authenticate through the
-:class:`~static.auth.Authority`, call the store, shape the JSON. Every failure is an exception
-mapped to ``{"error": text}`` by :func:`_error_response`; nothing reaches the client as HTML or a
-traceback, and a storage failure is a 503.
+Routes are thin: authenticate through the :class:`~static.auth.Authority`, then the cheap
+refusals (rate limits, the key's scope, the input's shape: ``_validation``), and only then the
+store; shape the JSON. Each route says who may call it and what one call costs. Every failure
+is an exception mapped to ``{"error": text}`` by :func:`_error_response`; nothing reaches the
+client as HTML or a traceback, and a storage failure is a 503.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from static._settings import ServerSettings
 from static.api._errors import (
     ApiError,
     Conflict,
+    Forbidden,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -38,8 +40,11 @@ from static.api._openapi import openapi_document
 from static.api._ratelimit import AuthAttempt, AuthFailureLimiter, RateLimiter, client_key
 from static.api._validation import (
     bearer_token,
+    parse_audit_query,
+    parse_grace,
     parse_json_object,
     parse_key_id,
+    parse_key_rules,
     parse_new_account,
     parse_new_key,
 )
@@ -52,11 +57,13 @@ from static.auth import (
 )
 from static.store import (
     AccountRecord,
+    AuditStore,
     Database,
     DatabaseError,
     EmailTaken,
     KeyLimitReached,
     KeyOwner,
+    KeyRecord,
     NewKey,
 )
 
@@ -76,6 +83,15 @@ def _account_json(account: AccountRecord) -> dict[str, Any]:
         "email": account.email,
         "name": account.name,
         "plan_tier": account.plan_tier,
+    }
+
+
+def _key_json(record: KeyRecord) -> dict[str, Any]:
+    """What create and roll return besides the secret, and list beside its own fields."""
+    return {
+        "scopes": list(record.scopes),
+        "channels": None if record.channels is None else list(record.channels),
+        "expires_at": _timestamp(record.expires_at),
     }
 
 
@@ -134,6 +150,8 @@ def create_app(
     app.url_map.merge_slashes = False
     signup_limiter = RateLimiter(api.signup_rate_limit) if api.signup_rate_limit else None
     key_limiter = RateLimiter(api.key_rate_limit) if api.key_rate_limit else None
+    account_limiter = RateLimiter(api.account_rate_limit) if api.account_rate_limit else None
+    audit = AuditStore(db)
     auth_limiter = (
         AuthFailureLimiter(api.auth_failure_rate_limit) if api.auth_failure_rate_limit else None
     )
@@ -148,10 +166,19 @@ def create_app(
         assert isinstance(body, bytes)
         return parse_json_object(body, request.headers.get("Content-Type"))
 
-    def limit_key(key_id: str) -> None:
+    def limit_key(owner: KeyOwner) -> None:
+        """The key's rate, then its account's (all its keys and JWTs together)."""
+        now = time.monotonic()
         if key_limiter is not None:
-            wait = key_limiter.acquire(key_id, time.monotonic())
+            wait = key_limiter.acquire(owner.key_id, now)
             if wait is not None:
+                raise TooManyRequests(wait)
+        if account_limiter is not None:
+            wait = account_limiter.acquire(owner.account_id, now)
+            if wait is not None:
+                # Refused: the key's token is not spent on a request that was not served.
+                if key_limiter is not None:
+                    key_limiter.refund(owner.key_id, now)
                 raise TooManyRequests(wait)
 
     def found(owner: KeyOwner) -> AccountRecord:
@@ -213,10 +240,13 @@ def create_app(
             return await observed(authority.authenticate_key(token), token)
         return await observed(authority.authenticate_token(token), token)
 
-    async def api_key_owner() -> KeyOwner:
-        """The caller of a key endpoint, which takes an API key only (a JWT is refused)."""
+    async def api_key_owner(scope: str) -> KeyOwner:
+        """The caller of a key endpoint, which takes an API key only (a JWT is refused) that
+        holds ``scope``."""
         owner = await authenticated(key_only)
-        limit_key(owner.key_id)
+        limit_key(owner)
+        if scope not in owner.scopes:
+            raise Forbidden(f"api key lacks the {scope} scope")
         found(owner)
         return owner
 
@@ -270,38 +300,84 @@ def create_app(
 
     @app.get("/v1/accounts/me")
     async def me() -> Response:
+        # Any working key or JWT, no scope; one lookup.
         owner = await authenticated(key_or_token)
-        limit_key(owner.key_id)
+        limit_key(owner)
         return _json(_account_json(found(owner)))
 
-    @app.post("/v1/keys")
-    async def create_key() -> Response:
-        owner = await api_key_owner()
-        name = parse_new_key(await read_json_object())
-        key = generate_api_key()
-        try:
-            record = await store.create_key(
-                owner.account_id,
-                NewKey(str(uuid.uuid4()), key.digest, key.key_prefix, name),
-                now=datetime.now(UTC),
-                max_active=api.max_keys_per_account,
-            )
-        except KeyLimitReached:
-            raise Conflict("too many active keys") from None
+    def created(record: KeyRecord, secret: str) -> Response:
         return _json(
             {
                 "id": record.id,
                 "key_prefix": record.key_prefix,
                 "name": record.name,
-                "key": key.secret,
+                "key": secret,
+                **_key_json(record),
             }
         )
 
+    @app.post("/v1/keys")
+    async def create_key() -> Response:
+        # A key with the keys scope; one lookup, then one write transaction (count, insert,
+        # audit event).
+        owner = await api_key_owner("keys")
+        body = await read_json_object()
+        name = parse_new_key(body)
+        rules = parse_key_rules(body, api.max_key_lifetime_seconds)
+        key = generate_api_key()
+        new = NewKey(
+            str(uuid.uuid4()),
+            key.digest,
+            key.key_prefix,
+            name,
+            rules.scopes,
+            rules.channels,
+            rules.expires_in,
+        )
+        try:
+            record = await store.create_key(
+                owner.account_id,
+                new,
+                now=datetime.now(UTC),
+                max_active=api.max_keys_per_account,
+                actor=owner.key_id,
+            )
+        except KeyLimitReached:
+            raise Conflict("too many active keys") from None
+        return created(record, key.secret)
+
+    @app.post("/v1/keys/<key_id>/roll")
+    async def roll_key(key_id: str) -> Response:
+        # A key with the keys scope (any key of the account, itself included); one lookup,
+        # then one write transaction (count, read the old key, insert, mark, audit event).
+        owner = await api_key_owner("keys")
+        grace = parse_grace(await read_json_object())
+        old_id = parse_key_id(key_id)
+        key = generate_api_key()
+        try:
+            record = await store.roll_key(
+                owner.account_id,
+                old_id,
+                # Name, scopes, channels and lifetime are the old key's (the store reads them).
+                NewKey(str(uuid.uuid4()), key.digest, key.key_prefix, ""),
+                now=datetime.now(UTC),
+                grace_seconds=grace,
+                max_active=api.max_keys_per_account,
+                default_lifetime=api.max_key_lifetime_seconds,
+                actor=owner.key_id,
+            )
+        except KeyLimitReached:
+            raise Conflict("too many active keys") from None
+        if record is None:
+            raise NotFound()
+        return created(record, key.secret)
+
     @app.get("/v1/keys")
     async def list_keys() -> Response:
-        owner = await api_key_owner()
+        # A key with the keys scope; one lookup, one indexed read (at most 100 rows).
+        owner = await api_key_owner("keys")
         keys = []
-        for record in await store.active_keys(owner.account_id):
+        for record in await store.active_keys(owner.account_id, datetime.now(UTC)):
             # A use not flushed yet is newer than the stored one.
             last_used = authority.last_used(record.id) or record.last_used_at
             keys.append(
@@ -311,15 +387,18 @@ def create_app(
                     "name": record.name,
                     "last_used_at": _timestamp(last_used),
                     "created_at": _timestamp(record.created_at),
+                    **_key_json(record),
                 }
             )
         return _json({"keys": keys})
 
     @app.delete("/v1/keys/<key_id>")
     async def revoke_key(key_id: str) -> Response:
-        owner = await api_key_owner()
-        if not await store.revoke_key(
-            owner.account_id, parse_key_id(key_id), now=datetime.now(UTC)
+        # A key with the keys scope; one lookup, one write transaction (update, audit event);
+        # the revocation listeners hear of it.
+        owner = await api_key_owner("keys")
+        if not await authority.revoke_key(
+            owner.account_id, parse_key_id(key_id), actor=owner.key_id
         ):
             raise NotFound()
         response = Response(b"", status=204)
@@ -329,7 +408,8 @@ def create_app(
     @app.post("/v1/tokens")
     async def exchange_token() -> Response:
         # No body is needed; one sent anyway is ignored (past the size limit it is a 413).
-        owner = await api_key_owner()
+        # A key with the channels scope; one lookup and one signature.
+        owner = await api_key_owner("channels")
         issued = authority.mint(owner)
         if auth_limiter is not None:
             # The token works from where its key does (a client may use it on /me at once).
@@ -342,6 +422,18 @@ def create_app(
             },
             headers={"Cache-Control": "no-store", "Pragma": "no-cache"},
         )
+
+    @app.get("/v1/audit")
+    async def audit_log() -> Response:
+        # A key with the keys scope; one lookup, then one indexed read of each source (at most
+        # limit + 1 rows each).
+        owner = await api_key_owner("keys")
+        query = parse_audit_query(request.args)
+        since_ms = int((time.time() - api.audit_retention_days * 86_400) * 1000)
+        page = await audit.page(
+            owner.account_id, limit=query.limit, cursor=query.cursor, since_ms=since_ms
+        )
+        return _json({"events": page.events, "next_cursor": page.next_cursor})
 
     @app.get("/.well-known/jwks.json")
     async def jwks() -> Response:

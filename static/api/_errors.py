@@ -12,6 +12,7 @@ __all__ = [
     "ApiError",
     "BadRequest",
     "Conflict",
+    "Forbidden",
     "MethodNotAllowed",
     "NotFound",
     "PayloadTooLarge",
@@ -46,6 +47,11 @@ class Unauthorized(ApiError):
     def __init__(self, text: str | None = None) -> None:
         # RFC 6750: a 401 names the scheme the client should use.
         super().__init__(text, {"WWW-Authenticate": 'Bearer realm="static"'})
+
+
+class Forbidden(ApiError):
+    status = 403
+    default_text = "forbidden"
 
 
 class NotFound(ApiError):

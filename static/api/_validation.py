@@ -12,17 +12,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from static._channel_name import MAX_CHANNEL_NAME_LENGTH
 from static.api._errors import BadRequest, NotFound, Unauthorized, UnsupportedMediaType
+from static.store import ALL_SCOPES, AUDIT_CURSOR_PATTERN, parse_audit_cursor
 
 __all__ = [
+    "CHANNEL_PATTERN",
+    "DEFAULT_GRACE_SECONDS",
     "EMAIL_PATTERN",
+    "MAX_AUDIT_LIMIT",
     "MAX_EMAIL_CHARS",
+    "MAX_GRACE_SECONDS",
+    "MAX_KEY_LIFETIME_SECONDS",
     "MAX_NAME_CHARS",
     "NAME_PATTERN",
+    "AuditQuery",
+    "KeyRules",
     "NewAccount",
     "bearer_token",
+    "parse_audit_query",
+    "parse_grace",
     "parse_json_object",
     "parse_key_id",
+    "parse_key_rules",
     "parse_new_account",
     "parse_new_key",
 ]
@@ -46,10 +58,41 @@ _SPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f
 NAME_PATTERN = f"^[{_SPACE}]*[^{_CONTROLS}]*[{_SPACE}]*$"
 _EMAIL_CHAR = f"[^@{_SPACE}{_CONTROLS}]"
 EMAIL_PATTERN = f"^[{_SPACE}]*{_EMAIL_CHAR}+@{_EMAIL_CHAR}+[{_SPACE}]*$"
+#: An ``org/namespace/service`` pattern of POST /v1/keys' ``channels``: each component a literal
+#: channel-name component (``crates/mls/src/channel_name.rs``: ``[A-Za-z0-9][A-Za-z0-9_.-]{0,62}``)
+#: or exactly ``*`` (any one component). Also the OpenAPI document's ``pattern``.
+_COMPONENT = r"(\*|[A-Za-z0-9][A-Za-z0-9_.\-]{0,62})"
+CHANNEL_PATTERN = f"^{_COMPONENT}/{_COMPONENT}/{_COMPONENT}$"
+_CHANNEL_PATTERN = re.compile(CHANNEL_PATTERN[1:-1])
+MAX_CHANNEL_PATTERNS = 100
+#: ``expires_in`` of a new key: a year at most.
+MAX_KEY_LIFETIME_SECONDS = 31_536_000
+#: ``grace_seconds`` of a roll: a week at most, an hour when not given.
+MAX_GRACE_SECONDS = 604_800
+DEFAULT_GRACE_SECONDS = 3_600
+MAX_AUDIT_LIMIT = 200
+DEFAULT_AUDIT_LIMIT = 50
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # RFC 7230 token68 (RFC 6750's b64token): what may follow "Bearer ".
 _TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _EMAIL = re.compile(EMAIL_PATTERN)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRules:
+    """What POST /v1/keys asks of a new key besides its name."""
+
+    scopes: tuple[str, ...]
+    #: Channel patterns in the order given; None: every channel.
+    channels: tuple[str, ...] | None
+    #: Seconds the key lives; None: forever.
+    expires_in: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditQuery:
+    limit: int
+    cursor: tuple[int, str, int] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +159,96 @@ def parse_new_account(body: dict[str, Any]) -> NewAccount:
 def parse_new_key(body: dict[str, Any]) -> str:
     """The name of POST /v1/keys (``default`` when absent)."""
     return _text(body, "name", MAX_NAME_CHARS) or DEFAULT_KEY_NAME
+
+
+def _integer(body: dict[str, Any], field: str, low: int, high: int) -> int | None:
+    """An optional integer field within ``low..high``; null is absent. A bool, a float (even
+    ``5.0``) or a numeric string is refused: the type is part of the contract."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise BadRequest(f"{field} must be an integer")
+    if not low <= value <= high:
+        raise BadRequest(f"{field} must be between {low} and {high}")
+    return value
+
+
+def _string_list(body: dict[str, Any], field: str, max_items: int) -> list[str] | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadRequest(f"{field} must be a list of strings")
+    if not 0 < len(value) <= max_items:
+        raise BadRequest(f"{field} must have 1 to {max_items} entries")
+    # Refused rather than dropped: the OpenAPI document says ``uniqueItems``.
+    if len(set(value)) != len(value):
+        raise BadRequest(f"{field} must not repeat an entry")
+    return value
+
+
+def parse_key_rules(body: dict[str, Any], max_lifetime: int | None = None) -> KeyRules:
+    """``scopes``, ``channels`` and ``expires_in`` of POST /v1/keys (each optional; null is
+    absent). A list repeating an entry is refused. With ``max_lifetime`` (the
+    server's ``--max-key-lifetime``) a key must ask for an expiry, of at most that."""
+    scopes = _string_list(body, "scopes", len(ALL_SCOPES))
+    if scopes is not None and not set(scopes) <= set(ALL_SCOPES):
+        raise BadRequest("scopes must be a non-empty list of keys and channels")
+    channels = _string_list(body, "channels", MAX_CHANNEL_PATTERNS)
+    if channels is not None:
+        for pattern in channels:
+            if _CHANNEL_PATTERN.fullmatch(pattern) is None:
+                shown = pattern if len(pattern) <= MAX_CHANNEL_NAME_LENGTH else "a pattern"
+                raise BadRequest(
+                    f"invalid channel pattern {shown!r}: expected org/namespace/service, each "
+                    "component 1-63 letters, digits, '_', '.', '-' starting with a letter or "
+                    "digit, or exactly *"
+                )
+    expires_in = _integer(body, "expires_in", 1, MAX_KEY_LIFETIME_SECONDS)
+    if max_lifetime is not None:
+        if expires_in is None:
+            raise BadRequest(f"expires_in is required (at most {max_lifetime} seconds)")
+        if expires_in > max_lifetime:
+            raise BadRequest(f"expires_in must be at most {max_lifetime} seconds")
+    return KeyRules(
+        scopes=ALL_SCOPES if scopes is None else tuple(s for s in ALL_SCOPES if s in scopes),
+        channels=None if channels is None else tuple(channels),
+        expires_in=expires_in,
+    )
+
+
+def parse_grace(body: dict[str, Any]) -> int:
+    """``grace_seconds`` of POST /v1/keys/:id/roll: 0 to a week, an hour when absent."""
+    grace = _integer(body, "grace_seconds", 0, MAX_GRACE_SECONDS)
+    return DEFAULT_GRACE_SECONDS if grace is None else grace
+
+
+def parse_audit_query(args: Any) -> AuditQuery:
+    """``limit`` (1-200, default 50) and ``cursor`` of GET /v1/audit from the query string
+    (a werkzeug ``MultiDict``); each at most once."""
+    limits = args.getlist("limit")
+    cursors = args.getlist("cursor")
+    if len(limits) > 1 or len(cursors) > 1:
+        raise BadRequest("limit and cursor may each be given once")
+    limit = DEFAULT_AUDIT_LIMIT
+    if limits:
+        text = limits[0]
+        if not (text.isascii() and text.isdigit() and len(text) <= 3):
+            raise BadRequest(f"limit must be an integer between 1 and {MAX_AUDIT_LIMIT}")
+        limit = int(text)
+        if not 1 <= limit <= MAX_AUDIT_LIMIT:
+            raise BadRequest(f"limit must be an integer between 1 and {MAX_AUDIT_LIMIT}")
+    cursor = None
+    if cursors:
+        cursor = parse_audit_cursor(cursors[0])
+        if cursor is None:
+            raise BadRequest("invalid cursor")
+    return AuditQuery(limit, cursor)
+
+
+#: The cursor's form, for the OpenAPI document.
+AUDIT_CURSOR = AUDIT_CURSOR_PATTERN
 
 
 def parse_key_id(text: str) -> str:
