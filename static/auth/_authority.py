@@ -140,13 +140,14 @@ class Authority:
         """Write the pending ``last_used_at`` updates."""
         if not self._pending_uses:
             return
-        pending, self._pending_uses = self._pending_uses, {}
-        try:
-            await self.store.record_key_uses(pending.items())
-        except BaseException:
-            # Keep them for the next flush (newer uses recorded meanwhile win).
-            self._pending_uses = {**pending, **self._pending_uses}
-            raise
+        # Still pending (and shown by last_used) until written: a list read while the write
+        # is under way would otherwise see neither the pending use nor the stored one.
+        pending = dict(self._pending_uses)
+        await self.store.record_key_uses(pending.items())
+        for key_id, when in pending.items():
+            # A newer use recorded meanwhile stays for the next flush.
+            if self._pending_uses.get(key_id) == when:
+                del self._pending_uses[key_id]
 
     # -- JWTs -------------------------------------------------------------------------------
 

@@ -437,6 +437,16 @@ class AccountStore:
         ``key.revoked`` with reason ``rolled``) and note keys newly expired (event
         ``key.expired``, once per key): one bounded batch of each, in one transaction."""
         at = self._time_in(now)
+        # Mostly there is nothing to do: two indexed reads then, no write transaction.
+        due = await self._db.fetchval(
+            "SELECT 1 WHERE EXISTS (SELECT 1 FROM api_keys WHERE revoked_at IS NULL"
+            " AND grace_ends_at IS NOT NULL AND grace_ends_at <= $1)"
+            " OR EXISTS (SELECT 1 FROM api_keys WHERE revoked_at IS NULL"
+            " AND expires_at IS NOT NULL AND expiry_noted = 0 AND expires_at <= $1)",
+            at,
+        )
+        if due is None:
+            return SweptKeys([], [])
         # Several API processes may share a PostgreSQL store: each row is swept by one.
         skip = "" if self._sqlite else " FOR UPDATE SKIP LOCKED"
         async with self._db.transaction() as tx:

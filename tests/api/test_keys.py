@@ -25,7 +25,10 @@ def test_create_key_returns_the_secret_once(api: Api) -> None:
     assert response.status_code == 200
     assert response.headers["cache-control"] == "no-store"
     created = response.json()
-    assert set(created) == {"id", "key_prefix", "name", "key"}
+    # The spec's fields, and what a key may do (docs/http-api.md "Keys for agents").
+    assert set(created) == {"id", "key_prefix", "name", "key", "scopes", "channels", "expires_at"}
+    assert created["scopes"] == ["keys", "channels"]
+    assert created["channels"] is None and created["expires_at"] is None
     assert str(uuid.UUID(created["id"])) == created["id"]
     assert created["name"] == "ci"
     assert re.fullmatch(r"sk_live_[0-9A-Za-z]{43}", created["key"])
@@ -68,7 +71,16 @@ def test_list_shows_active_keys_newest_first_without_secrets(api: Api) -> None:
     assert [k["name"] for k in keys] == ["k2", "k1", "k0", "default"]
     assert [k["id"] for k in keys[:3]] == [m["id"] for m in reversed(made)]
     for key in keys:
-        assert set(key) == {"id", "key_prefix", "name", "last_used_at", "created_at"}
+        assert set(key) == {
+            "id",
+            "key_prefix",
+            "name",
+            "last_used_at",
+            "created_at",
+            "scopes",
+            "channels",
+            "expires_at",
+        }
         assert TIMESTAMP.fullmatch(key["created_at"])
         assert key["key_prefix"].startswith("sk_live_") and len(key["key_prefix"]) == 16
     created = [_time(k["created_at"]) for k in keys]
