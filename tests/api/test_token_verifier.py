@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pytest
@@ -123,6 +124,9 @@ class _RaisingVerifier:
     async def key_is_active(self, key_id: str) -> bool:
         return False
 
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set(key_ids)
+
 
 async def test_the_relay_callback_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="static.auth"):
@@ -136,6 +140,9 @@ class _Refusing:
 
     async def key_is_active(self, key_id: str) -> bool:
         return False
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set(key_ids)
 
 
 async def test_relay_failures_count_per_address_ipv6_per_64() -> None:

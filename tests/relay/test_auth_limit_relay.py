@@ -4,7 +4,7 @@ the token callback itself, checks awaiting the store together are counted before
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -86,6 +86,9 @@ class _Lookup:
 
     async def key_is_active(self, key_id: str) -> bool:
         return False
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set(key_ids)
 
 
 async def _all_at_once(verifier: _Lookup, limiter: AuthFailureLimiter, count: int) -> list[int]:
