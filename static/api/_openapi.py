@@ -9,7 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 import static
-from static.api._validation import EMAIL_PATTERN, MAX_EMAIL_CHARS, MAX_NAME_CHARS, NAME_PATTERN
+from static.api._validation import (
+    AUDIT_CURSOR,
+    CHANNEL_PATTERN,
+    DEFAULT_GRACE_SECONDS,
+    EMAIL_PATTERN,
+    MAX_AUDIT_LIMIT,
+    MAX_CHANNEL_PATTERNS,
+    MAX_EMAIL_CHARS,
+    MAX_GRACE_SECONDS,
+    MAX_KEY_LIFETIME_SECONDS,
+    MAX_NAME_CHARS,
+    NAME_PATTERN,
+)
 
 __all__ = ["openapi_document"]
 
@@ -30,15 +42,22 @@ def _ok(schema: str, description: str = "OK") -> dict[str, Any]:
 
 _UNAUTHORIZED = _error(
     "`missing authorization header`, `invalid authorization header`, "
-    "`invalid or revoked api key`, `invalid or expired token` (JWT) or `api key required` "
-    "(a JWT on an endpoint that takes an API key only)"
+    "`invalid or revoked api key` (also a rolled key past its grace), `api key expired` (the "
+    "key, or the key a JWT was minted from, is past its `expires_at`), `invalid or expired "
+    "token` (JWT) or `api key required` (a JWT on an endpoint that takes an API key only)"
 )
+
+
+def _forbidden(scope: str) -> dict[str, Any]:
+    return _error(f"`api key lacks the {scope} scope`: the key was created without it")
+
+
 _ACCOUNT_GONE = _error("`Not found`: the account behind the credential does not exist")
 _RATE_LIMITED = {
     **_error(
-        "`too many requests`: the rate limit of the route, or (on routes that authenticate) "
-        "too many failed authentications from the client's address; wait the seconds of the "
-        "`Retry-After` header"
+        "`too many requests`: the rate limit of the route (per key, and per account: all its "
+        "keys and JWTs), or (on routes that authenticate) too many failed authentications "
+        "from the client's address; wait the seconds of the `Retry-After` header"
     ),
     "headers": {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}},
 }
@@ -65,8 +84,37 @@ _NAME = {
 }
 
 
-def _key_auth_only(operation: dict[str, Any]) -> dict[str, Any]:
+_KEY_ID = {
+    "name": "id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "format": "uuid"},
+}
+_TIMESTAMP_OR_NULL = {"type": ["string", "null"], "format": "date-time"}
+#: What a key may do, as create, roll and list return it.
+_KEY_RULES = {
+    "scopes": {
+        "type": "array",
+        "items": {"enum": ["keys", "channels"]},
+        "description": "What the key may do: `keys` (POST/GET/DELETE /v1/keys, roll, GET "
+        "/v1/audit), `channels` (POST /v1/tokens); in this order",
+    },
+    "channels": {
+        "type": ["array", "null"],
+        "items": {"type": "string"},
+        "description": "The channel patterns the key's JWTs are limited to; null: every channel",
+    },
+    "expires_at": {
+        **_TIMESTAMP_OR_NULL,
+        "description": "When the key stops working; null: never",
+    },
+}
+
+
+def _key_auth_only(operation: dict[str, Any], scope: str | None = None) -> dict[str, Any]:
     responses = operation.setdefault("responses", {})
+    if scope is not None:
+        responses.setdefault("403", _forbidden(scope))
     responses.setdefault("401", _UNAUTHORIZED)
     responses.setdefault("404", _ACCOUNT_GONE)
     responses.setdefault("429", _RATE_LIMITED)
@@ -194,16 +242,32 @@ def openapi_document() -> dict[str, Any]:
                         "responses": {
                             "200": _ok("CreatedKey"),
                             **_JSON_BODY_ERRORS,
+                            "400": _error(
+                                "a field error: `name ...` as for accounts; `scopes must be a "
+                                "list of strings`, `scopes must have 1 to 2 entries`, `scopes "
+                                "must be a non-empty list of keys and channels`, `scopes must "
+                                "not repeat an entry`; `channels must be a list of strings`, "
+                                "`channels must have 1 to 100 entries`, `channels must not "
+                                "repeat an entry`, `invalid channel pattern '<pattern>': ...`; "
+                                "`expires_in must be an integer`, `expires_in must be between "
+                                "1 and 31536000`, and with the server's `--max-key-lifetime`: "
+                                "`expires_in is required (at most N seconds)`, `expires_in "
+                                "must be at most N seconds`; `malformed json`, `request body "
+                                "must be a json object`"
+                            ),
                             "409": _error("`too many active keys`: the account has 100 already"),
                         },
-                    }
+                    },
+                    "keys",
                 ),
                 "get": _key_auth_only(
                     {
                         "operationId": "listKeys",
-                        "summary": "The account's active keys, newest first (never the secret)",
+                        "summary": "The account's working keys (not revoked, expired or past "
+                        "a roll's grace), newest first (never the secret)",
                         "responses": {"200": _ok("KeyList")},
-                    }
+                    },
+                    "keys",
                 ),
             },
             "/v1/keys/{id}": {
@@ -211,22 +275,87 @@ def openapi_document() -> dict[str, Any]:
                     {
                         "operationId": "revokeKey",
                         "summary": "Revoke a key of the caller's account (soft delete)",
-                        "parameters": [
-                            {
-                                "name": "id",
-                                "in": "path",
-                                "required": True,
-                                "schema": {"type": "string", "format": "uuid"},
-                            }
-                        ],
+                        "parameters": [_KEY_ID],
                         "responses": {
                             "204": {"description": "Revoked; the key and its JWTs stop working"},
                             "404": _error(
                                 "`Not found`: no such key, another account's key, a key "
-                                "revoked already, or an id that is not a UUID"
+                                "revoked already (or expired, or past a roll's grace), or an "
+                                "id that is not a UUID"
                             ),
                         },
-                    }
+                    },
+                    "keys",
+                )
+            },
+            "/v1/keys/{id}/roll": {
+                "post": _key_auth_only(
+                    {
+                        "operationId": "rollKey",
+                        "summary": "Replace a key by a new one with the same name, scopes and "
+                        "channels; the old one works for `grace_seconds` more, then is revoked",
+                        "parameters": [_KEY_ID],
+                        "requestBody": {
+                            "required": False,
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/RollKey"}
+                                }
+                            },
+                        },
+                        "responses": {
+                            "200": _ok("CreatedKey", "The new key (its secret shown only here)"),
+                            **_JSON_BODY_ERRORS,
+                            "400": _error(
+                                "`grace_seconds must be an integer`, `grace_seconds must be "
+                                "between 0 and 604800`, `malformed json`, `request body must "
+                                "be a json object`"
+                            ),
+                            "404": _error(
+                                "`Not found`: no such key, another account's key, a key "
+                                "revoked, expired or rolled already, or an id that is not a UUID"
+                            ),
+                            "409": _error("`too many active keys`: the account has 100 already"),
+                        },
+                    },
+                    "keys",
+                )
+            },
+            "/v1/audit": {
+                "get": _key_auth_only(
+                    {
+                        "operationId": "auditLog",
+                        "summary": "The account's audit events (keys, and the relay's channel "
+                        "and membership events), newest first",
+                        "parameters": [
+                            {
+                                "name": "limit",
+                                "in": "query",
+                                "required": False,
+                                "schema": {
+                                    "type": "integer",
+                                    "minimum": 1,
+                                    "maximum": MAX_AUDIT_LIMIT,
+                                    "default": 50,
+                                },
+                            },
+                            {
+                                "name": "cursor",
+                                "in": "query",
+                                "required": False,
+                                "description": "`next_cursor` of the previous page (opaque)",
+                                "schema": {"type": "string", "pattern": AUDIT_CURSOR},
+                            },
+                        ],
+                        "responses": {
+                            "200": _ok("AuditPage"),
+                            "400": _error(
+                                "`limit must be an integer between 1 and 200`, `invalid "
+                                "cursor`, `limit and cursor may each be given once`"
+                            ),
+                        },
+                    },
+                    "keys",
                 )
             },
             "/v1/tokens": {
@@ -243,7 +372,8 @@ def openapi_document() -> dict[str, Any]:
                             },
                             "413": _error("`request body too large`"),
                         },
-                    }
+                    },
+                    "channels",
                 )
             },
             "/.well-known/jwks.json": {
@@ -324,29 +454,129 @@ def openapi_document() -> dict[str, Any]:
                     "type": "object",
                     # Unknown fields are ignored (plan_tier cannot be chosen by the client).
                     "additionalProperties": True,
-                    "properties": {"name": {**_NAME, "default": "default"}},
+                    "properties": {
+                        "name": {**_NAME, "default": "default"},
+                        "scopes": {
+                            "type": ["array", "null"],
+                            "items": {"enum": ["keys", "channels"]},
+                            "minItems": 1,
+                            "uniqueItems": True,
+                            "description": "null or absent: both",
+                        },
+                        "channels": {
+                            "type": ["array", "null"],
+                            "items": {"type": "string", "pattern": CHANNEL_PATTERN},
+                            "minItems": 1,
+                            "maxItems": MAX_CHANNEL_PATTERNS,
+                            "uniqueItems": True,
+                            "description": "`org/namespace/service` patterns, each component "
+                            "a channel name's (1-63 letters, digits, `_`, `.`, `-`, starting "
+                            "with a letter or digit) or exactly `*` (any one component); null "
+                            "or absent: every channel",
+                        },
+                        "expires_in": {
+                            "type": ["integer", "null"],
+                            "minimum": 1,
+                            "maximum": MAX_KEY_LIFETIME_SECONDS,
+                            "description": "Seconds the key lives; null or absent: forever "
+                            "(required under the server's `--max-key-lifetime`)",
+                        },
+                    },
+                },
+                "RollKey": {
+                    "type": "object",
+                    "additionalProperties": True,
+                    "properties": {
+                        "grace_seconds": {
+                            "type": ["integer", "null"],
+                            "minimum": 0,
+                            "maximum": MAX_GRACE_SECONDS,
+                            "default": DEFAULT_GRACE_SECONDS,
+                            "description": "Seconds the old key keeps working",
+                        }
+                    },
                 },
                 "CreatedKey": {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["id", "key_prefix", "name", "key"],
+                    "required": [
+                        "id",
+                        "key_prefix",
+                        "name",
+                        "key",
+                        "scopes",
+                        "channels",
+                        "expires_at",
+                    ],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
                         "key_prefix": {"type": "string", "pattern": "^sk_live_[0-9A-Za-z]{8}$"},
                         "name": {"type": "string"},
                         "key": {"type": "string", "pattern": "^sk_live_[0-9A-Za-z]{43}$"},
+                        **_KEY_RULES,
                     },
                 },
                 "Key": {
                     "type": "object",
                     "additionalProperties": False,
-                    "required": ["id", "key_prefix", "name", "last_used_at", "created_at"],
+                    "required": [
+                        "id",
+                        "key_prefix",
+                        "name",
+                        "last_used_at",
+                        "created_at",
+                        "scopes",
+                        "channels",
+                        "expires_at",
+                    ],
                     "properties": {
                         "id": {"type": "string", "format": "uuid"},
                         "key_prefix": {"type": "string", "pattern": "^sk_live_[0-9A-Za-z]{8}$"},
                         "name": {"type": "string"},
-                        "last_used_at": {"type": ["string", "null"], "format": "date-time"},
+                        "last_used_at": _TIMESTAMP_OR_NULL,
                         "created_at": {"type": "string", "format": "date-time"},
+                        **_KEY_RULES,
+                    },
+                },
+                "AuditEvent": {
+                    "type": "object",
+                    # Each type has fields of its own (target_key_id, new_key_id, name, reason,
+                    # channel, identity, ...).
+                    "additionalProperties": True,
+                    "required": ["id", "at", "type", "key_id"],
+                    "properties": {
+                        "id": {"type": "string", "description": "`k...` or `r...`; unique"},
+                        "at": {"type": "string", "format": "date-time"},
+                        "type": {
+                            "type": "string",
+                            "examples": [
+                                "key.created",
+                                "key.revoked",
+                                "key.rolled",
+                                "key.expired",
+                                "channel.created",
+                                "org.claimed",
+                                "member.added",
+                                "member.removed",
+                                "retention.changed",
+                            ],
+                        },
+                        "key_id": {
+                            "type": ["string", "null"],
+                            "description": "The key that acted; null for the server's own",
+                        },
+                    },
+                },
+                "AuditPage": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["events", "next_cursor"],
+                    "properties": {
+                        "events": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/AuditEvent"},
+                        },
+                        "next_cursor": {"type": ["string", "null"]},
                     },
                 },
                 "KeyList": {

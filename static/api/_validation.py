@@ -17,10 +17,12 @@ from static.api._errors import BadRequest, NotFound, Unauthorized, UnsupportedMe
 from static.store import ALL_SCOPES, AUDIT_CURSOR_PATTERN, parse_audit_cursor
 
 __all__ = [
+    "AUDIT_CURSOR",
     "CHANNEL_PATTERN",
     "DEFAULT_GRACE_SECONDS",
     "EMAIL_PATTERN",
     "MAX_AUDIT_LIMIT",
+    "MAX_CHANNEL_PATTERNS",
     "MAX_EMAIL_CHARS",
     "MAX_GRACE_SECONDS",
     "MAX_KEY_LIFETIME_SECONDS",
