@@ -164,11 +164,14 @@ def parse_new_key(body: dict[str, Any]) -> str:
 
 
 def _integer(body: dict[str, Any], field: str, low: int, high: int) -> int | None:
-    """An optional integer field within ``low..high``; null is absent. A bool, a float (even
-    ``5.0``) or a numeric string is refused: the type is part of the contract."""
+    """An optional integer field within ``low..high``; null is absent. A bool, a number with a
+    fraction (``1.5``) or a numeric string is refused. ``5.0`` is 5: JSON has one number type,
+    and JSON Schema (the OpenAPI document's ``integer``) counts ``5.0`` as an integer."""
     value = body.get(field)
     if value is None:
         return None
+    if type(value) is float and value.is_integer():
+        value = int(value)
     if type(value) is not int:
         raise BadRequest(f"{field} must be an integer")
     if not low <= value <= high:
