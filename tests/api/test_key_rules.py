@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -455,3 +458,24 @@ async def test_verify_token_carries_the_channels(database_url: str) -> None:
             await authority.verify_token(issued.access_token)
         with pytest.raises(Unauthenticated, match="api key expired"):
             await authority.authenticate_key(secret.secret)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--max-key-lifetime", "0", "--max-key-lifetime must be between 1 and 31536000"),
+        ("--max-key-lifetime", "31536001", "--max-key-lifetime must be between 1 and 31536000"),
+        ("--audit-retention-days", "0", "--audit-retention-days must be above 0"),
+        ("--audit-retention-days", "nan", "--audit-retention-days must be above 0"),
+        ("--account-rate", "5", "argument --account-rate"),
+    ],
+)
+def test_bad_settings_exit_2(tmp_path: Path, flag: str, value: str, says: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "static", "serve", "--data-dir", str(tmp_path), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert says in result.stderr
