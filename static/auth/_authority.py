@@ -254,7 +254,10 @@ async def _flush_forever(authority: Authority, interval: float) -> None:
 async def _sweep_forever(authority: Authority, interval: float) -> None:
     while True:
         try:
-            await authority.sweep_keys()
+            # Shielded: a store call cancelled half-way (at shutdown) can leave a PostgreSQL
+            # connection stuck in trio-asyncio; each call is one short transaction.
+            with trio.CancelScope(shield=True):
+                await authority.sweep_keys()
         except DatabaseError as exc:
             _log.warning("could not sweep ended keys (will retry): %s", exc)
         await trio.sleep(interval)
@@ -262,14 +265,19 @@ async def _sweep_forever(authority: Authority, interval: float) -> None:
 
 async def _prune_forever(audit: AuditStore, retention_days: float) -> None:
     """Prune the audit log at start, then hourly (more often for a retention under 2 hours,
-    so that it is kept within about half of itself)."""
+    so that it is kept within about half of itself); one shielded batch at a time."""
     retention_s = retention_days * 86_400
     interval = min(3600.0, max(1.0, retention_s / 2))
     while True:
+        pruned, more = 0, True
         try:
-            pruned = await audit.prune(int((time.time() - retention_s) * 1000))
-            if pruned:
-                _log.info("pruned %d audit events older than %g days", pruned, retention_days)
+            while more:
+                with trio.CancelScope(shield=True):
+                    count, more = await audit.prune(int((time.time() - retention_s) * 1000))
+                pruned += count
+                await trio.lowlevel.checkpoint()
         except DatabaseError as exc:
             _log.warning("could not prune the audit log (will retry): %s", exc)
+        if pruned:
+            _log.info("pruned %d audit events older than %g days", pruned, retention_days)
         await trio.sleep(interval)

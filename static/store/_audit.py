@@ -185,23 +185,21 @@ class AuditStore:
         ]
         return AuditPage(ordered, next_cursor)
 
-    async def prune(self, before_ms: int) -> int:
-        """Delete the events older than ``before_ms`` in bounded batches: the accounts' table,
-        and the relay's where it shares the database (PostgreSQL). Returns the rows deleted."""
+    async def prune(self, before_ms: int) -> tuple[int, bool]:
+        """Delete one batch of the events older than ``before_ms``: of the accounts' table, and
+        of the relay's where it shares the database (PostgreSQL). Returns the rows deleted and
+        whether more may be left (call again)."""
         tables = ["audit_events"] + ([] if self._db.dialect == "sqlite" else ["relay_audit"])
-        deleted = 0
+        deleted, more = 0, False
         for table in tables:
-            while True:
-                count = await self._db.execute(
-                    f"DELETE FROM {table} WHERE seq IN (SELECT seq FROM {table}"
-                    f" WHERE at_ms < $1 ORDER BY at_ms LIMIT {_PRUNE_BATCH})",
-                    before_ms,
-                )
-                deleted += count
-                if count < _PRUNE_BATCH:
-                    break
-                await trio.lowlevel.checkpoint()
-        return deleted
+            count = await self._db.execute(
+                f"DELETE FROM {table} WHERE seq IN (SELECT seq FROM {table}"
+                f" WHERE at_ms < $1 ORDER BY at_ms LIMIT {_PRUNE_BATCH})",
+                before_ms,
+            )
+            deleted += count
+            more = more or count == _PRUNE_BATCH
+        return deleted, more
 
 
 async def _missing_table_is_empty(call: Any) -> list[Any]:
