@@ -5,10 +5,14 @@ by :class:`~static.store.AccountStore` in the change's transaction) and ``relay_
 relay's part, 0012: channel and membership changes, written by the Rust relay). On PostgreSQL
 both are in the one database. On SQLite ``relay_audit`` is in the relay's file
 (``static.store._split``), which this store only reads, through one read-only connection kept
-open for the process's life: closing a file drops the POSIX locks every library of the process
-holds on it (``_split``'s docstring), so it is opened once, never per request, and never written.
-Pruning the relay's table on SQLite is therefore the relay's own job; reads hide what is past
-the retention anyway, so both backends answer alike.
+open for the process's life (closing a file drops the POSIX locks every library of the process
+holds on it, ``_split``'s docstring: so never per request), and never writes. What remains of
+the two-libraries hazard falls on this reader alone: the relay's SQLite cannot see its read
+lock (same process), so a checkpoint that restarts the WAL under a read may make that one read
+fail (a 503) or see a torn page; the relay's own data is never at stake (nothing is written,
+and a read-only connection does not checkpoint on close). A relay call that reads its own table
+would remove even that. Pruning the relay's table on SQLite is the relay's own job; reads hide
+what is past the retention anyway, so both backends answer alike.
 
 Order: ``(at_ms, source, seq)`` descending, source ``r`` before ``k`` at the same ms. A cursor is
 the key of the last event returned; each source is read past it with one indexed query.
