@@ -18,7 +18,14 @@ import pytest
 import trio
 
 from static._settings import ApiSettings
-from static.auth import Unauthenticated, generate_api_key, open_authority
+from static.auth import (
+    SigningKey,
+    TokenRules,
+    Unauthenticated,
+    generate_api_key,
+    open_authority,
+)
+from static.auth._tokens import TokenVerifierCore
 from static.store import NewKey, open_database
 from tests.api.conftest import NO_LIMITS
 from tests.support.api import Api, assert_error, bearer
@@ -479,3 +486,60 @@ def test_bad_settings_exit_2(tmp_path: Path, flag: str, value: str, says: str) -
     )
     assert result.returncode == 2
     assert says in result.stderr
+
+
+def _signed(key: SigningKey, **claims: Any) -> str:
+    now = int(time.time())
+    payload = {
+        "iss": "static",
+        "sub": str(uuid.uuid4()),
+        "aud": "static-relay",
+        "iat": now,
+        "nbf": now,
+        "exp": now + 60,
+        "jti": uuid.uuid4().hex,
+        "key_id": str(uuid.uuid4()),
+        **claims,
+    }
+    return jwt.encode(payload, key.private_key, algorithm="EdDSA", headers={"kid": key.kid})
+
+
+@pytest.mark.parametrize(
+    "channels",
+    [
+        [],
+        "a/b/c",
+        {"a": "b"},
+        [1],
+        [None],
+        ["a/b/c", 2],
+        [""],
+        ["x" * 768],
+        [f"o/n/s{i}" for i in range(101)],
+        None,
+        True,
+    ],
+)
+def test_the_channels_claim_is_checked_strictly(channels: Any) -> None:
+    key = SigningKey.generate()
+    rules = TokenRules(issuer="static", audience="static-relay", ttl_seconds=900)
+    verifier = TokenVerifierCore([key], rules)
+    with pytest.raises(Unauthenticated, match="invalid or expired token"):
+        verifier.verify(_signed(key, channels=channels))
+    # The bounds themselves pass; no claim at all is every channel.
+    fine = ["x" * 767, *(f"o/n/s{i}" for i in range(99))]
+    assert verifier.verify(_signed(key, channels=fine)).channels == tuple(fine)
+    assert verifier.verify(_signed(key)).channels is None
+
+
+def test_a_roll_counts_against_the_key_limit(api: Api) -> None:
+    signed = api.signup()
+    made = [api.create_key(signed.key, name=f"k{i}") for i in range(99)]
+    headers = bearer(signed.key)
+    roll = api.http.post(f"/v1/keys/{made[0]['id']}/roll", headers=headers)
+    assert_error(roll, 409, "too many active keys")
+    assert_error(api.http.post("/v1/keys", headers=headers, json={}), 409, "too many active keys")
+    # One revoked makes room for one roll; the old key counts until its grace ends.
+    assert api.revoke(signed.key, made[1]["id"]).status_code == 204
+    assert api.http.post(f"/v1/keys/{made[0]['id']}/roll", headers=headers).status_code == 200
+    assert_error(api.http.post("/v1/keys", headers=headers, json={}), 409, "too many active keys")
