@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -124,6 +125,9 @@ class _RaisingVerifier:
     async def key_is_active(self, key_id: str) -> bool:
         return False
 
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set(key_ids)
+
 
 async def test_the_relay_callback_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="static.auth"):
@@ -137,6 +141,9 @@ class _Refusing:
 
     async def key_is_active(self, key_id: str) -> bool:
         return False
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set(key_ids)
 
 
 async def test_relay_failures_count_per_address_ipv6_per_64() -> None:
@@ -166,6 +173,9 @@ class _ScopedVerifier:
 
     async def key_is_active(self, key_id: str) -> bool:
         return True
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set()
 
 
 async def test_the_relay_callback_hands_over_the_keys_channels() -> None:
