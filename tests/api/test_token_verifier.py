@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pytest
@@ -157,7 +157,7 @@ async def test_relay_failures_count_per_address_ipv6_per_64() -> None:
     assert (await _check(_Refusing(), "t", "127.0.0.1:5000", limiter))[0] == 16
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Scoped(Principal):
     # Principal gains `channels` with issue 30 (static.auth); declared here as well so that this
     # test stands on either side of that change.
