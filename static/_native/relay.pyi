@@ -28,9 +28,14 @@ class RelayServer:
         host: str,
         port: int,
         database: str,
+        # A principal `(account_id, key_id, expires_at, channels)` (channels: the key's channel
+        # patterns, None for every channel; the 3-tuple: none), or a refusal.
         verify: Callable[
             [str, str],
-            tuple[str, str, float | None] | tuple[int, str] | tuple[int, str, int],
+            tuple[str, str, float | None, list[str] | None]
+            | tuple[str, str, float | None]
+            | tuple[int, str]
+            | tuple[int, str, int],
         ]
         | None,
         allow_anonymous: bool,

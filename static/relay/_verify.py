@@ -33,8 +33,10 @@ _RESOURCE_EXHAUSTED = 8
 _UNAVAILABLE = 14
 _UNAUTHENTICATED = 16
 
-#: A principal, a refusal ``(code, text)``, or ``(RESOURCE_EXHAUSTED, text, retry after s)``.
-_Verified = tuple[str, str, float | None] | tuple[int, str] | tuple[int, str, int]
+#: A principal ``(account_id, key_id, expires_at, channels)`` (``channels``: the key's channel
+#: patterns, None for every channel; the relay enforces them), a refusal ``(code, text)``, or
+#: ``(RESOURCE_EXHAUSTED, text, retry after s)``.
+_Verified = tuple[str, str, float | None, list[str] | None] | tuple[int, str] | tuple[int, str, int]
 _SHUTTING_DOWN: _Verified = (_UNAVAILABLE, "relay is shutting down")
 
 _log = logging.getLogger("static.auth")
@@ -91,7 +93,14 @@ async def _check(
     else:
         if attempt is not None:
             attempt.succeeded(time.monotonic())
-        return (principal.account_id, principal.key_id, principal.expires_at)
+        # `channels` is read with a default: a principal of before issue 30 has none.
+        channels = getattr(principal, "channels", None)
+        return (
+            principal.account_id,
+            principal.key_id,
+            principal.expires_at,
+            None if channels is None else list(channels),
+        )
     if attempt is not None:
         attempt.failed(time.monotonic())
     return refusal
@@ -99,7 +108,7 @@ async def _check(
 
 def _token_result(answer: _Verified) -> str:
     """The token check's result, for its metric."""
-    if isinstance(answer[0], str):  # a principal: (account_id, key_id, expires_at)
+    if isinstance(answer[0], str):  # a principal: (account_id, key_id, expires_at, channels)
         return "ok"
     if answer[0] == _UNAVAILABLE:
         return "store_unavailable"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -154,3 +155,30 @@ async def test_relay_failures_count_per_address_ipv6_per_64() -> None:
     assert refused[0] == 8 and refused[2] == 30  # type: ignore[misc]
     assert (await _check(_Refusing(), "t", "2001:db8:1::1:5000", limiter))[0] == 16
     assert (await _check(_Refusing(), "t", "127.0.0.1:5000", limiter))[0] == 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scoped(Principal):
+    # Principal gains `channels` with issue 30 (static.auth); declared here as well so that this
+    # test stands on either side of that change.
+    channels: tuple[str, ...] | None = None
+
+
+class _ScopedVerifier:
+    def __init__(self, channels: tuple[str, ...] | None) -> None:
+        self.channels = channels
+
+    async def verify_token(self, token: str) -> Principal:
+        return _Scoped("acct", "key", 12.5, self.channels)
+
+    async def key_is_active(self, key_id: str) -> bool:
+        return True
+
+    async def inactive_keys(self, key_ids: Sequence[str]) -> set[str]:
+        return set()
+
+
+async def test_the_relay_callback_hands_over_the_keys_channels() -> None:
+    scoped = await _check(_ScopedVerifier(("acme/ops/*",)), "t")
+    assert scoped == ("acct", "key", 12.5, ["acme/ops/*"])
+    assert await _check(_ScopedVerifier(None), "t") == ("acct", "key", 12.5, None)

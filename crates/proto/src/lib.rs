@@ -24,6 +24,8 @@ pub const RETRY_AFTER_TRAILER: &str = "static-retry-after-ms";
 /// (decimal ASCII).
 pub const HORIZON_TRAILER: &str = "static-horizon-seq";
 
+pub mod patterns;
+
 /// Items of one `PublishBatchRequest` at most: the relay refuses a larger batch with
 /// INVALID_ARGUMENT, so the client never sends one.
 pub const MAX_BATCH_ITEMS: usize = 1024;

@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 
 use crate::exit;
 use static_relay::settings::Kind;
-use static_relay::{Database, Principal, RelayConfig, RelayError, Verify};
+use static_relay::{ChannelPatterns, Database, Principal, RelayConfig, RelayError, Verify};
 
 /// gRPC codes a `verify` callable may refuse with.
 const RESOURCE_EXHAUSTED: u32 = 8;
@@ -28,7 +28,8 @@ const UNAVAILABLE: u32 = 14;
 const UNAUTHENTICATED: u32 = 16;
 
 /// The Python `verify(token, peer)` (`peer`: the caller's `ip:port`): returns `(account_id,
-/// key_id, expires_at | None)`, or `(code, message)` to refuse (UNAUTHENTICATED or
+/// key_id, expires_at | None, channels | None)` (`channels`: the key's channel patterns, None
+/// for every channel; a 3-tuple is a key without patterns), or `(code, message)` to refuse (UNAUTHENTICATED or
 /// UNAVAILABLE), or `(RESOURCE_EXHAUSTED, message, retry_after_seconds)` (too many failures
 /// from that address). Raising is a bug: printed, and the call gets INTERNAL.
 struct PyVerifier {
@@ -68,18 +69,34 @@ fn call_verify(
         err.print(py);
         RelayError::Internal
     })?;
-    if let Ok((account_id, key_id, expires_at)) =
-        answer.extract::<(String, String, Option<f64>)>(py)
-    {
+    // A principal: `(account_id, key_id, expires_at, channels)`; the 3-tuple of before
+    // (no `channels`) still reads as a key without patterns.
+    let principal = answer
+        .extract::<(String, String, Option<f64>, Option<Vec<String>>)>(py)
+        .or_else(|_| {
+            answer
+                .extract::<(String, String, Option<f64>)>(py)
+                .map(|(account, key, expires)| (account, key, expires, None))
+        });
+    if let Ok((account_id, key_id, expires_at, channels)) = principal {
         // Checked: an expiry past what SystemTime holds (an `exp` of 1e20) panicked here.
         // Unrepresentable (negative, NaN, too far) is no deadline, as None is.
         let expires_at = expires_at
             .and_then(|at| Duration::try_from_secs_f64(at).ok())
             .and_then(|left| UNIX_EPOCH.checked_add(left));
+        // Patterns the relay cannot read refuse the call: a key's restriction is never
+        // dropped silently.
+        let channels = match channels {
+            None => None,
+            Some(list) => Some(Arc::new(ChannelPatterns::parse(&list).map_err(|e| {
+                RelayError::Unauthenticated(format!("the token's channels claim: {e}"))
+            })?)),
+        };
         return Ok(Principal {
             account_id,
             key_id,
             expires_at,
+            channels,
         });
     }
     if let Ok((RESOURCE_EXHAUSTED, message, retry_after_seconds)) =

@@ -21,6 +21,7 @@ use tonic::metadata::MetadataMap;
 
 use crate::error::{RelayError, Result};
 use crate::lockout::{self, address_of, Lockouts};
+use static_proto::patterns::ChannelPatterns;
 
 /// The account of anonymous callers (`--allow-anonymous`): they are one principal.
 pub const ANONYMOUS_ACCOUNT: &str = "";
@@ -32,6 +33,8 @@ pub struct Principal {
     pub account_id: String,
     pub key_id: String,
     pub expires_at: Option<SystemTime>,
+    /// The channels the token's key may name (its `channels` claim); None: every channel.
+    pub channels: Option<Arc<ChannelPatterns>>,
 }
 
 /// Checks a bearer token: signature, audience, expiry and that the key behind it is active.
@@ -56,6 +59,23 @@ pub struct Caller {
     pub agent: String,
     pub key_id: Option<String>,
     pub expires_at: Option<SystemTime>,
+    /// The channels this caller may name (its key's patterns); None: every channel (and
+    /// anonymous callers).
+    pub channels: Option<Arc<ChannelPatterns>>,
+}
+
+impl Caller {
+    /// PERMISSION_DENIED, naming the patterns, unless the caller's key reaches `channel`.
+    /// Costs at most 100 pattern comparisons: no store read, no signature, so every call
+    /// naming a channel makes it first, right after the name's shape.
+    pub fn may_name(&self, channel: &str) -> Result<()> {
+        match &self.channels {
+            Some(patterns) if !patterns.matches(channel) => {
+                Err(RelayError::PermissionDenied(patterns.refusal(channel)))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The token of the `authorization` metadata, None when absent; checks the header value
@@ -148,6 +168,7 @@ impl Authenticator {
                     agent: format!("anonymous:{}", address_of(peer)),
                     key_id: None,
                     expires_at: None,
+                    channels: None,
                 });
             }
             return Err(unauthenticated(
@@ -183,6 +204,7 @@ impl Authenticator {
             agent: format!("key:{}", principal.key_id),
             key_id: Some(principal.key_id),
             expires_at: principal.expires_at,
+            channels: principal.channels,
         })
     }
 

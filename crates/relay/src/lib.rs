@@ -17,6 +17,7 @@
 // Denied, not forbidden: `memory` calls glibc's malloc_trim (one audited FFI call).
 #![deny(unsafe_code)]
 
+mod audit;
 pub mod auth;
 mod clock;
 pub mod error;
@@ -36,6 +37,7 @@ pub mod tls;
 mod verify_pool;
 pub mod wire;
 
+pub use static_proto::patterns::ChannelPatterns;
 pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
 pub use auth::{Caller, Principal, Verify};

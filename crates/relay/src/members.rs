@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::audit::AuditRow;
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, LeafInfo};
 use crate::store::{StoredBinding, StoredGroup};
@@ -25,6 +26,8 @@ pub struct GroupChange {
     pub added: Vec<u32>,
     /// The next state, parsed (taken by memory once the commit is durable).
     next: Mutex<Option<GroupState>>,
+    /// Its audit rows (`member.added`, `member.removed`), stored with it.
+    audit: Vec<AuditRow>,
 }
 
 impl GroupChange {
@@ -39,7 +42,18 @@ impl GroupChange {
             removed,
             added,
             next: Mutex::new(Some(next)),
+            audit: Vec::new(),
         })
+    }
+
+    /// With the audit rows the store writes with this commit.
+    pub(crate) fn with_audit(mut self, audit: Vec<AuditRow>) -> GroupChange {
+        self.audit = audit;
+        self
+    }
+
+    pub(crate) fn audit(&self) -> &[AuditRow] {
+        &self.audit
     }
 
     fn take_next(&self) -> Option<GroupState> {
@@ -196,6 +210,11 @@ impl Membership {
 
     pub fn reach(&self, account: &str) -> Reach {
         self.bindings.reach(account)
+    }
+
+    /// The account bound to `leaf`, if any.
+    pub fn bound(&self, leaf: u32) -> Option<Arc<str>> {
+        self.bindings.by_leaf.get(&leaf).cloned()
     }
 
     /// Binds `leaf` to `account` (replacing its binding).

@@ -144,8 +144,9 @@ impl Refusal {
             Self::Unauthenticated { message } => {
                 Error::Auth(format!("the relay refused the credentials: {message}"))
             }
-            // Not a member, another account's org, a binding that does not verify: the
-            // relay's text says which.
+            // Not a member, another account's org, a binding that does not verify, a channel
+            // outside the key's patterns (`static_proto::patterns::OUTSIDE_CHANNELS`, naming
+            // them): the relay's text says which.
             Self::Final {
                 code: Code::PermissionDenied,
                 message,
@@ -281,6 +282,32 @@ mod tests {
             ..pb(Code::Ok, 0, 0)
         };
         assert!(matches!(Refusal::from_pb(&odd), Refusal::Final { .. }));
+    }
+
+    #[test]
+    fn a_channel_outside_the_keys_patterns_is_an_auth_error_naming_them() {
+        use static_proto::patterns::{ChannelPatterns, OUTSIDE_CHANNELS};
+        let patterns = ChannelPatterns::parse(&["acme/ops/*"]).expect("valid");
+        let refused = Status::permission_denied(patterns.refusal("acme/x/y"));
+        let e = Refusal::from_status(&refused).into_error("CreateChannel");
+        assert_eq!(
+            e.to_string(),
+            "auth error: CreateChannel: channel acme/x/y is outside this key's channels \
+             (acme/ops/*)"
+        );
+        assert!(e.to_string().contains(OUTSIDE_CHANNELS));
+        // A batch item's refusal reads the same.
+        let item = pb::Refusal {
+            code: Code::PermissionDenied as u32,
+            message: patterns.refusal("acme/x/y"),
+            current_epoch: 0,
+            retry_after_ms: 0,
+            horizon_seq: 0,
+        };
+        assert_eq!(
+            Refusal::from_pb(&item).into_error("Publish").kind(),
+            crate::error::ErrorKind::Auth
+        );
     }
 
     #[test]

@@ -530,6 +530,7 @@ impl Verify for AuthorityVerify {
                     key_id: format!("key-{account}"),
                     account_id: account,
                     expires_at: None,
+                    channels: None,
                 }),
                 None => Err(RelayError::Unauthenticated(
                     "token expired or invalid".into(),

@@ -14,6 +14,7 @@ use super::queue::{publish_jobs, CreateJob, Job, Queue, QueueState, StopGuard};
 use super::registry::{unload_idle_channels, Registry};
 use super::writer::{run_writer, Writer};
 use super::{Checked, LogSettings, Outcome, MAX_BATCH};
+use crate::audit::{Actor, AuditRow};
 use crate::error::{shutting_down, RelayError, Result};
 use crate::group::GroupState;
 use crate::members::{Membership, Reach};
@@ -123,6 +124,26 @@ impl ChannelLog {
         state: GroupState,
         leaf: u32,
     ) -> Result<Arc<Channel>> {
+        self.create_audited(name, account, state, leaf, None).await
+    }
+
+    /// [`ChannelLog::create`], with its audit rows (`channel.created`, and `org.claimed` when
+    /// it claims the org) written in its transaction: made by `actor`, with the creator's
+    /// identity read from `state`.
+    pub(crate) async fn create_audited(
+        &self,
+        name: &str,
+        account: &str,
+        state: GroupState,
+        leaf: u32,
+        actor: Option<&Actor>,
+    ) -> Result<Arc<Channel>> {
+        let identity = state.leaf(leaf).map(|l| l.identity).unwrap_or_default();
+        let audit: Vec<AuditRow> = actor
+            .and_then(|a| a.created(name, &identity))
+            .into_iter()
+            .collect();
+        let claimed = actor.and_then(|a| a.claimed(name));
         let org = name.split('/').next().unwrap_or(name);
         let stored = state.to_bytes().map_err(|e| {
             ::log::error!(target: "static.relay", "internal error: a group state could not be encoded: {e}");
@@ -136,6 +157,8 @@ impl ChannelLog {
             account: account.to_owned(),
             state: stored,
             leaf,
+            audit,
+            claimed,
             tx,
         });
         if let Err(refused) = self.push(vec![job]) {
@@ -291,6 +314,19 @@ impl ChannelLog {
             .unwrap_or_default())
     }
 
+    /// The accounts memory has bound to `leaves` of `channel` (None: unbound, or not loaded).
+    /// Memory only: what the audit rows of a commit name (docs: `audit`).
+    pub(crate) fn bound_in_memory(&self, channel: &Channel, leaves: &[u32]) -> Vec<Option<String>> {
+        let members = channel.members();
+        leaves
+            .iter()
+            .map(|leaf| {
+                let account = members.as_ref().and_then(|m| m.bound(*leaf));
+                account.map(|a| a.to_string())
+            })
+            .collect()
+    }
+
     /// The proposals accepted at `epoch` of `channel`, in log order.
     pub async fn proposals(&self, channel: &Channel, epoch: u64) -> Result<Vec<Bytes>> {
         self.inner.reader.proposals(channel.id, epoch).await
@@ -429,12 +465,18 @@ impl ChannelLog {
         self.run_job(Job::Probe { tx }, rx).await
     }
 
-    /// Sets the channel's retention policy.
-    pub(crate) async fn set_retention(&self, channel: &Channel, policy: Policy) -> Result<()> {
+    /// Sets the channel's retention policy, with its `retention.changed` row by `actor`.
+    pub(crate) async fn set_retention(
+        &self,
+        channel: &Channel,
+        policy: Policy,
+        actor: &Actor,
+    ) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let job = Job::SetRetention {
             channel_id: channel.id,
             policy,
+            audit: actor.retention(channel.name(), &policy),
             tx,
         };
         self.run_job(job, rx).await

@@ -8,6 +8,7 @@ use tokio::sync::{oneshot, watch};
 
 use super::channel::Channel;
 use super::{Accepted, Checked, Outcome, MAX_BATCH};
+use crate::audit::AuditRow;
 use crate::error::{shutting_down, Result};
 use crate::observe::metrics;
 use crate::store::{Policy, PruneStep};
@@ -62,6 +63,8 @@ pub(super) enum Job {
     SetRetention {
         channel_id: i64,
         policy: Policy,
+        /// Its `retention.changed` row (None: an anonymous caller's).
+        audit: Option<AuditRow>,
         tx: oneshot::Sender<Result<()>>,
     },
     /// A readiness probe: one small write (see [`ChannelLog::probe`]).
@@ -78,6 +81,9 @@ pub(super) struct CreateJob {
     pub(super) account: String,
     pub(super) state: Vec<u8>,
     pub(super) leaf: u32,
+    /// Its `channel.created` row, and the `org.claimed` one (written if it claims the org).
+    pub(super) audit: Vec<AuditRow>,
+    pub(super) claimed: Option<AuditRow>,
     pub(super) tx: oneshot::Sender<Result<i64>>,
 }
 

@@ -98,9 +98,13 @@ impl Writer {
                 Job::SetRetention {
                     channel_id,
                     policy,
+                    audit,
                     tx,
                 } => {
-                    let _ = tx.send(self.store.set_retention(channel_id, &policy));
+                    let set = self
+                        .store
+                        .set_retention(channel_id, &policy, audit.as_ref());
+                    let _ = tx.send(set);
                 }
                 Job::Probe { tx } => {
                     let _ = tx.send(self.store.probe(now_ms()));
@@ -119,6 +123,8 @@ impl Writer {
             account: &create.account,
             state: &create.state,
             leaf: create.leaf,
+            audit: &create.audit,
+            claimed: create.claimed.as_ref(),
         };
         match self.store.create_channel(&channel)? {
             Creation::Done(id) => Ok(id),
@@ -225,6 +231,7 @@ fn appends(batch: &[Publish]) -> Vec<Append<'_>> {
                     state: &change.state,
                     removed: &change.removed,
                     added: &change.added,
+                    audit: change.audit(),
                 }),
                 _ => None,
             };

@@ -9,7 +9,9 @@ use tonic::{Extensions, Request};
 
 use super::refusal::not_a_member;
 use super::{Inner, Peer};
+use crate::audit::Actor;
 use crate::auth::{Caller, StreamGuard};
+use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::log::Channel;
 use crate::members::Reach;
@@ -61,8 +63,8 @@ impl Inner {
         }
     }
 
-    /// A unary call on one channel: its caller authenticated, the channel's name checked and
-    /// the channel found (what the caller may do there, its handler checks).
+    /// A unary call on one channel: its caller authenticated, the channel's name checked (its
+    /// shape, then the caller's channel patterns: [`Caller::may_name`]) and the channel found (what the caller may do there, its handler checks).
     pub(super) async fn addressed<M: Addressed>(
         &self,
         request: Request<M>,
@@ -70,6 +72,7 @@ impl Inner {
         let (metadata, extensions, mut request) = request.into_parts();
         let caller = self.caller(&metadata, &extensions).await?;
         let name = channel_name(request.take_channel())?;
+        caller.may_name(&name)?;
         let channel = self.channel(&caller.account, &name).await?;
         Ok((caller, name, channel, request))
     }
@@ -125,6 +128,15 @@ impl Inner {
             message: format!("publish rate limit of {rate} messages/s per agent exceeded"),
             retry_after_ms,
         })
+    }
+}
+
+/// The caller as its audit rows name it, now.
+pub(super) fn actor(caller: &Caller) -> Actor {
+    Actor {
+        account: caller.account.to_string(),
+        key_id: caller.key_id.clone(),
+        at_ms: now_ms(),
     }
 }
 

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response};
 
-use super::caller::channel_name;
+use super::caller::{actor, channel_name};
 use super::refusal::{group_refusal, internal};
 use super::Inner;
 use crate::error::{RelayError, Result};
@@ -160,6 +160,7 @@ pub(super) async fn create_channel(
     let (metadata, extensions, request) = request.into_parts();
     let caller = inner.caller(&metadata, &extensions).await?;
     let name = channel_name(request.channel)?;
+    caller.may_name(&name)?;
     if request.group_info.is_empty() {
         return Err(RelayError::InvalidArgument(
             "group_info is required: the creator's GroupInfo at epoch 0 (this relay checks \
@@ -209,9 +210,11 @@ pub(super) async fn create_channel(
         .await?
         .map_err(group_refusal)?
     };
+    // Its audit rows are written in the create's transaction.
+    let by = actor(&caller);
     inner
         .log
-        .create(&name, &caller.account, state, binding.leaf_index)
+        .create_audited(&name, &caller.account, state, binding.leaf_index, Some(&by))
         .await?;
     Ok(Response::new(pb::CreateChannelResponse {
         channel: name,

@@ -15,6 +15,9 @@
 //!   hand-out and a claim row). Memory: one token bucket per claiming account and per claimed
 //!   address (both maps bounded, `KeyedBuckets`).
 //!
+//! ClaimKeyPackage names a channel: outside the caller's channel patterns it is refused first,
+//! for nothing but the comparison ([`crate::auth::Caller::may_name`]).
+//!
 //! A refused call is one line of the access log, as any call (its budget per account).
 
 use std::time::Instant;
@@ -281,6 +284,7 @@ pub(super) async fn claim_key_package(
         )));
     }
     let name = channel_name(request.channel)?;
+    caller.may_name(&name)?;
     inner.claims.take_account(&caller.account)?;
     let channel = inner.channel(&caller.account, &name).await?;
     inner.require_member(&channel, &caller.account).await?;

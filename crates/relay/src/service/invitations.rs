@@ -16,6 +16,15 @@
 //!   was settled already).
 //!
 //! A refused call is one line of the access log, as any call (its budget per account).
+//!
+//! A key restricted to channel patterns (issue 30, [`crate::auth::Caller::may_name`]) sees
+//! and takes only the invitations into its channels: Invite names the channel (refused, as
+//! any call naming one, before any read); ListInvitations leaves the others out of its answer
+//! (filtered, not refused: a pending invitation elsewhere does not make the key useless, and
+//! another key of the account still sees it); OpenInvitation and SettleInvitation of one
+//! elsewhere are refused (PERMISSION_DENIED, naming the patterns). Settling costs such a key
+//! one read more (the invitation's channel, before anything is written); a key without
+//! patterns pays nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -148,7 +157,7 @@ pub(super) async fn list_invitations(
         let notified = notify.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let rows = inner
+        let mut rows = inner
             .log
             .directory()
             .invitations(
@@ -158,6 +167,7 @@ pub(super) async fn list_invitations(
                 now_ms(),
             )
             .await?;
+        rows.retain(|row| caller.may_name(&row.channel).is_ok());
         let left = deadline.saturating_duration_since(Instant::now());
         if !rows.is_empty() || left.is_zero() {
             return Ok(Response::new(listed(rows)));
@@ -202,7 +212,7 @@ pub(super) async fn open_invitation(
     request: Request<pb::OpenInvitationRequest>,
 ) -> Result<Response<pb::OpenInvitationResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let (_, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
+    let (caller, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
     let opened = inner
         .log
         .directory()
@@ -213,6 +223,8 @@ pub(super) async fn open_invitation(
                 "no such pending invitation of this address (or its Welcome expired)".to_owned(),
             )
         })?;
+    // Read before it is checked (its channel is in the row), and nothing was written.
+    caller.may_name(&opened.channel)?;
     Ok(Response::new(pb::OpenInvitationResponse {
         welcome: opened.welcome.into(),
         epoch: opened.epoch,
@@ -226,7 +238,19 @@ pub(super) async fn settle_invitation(
     request: Request<pb::SettleInvitationRequest>,
 ) -> Result<Response<pb::SettleInvitationResponse>> {
     let (metadata, extensions, request) = request.into_parts();
-    let (_, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
+    let (caller, address) = own_address(inner, &metadata, &extensions, &request.identity).await?;
+    if caller.channels.is_some() {
+        // The invitation's channel, before it is settled (None: settled already or expired;
+        // settling it then changes nothing).
+        let pending = inner
+            .log
+            .directory()
+            .open_invitation(address.clone(), db_id(request.id), now_ms())
+            .await?;
+        if let Some(pending) = pending {
+            caller.may_name(&pending.channel)?;
+        }
+    }
     let settled = inner
         .log
         .directory()

@@ -232,7 +232,7 @@ impl Many {
         let cap = self.inner.settings.max_subscriptions_per_stream;
         let budget = self.inner.settings.max_follows_per_account;
         let started = if restart {
-            start(&self.inner, &self.caller.account, request).await
+            start(&self.inner, &self.caller, request).await
         } else if self.follows.len() >= cap {
             Err(RelayError::resource_exhausted(format!(
                 "this stream follows {cap} channels already, the most it may"
@@ -243,7 +243,7 @@ impl Many {
                  the most it may"
             )))
         } else {
-            let started = start(&self.inner, &self.caller.account, request).await;
+            let started = start(&self.inner, &self.caller, request).await;
             if started.is_err() {
                 self.inner.give_back_follows(&self.caller.account, 1);
             }
@@ -430,11 +430,14 @@ impl Many {
 /// the cursor, the batch size. (Not a method of `Many`, whose wake-ups are not `Sync`.)
 async fn start(
     inner: &Inner,
-    account: &str,
+    caller: &Caller,
     request: pb::SubscribeRequest,
 ) -> Result<(Arc<Channel>, u64, usize)> {
     use pb::subscribe_request::Start;
     let name = channel_name(request.channel)?;
+    // Outside the key's channel patterns: this follow ends (`ended`), the stream goes on.
+    caller.may_name(&name)?;
+    let account = &*caller.account;
     let channel = inner.channel(account, &name).await?;
     inner.read_limit(&channel, account).await?;
     let cursor = match request.start {

@@ -15,6 +15,11 @@
 //!
 //! Status codes and texts are the protocol's (`proto/relay.proto`, `tests/relay/`).
 //!
+//! Every call naming a channel checks it against the caller's channel patterns (a key's, issue
+//! 30: [`crate::auth::Caller::may_name`]) first, right after the name's shape: no store read, no
+//! signature, at most 100 comparisons. Creates, commits and retention changes write their audit
+//! rows (`crate::audit`) in their own transactions; application messages write none.
+//!
 //! Every call's work runs in the task that serves its HTTP/2 stream: a unary call in its
 //! handler, a streaming call in a driver future polled by its own response body ([`Driven`]).
 //! A publish is answered by the task its commit wakes, with no hop through a spawned task; a

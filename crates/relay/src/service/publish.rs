@@ -5,13 +5,14 @@ use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
-use super::caller::channel_name;
+use super::caller::{actor, channel_name};
 use super::pipeline::{Lookahead, Pipelined};
 use super::refusal::{internal, refusal_label};
 use super::Inner;
+use crate::audit::AuditRow;
 use crate::auth::Caller;
 use crate::error::{shutting_down, RelayError, Result};
-use crate::group::Handshake;
+use crate::group::{CommitOutcome, GroupState, Handshake};
 use crate::log::{Accepted, Channel, Checked, GroupCheck, Outcome};
 use crate::members::GroupChange;
 use crate::observe::access::{line_budget, Suppressed, ACCESS_LOG};
@@ -128,6 +129,8 @@ impl Inner {
     /// Everything decided about a publish before its channel is looked up (`_check`).
     fn check(&self, request: pb::PublishRequest, caller: &Caller) -> Result<(String, Checked)> {
         let name = channel_name(request.channel)?;
+        // The key's channel patterns: a batch's item outside them is refused alone.
+        caller.may_name(&name)?;
         let limit = self.settings.max_message_bytes;
         if request.message.len() > limit || request.welcome.len() > limit {
             return Err(RelayError::resource_exhausted(format!(
@@ -171,7 +174,12 @@ impl Inner {
 
     /// A publish to a channel with a group: application messages must be private, handshakes
     /// public and valid at their epoch (see `proto/relay.proto`, Membership).
-    async fn check_group(&self, channel: &Channel, checked: &Checked) -> Result<GroupCheck> {
+    async fn check_group(
+        &self,
+        channel: &Channel,
+        checked: &Checked,
+        caller: &Caller,
+    ) -> Result<GroupCheck> {
         let header = &checked.header;
         if header.content_type == ContentType::Application {
             if header.wire_format != framing::PRIVATE_MESSAGE {
@@ -202,15 +210,49 @@ impl Inner {
         let message = checked.message.clone();
         match self
             .gate
-            .check_handshake(&checked.account, state, message, proposals)
+            .check_handshake(&checked.account, Arc::clone(&state), message, proposals)
             .await?
         {
             Handshake::Proposal { .. } => Ok(GroupCheck::Valid(None)),
             Handshake::Commit(outcome) => {
-                let change = GroupChange::new(outcome.next, outcome.removed, outcome.added)?;
+                let audit = self.commit_audit(channel, &state, &outcome, caller);
+                let change = GroupChange::new(outcome.next, outcome.removed, outcome.added)?
+                    .with_audit(audit);
                 Ok(GroupCheck::Valid(Some(Arc::new(change))))
             }
         }
+    }
+
+    /// A commit's audit rows (`member.added`, `member.removed`; none for a commit that adds
+    /// and removes nobody): identities from the trees before and after it, the removed
+    /// leaves' accounts as memory has them bound. Commits only: messages never get here.
+    fn commit_audit(
+        &self,
+        channel: &Channel,
+        before: &GroupState,
+        outcome: &CommitOutcome,
+        caller: &Caller,
+    ) -> Vec<AuditRow> {
+        if outcome.removed.is_empty() && outcome.added.is_empty() {
+            return Vec::new();
+        }
+        let identity = |state: &GroupState, leaf: u32| {
+            state.leaf(leaf).map(|l| l.identity).unwrap_or_default()
+        };
+        let accounts = self.log.bound_in_memory(channel, &outcome.removed);
+        let removed: Vec<(Vec<u8>, Option<String>)> = outcome
+            .removed
+            .iter()
+            .map(|leaf| identity(before, *leaf))
+            .zip(accounts)
+            .collect();
+        let added: Vec<Vec<u8>> = outcome
+            .added
+            .iter()
+            .map(|leaf| identity(&outcome.next, *leaf))
+            .collect();
+        let by = identity(before, outcome.sender);
+        actor(caller).membership(channel.name(), &by, &removed, &added)
     }
 
     /// A publish checked and its channel loaded, ready to submit.
@@ -223,7 +265,7 @@ impl Inner {
         let channel = self.channel(&caller.account, &name).await?;
         self.require_member(&channel, &caller.account).await?;
         if !channel.is_legacy() {
-            checked.group = self.check_group(&channel, &checked).await?;
+            checked.group = self.check_group(&channel, &checked, caller).await?;
         }
         Ok((channel, checked))
     }

@@ -3,6 +3,7 @@
 
 use tonic::{Request, Response};
 
+use super::caller::actor;
 use super::Inner;
 use crate::error::{RelayError, Result};
 use crate::log::Channel;
@@ -19,7 +20,11 @@ pub(super) async fn set_retention(
     let policy = requested_policy(request.policy)?;
     inner.require_org_owner(&channel, &caller.account).await?;
     inner.rate_limit(&caller)?;
-    inner.log.set_retention(&channel, policy).await?;
+    // Its `retention.changed` row is written in the same transaction.
+    inner
+        .log
+        .set_retention(&channel, policy, &actor(&caller))
+        .await?;
     Ok(Response::new(inner.retention_response(&channel).await?))
 }
 

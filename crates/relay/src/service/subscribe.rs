@@ -35,6 +35,7 @@ pub(super) async fn subscribe(
     // this guard or is seen by the stream.
     let (caller, guard) = inner.streaming_caller(&metadata, &extensions).await?;
     let name = channel_name(request.take_channel())?;
+    caller.may_name(&name)?;
     let channel = inner.channel(&caller.account, &name).await?;
     inner.read_limit(&channel, &caller.account).await?;
     let after_seq = match request.start {

@@ -31,6 +31,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::audit::AuditRow;
 use crate::error::Result;
 use crate::wire::fence::{Candidate, Decision, Plan};
 use crate::wire::framing::{ContentType, MessageHeader};
@@ -186,6 +187,10 @@ pub(crate) struct NewChannel<'a> {
     pub account: &'a str,
     pub state: &'a [u8],
     pub leaf: u32,
+    /// Audit rows written with the channel (`channel.created`).
+    pub audit: &'a [AuditRow],
+    /// The `org.claimed` row, written only when this create claims the org.
+    pub claimed: Option<&'a AuditRow>,
 }
 
 /// What creating a channel came to.
@@ -262,8 +267,13 @@ pub(crate) trait LogWriter: Send {
         limit: usize,
     ) -> Result<usize>;
 
-    /// Sets a channel's retention policy.
-    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()>;
+    /// Sets a channel's retention policy (and writes its audit row, in one transaction).
+    fn set_retention(
+        &mut self,
+        channel_id: i64,
+        policy: &Policy,
+        audit: Option<&AuditRow>,
+    ) -> Result<()>;
     /// A readiness probe: one small write transaction (this relay's row of `relay_health`,
     /// stamped `now_ms`), so that a store that cannot write is seen.
     fn probe(&mut self, now_ms: i64) -> Result<()>;
@@ -369,6 +379,8 @@ pub(crate) struct Change<'a> {
     pub removed: &'a [u32],
     /// The leaves the commit adds (its Welcome's joiners).
     pub added: &'a [u32],
+    /// Its audit rows (`member.added`, `member.removed`), written with it.
+    pub audit: &'a [AuditRow],
 }
 
 /// A publish of a group commit, as the store decides and appends it.

@@ -43,15 +43,16 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
+use crate::audit::AuditRow;
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::store::sql::{
     BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
-    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_EPOCH, INSERT_GROUP,
-    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
-    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
-    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
-    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH,
+    INSERT_GROUP, INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP,
+    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
+    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
+    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::{
     decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
@@ -328,7 +329,12 @@ impl LogWriter for PgWriter {
             .map_err(store_error)
     }
 
-    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()> {
+    fn set_retention(
+        &mut self,
+        channel_id: i64,
+        policy: &Policy,
+        audit: Option<&AuditRow>,
+    ) -> Result<()> {
         let (runtime, conn) = self.connected()?;
         let db = |v: Option<u64>| v.map(to_db);
         let (age, entries, bytes) = (
@@ -336,12 +342,16 @@ impl LogWriter for PgWriter {
             db(policy.max_entries),
             db(policy.max_bytes),
         );
+        let client = &conn.client;
+        let set = async {
+            client
+                .execute(SET_RETENTION, &[&channel_id, &age, &entries, &bytes])
+                .await?;
+            insert_audit(client, audit).await?;
+            PgResult::Ok(((), true))
+        };
         runtime
-            .block_on(
-                conn.client
-                    .execute(SET_RETENTION, &[&channel_id, &age, &entries, &bytes]),
-            )
-            .map(|_| ())
+            .block_on(in_transaction(client, set))
             .map_err(store_error)
     }
 
@@ -375,6 +385,29 @@ impl LogWriter for PgWriter {
     }
 }
 
+/// Audit rows, in the caller's transaction (rare: not prepared ahead).
+async fn insert_audit<'a>(
+    client: &Client,
+    rows: impl IntoIterator<Item = &'a AuditRow>,
+) -> PgResult<()> {
+    for row in rows {
+        client
+            .execute(
+                INSERT_AUDIT,
+                &[
+                    &row.account,
+                    &row.at_ms,
+                    &row.kind,
+                    &row.key_id,
+                    &row.channel,
+                    &row.detail,
+                ],
+            )
+            .await?;
+    }
+    Ok(())
+}
+
 /// Runs `work` between BEGIN and COMMIT, or ROLLBACK on error; `Ok((value, false))` from
 /// `work` rolls back too (nothing to keep).
 async fn in_transaction<T>(
@@ -405,7 +438,7 @@ impl WriteConnection {
         let client = &self.client;
         // Orgs are owned by their key: look-alikes are one org (migration 0009).
         let org = org_key(new.org);
-        client.execute(CLAIM_ORG, &[&org, &new.account]).await?;
+        let claimed = client.execute(CLAIM_ORG, &[&org, &new.account]).await? > 0;
         let owner: String = client.query_one(ORG_OWNER_LOCKED, &[&org]).await?.get(0);
         if owner != new.account {
             return Ok((Creation::OrgTaken, false));
@@ -420,6 +453,8 @@ impl WriteConnection {
             .execute(INSERT_GROUP, &[&id, &0i64, &new.state])
             .await?;
         client.execute(BIND, &[&id, &leaf, &new.account]).await?;
+        let claim = new.claimed.filter(|_| claimed);
+        insert_audit(client, new.audit.iter().chain(claim)).await?;
         Ok((Creation::Done(id), true))
     }
 
@@ -652,6 +687,7 @@ impl WriteConnection {
                     change.state,
                     removed,
                     to_db(e.seq),
+                    change.audit,
                 ));
             }
             if e.starts_epoch {
@@ -756,7 +792,7 @@ impl WriteConnection {
                 client.execute(&self.insert_proposal, &params).await
             }));
         }
-        for (channel_id, epoch, state, removed, seq) in &changes {
+        for (channel_id, epoch, state, removed, seq, audit) in &changes {
             steps.push(Box::pin(async move {
                 let params: [&(dyn ToSql + Sync); 3] = [channel_id, epoch, state];
                 client.execute(&self.update_group, &params).await
@@ -765,6 +801,20 @@ impl WriteConnection {
                 steps.push(Box::pin(async move {
                     let params: [&(dyn ToSql + Sync); 3] = [channel_id, removed, seq];
                     client.execute(&self.unbind, &params).await
+                }));
+            }
+            // Commits only (an application message has no change): the audit's rows.
+            for row in *audit {
+                steps.push(Box::pin(async move {
+                    let params: [&(dyn ToSql + Sync); 6] = [
+                        &row.account,
+                        &row.at_ms,
+                        &row.kind,
+                        &row.key_id,
+                        &row.channel,
+                        &row.detail,
+                    ];
+                    client.execute(INSERT_AUDIT, &params).await
                 }));
             }
         }

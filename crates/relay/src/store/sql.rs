@@ -51,6 +51,9 @@ macro_rules! statements {
 }
 
 statements! {
+    /// One audit row (migration 0012), in the transaction of the change it records.
+    INSERT_AUDIT = "INSERT INTO relay_audit (account, at_ms, type, key_id, channel, detail) \
+         VALUES ($1, $2, $3, $4, $5, $6)";
     INSERT_WELCOME = "INSERT INTO relay_welcomes (channel_id, digest, commit_seq, \
          epoch, welcome, created_at) VALUES ($1, $2, $3, $4, $5, $6) \
          ON CONFLICT (channel_id, digest) DO NOTHING";

@@ -30,13 +30,14 @@ use crate::store::keys::Generations;
 use crate::wire::fence::{Decision, Plan};
 use crate::wire::rules::org_key;
 // The shared statements, in SQLite's `?N` form (rewritten at compile time).
+use crate::audit::AuditRow;
 use crate::store::sql::sqlite::{
     BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
-    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_EPOCH, INSERT_GROUP,
-    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
-    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
-    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
-    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH,
+    INSERT_GROUP, INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP,
+    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
+    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
+    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::{
     decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
@@ -157,8 +158,10 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     // Orgs are owned by their key: look-alikes are one org (migration 0009).
     let org = org_key(new.org);
-    tx.prepare_cached(CLAIM_ORG)?
-        .execute(params![org, new.account])?;
+    let claimed = tx
+        .prepare_cached(CLAIM_ORG)?
+        .execute(params![org, new.account])?
+        > 0;
     let owner: String = tx
         .prepare_cached(ORG_OWNER)?
         .query_row(params![org], |row| row.get(0))?;
@@ -180,8 +183,29 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
         .execute(params![id, 0i64, new.state])?;
     tx.prepare_cached(BIND)?
         .execute(params![id, new.leaf, new.account])?;
+    let claim = new.claimed.filter(|_| claimed);
+    insert_audit(&tx, new.audit.iter().chain(claim))?;
     tx.commit()?;
     Ok(Creation::Done(id))
+}
+
+/// Audit rows, in the caller's transaction.
+fn insert_audit<'a>(
+    conn: &Connection,
+    rows: impl IntoIterator<Item = &'a AuditRow>,
+) -> rusqlite::Result<()> {
+    let mut insert = conn.prepare_cached(INSERT_AUDIT)?;
+    for row in rows {
+        insert.execute(params![
+            row.account,
+            row.at_ms,
+            row.kind,
+            row.key_id,
+            row.channel,
+            row.detail
+        ])?;
+    }
+    Ok(())
 }
 
 /// Binds a leaf if the channel is still at the proof's epoch.
@@ -334,6 +358,7 @@ fn append(
                         depart.execute(params![e.channel_id, account, leaf, e.seq])?;
                     }
                 }
+                insert_audit(&tx, change.audit)?;
             }
             if e.starts_epoch {
                 tx.prepare_cached(INSERT_EPOCH)?.execute(params![
@@ -683,12 +708,21 @@ impl LogWriter for SqliteWriter {
         Ok(expired)
     }
 
-    fn set_retention(&mut self, channel_id: i64, policy: &Policy) -> Result<()> {
+    fn set_retention(
+        &mut self,
+        channel_id: i64,
+        policy: &Policy,
+        audit: Option<&AuditRow>,
+    ) -> Result<()> {
         let [age, entries, bytes] = policy_params(policy);
-        self.conn
-            .prepare_cached(SET_RETENTION)
-            .and_then(|mut stmt| stmt.execute(params![channel_id, age, entries, bytes]))
-            .map_err(RelayError::store)?;
+        let set = |conn: &mut Connection| -> rusqlite::Result<()> {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.prepare_cached(SET_RETENTION)?
+                .execute(params![channel_id, age, entries, bytes])?;
+            insert_audit(&tx, audit)?;
+            tx.commit()
+        };
+        set(&mut self.conn).map_err(RelayError::store)?;
         self.count_commit(0);
         Ok(())
     }
@@ -1197,6 +1231,8 @@ mod tests {
             account: "",
             state: b"state",
             leaf: 0,
+            audit: &[],
+            claimed: None,
         };
         let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
             panic!("not created");

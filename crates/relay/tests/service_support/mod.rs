@@ -29,7 +29,9 @@ use static_mls::binding::leaf_binding_tbs;
 use static_mls::{Engine, Incoming, CIPHERSUITE};
 use static_relay::pb::relay_client::RelayClient;
 use static_relay::pb::{self, subscribe_response::Item};
-use static_relay::{Database, Principal, RelayConfig, RelayError, RelayServer, Verify};
+use static_relay::{
+    ChannelPatterns, Database, Principal, RelayConfig, RelayError, RelayServer, Verify,
+};
 use tempfile::TempDir;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -434,8 +436,26 @@ pub async fn all_answers<T>(answers: &mut Streaming<T>) -> Vec<T> {
     }
 }
 
-/// Tokens `account.key`, or `account.key.ttl_ms` (expiring), anything else refused.
+/// Tokens `account.key`, or `account.key.ttl_ms` (expiring), anything else refused. A key
+/// `id+p1+p2..` carries channel patterns (`~` standing for `*`, which no token may hold):
+/// `alice.k1+acme/ops/~` is key `k1` of alice, restricted to `acme/ops/*`; `alice.k1+` to none.
 pub struct FakeVerify;
+
+/// The key id and channel patterns of a [`FakeVerify`] token's key part.
+fn key_and_channels(key: &str) -> (&str, Option<Arc<ChannelPatterns>>) {
+    let Some((id, patterns)) = key.split_once('+') else {
+        return (key, None);
+    };
+    let patterns: Vec<String> = patterns
+        .split('+')
+        .filter(|p| !p.is_empty())
+        .map(|p| p.replace('~', "*"))
+        .collect();
+    (
+        id,
+        Some(Arc::new(ChannelPatterns::parse(&patterns).unwrap())),
+    )
+}
 
 impl Verify for FakeVerify {
     fn verify(
@@ -453,10 +473,12 @@ impl Verify for FakeVerify {
                 },
                 _ => return Err(RelayError::Unauthenticated("invalid token".into())),
             };
+            let (key, channels) = key_and_channels(key);
             Ok(Principal {
                 account_id: account.to_owned(),
                 key_id: key.to_owned(),
                 expires_at: ttl.map(|ttl| SystemTime::now() + ttl),
+                channels,
             })
         })
     }
