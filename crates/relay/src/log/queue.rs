@@ -47,6 +47,7 @@ pub(super) enum Job {
         epoch: u64,
         leaf: u32,
         account: String,
+        key_id: Option<String>,
         tx: oneshot::Sender<Result<bool>>,
     },
     Prune {
@@ -78,6 +79,7 @@ pub(super) struct CreateJob {
     pub(super) account: String,
     pub(super) state: Vec<u8>,
     pub(super) leaf: u32,
+    pub(super) key_id: Option<String>,
     pub(super) tx: oneshot::Sender<Result<i64>>,
 }
 

@@ -70,6 +70,7 @@ impl Writer {
                     epoch,
                     leaf,
                     account,
+                    key_id,
                     tx,
                 } => {
                     let binding = Binding {
@@ -77,6 +78,7 @@ impl Writer {
                         epoch,
                         leaf,
                         account: &account,
+                        key_id: key_id.as_deref(),
                         now_ms: now_ms(),
                     };
                     let _ = tx.send(self.store.bind(&binding));
@@ -119,6 +121,7 @@ impl Writer {
             account: &create.account,
             state: &create.state,
             leaf: create.leaf,
+            key_id: create.key_id.as_deref(),
         };
         match self.store.create_channel(&channel)? {
             Creation::Done(id) => Ok(id),

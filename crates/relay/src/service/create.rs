@@ -211,7 +211,13 @@ pub(super) async fn create_channel(
     };
     inner
         .log
-        .create(&name, &caller.account, state, binding.leaf_index)
+        .create(
+            &name,
+            &caller.account,
+            state,
+            binding.leaf_index,
+            caller.key_id.as_deref(),
+        )
         .await?;
     Ok(Response::new(pb::CreateChannelResponse {
         channel: name,

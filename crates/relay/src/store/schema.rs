@@ -26,6 +26,7 @@ pub const SQLITE: &[&str] = &[
     migration!("0008_departures.sqlite.sql"),
     ORG_KEYS,
     migration!("0010_directory.sqlite.sql"),
+    migration!("0013_external_sender.sqlite.sql"),
 ];
 
 /// The relay's tables on PostgreSQL, in order.
@@ -37,4 +38,5 @@ pub const POSTGRESQL: &[&str] = &[
     migration!("0008_departures.postgresql.sql"),
     ORG_KEYS,
     migration!("0010_directory.postgresql.sql"),
+    migration!("0013_external_sender.postgresql.sql"),
 ];
