@@ -283,10 +283,12 @@ impl Client {
         if !self.shared.engine()?.has_group(name) {
             return Err(Error::Group(format!("not a member of channel {name:?}")));
         }
-        self.block_on(async {
-            self.shared.rebind_if_key_changed(name).await;
-            Ok(())
-        })?;
+        // In the background: opening a channel needs neither the relay nor the token endpoint.
+        let shared = Arc::clone(&self.shared);
+        let owned = name.to_owned();
+        self.shared
+            .handle
+            .spawn(async move { shared.rebind_if_key_changed(&owned).await });
         self.start_channel(name)
     }
 
