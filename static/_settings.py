@@ -124,6 +124,10 @@ class RelaySettings:
     allow_anonymous: bool = False
     #: How often the API keys behind live streams are re-checked for revocation.
     revocation_check_seconds: float = 0.5
+    #: How often the keys behind bound leaves are checked, and the leaves of inactive keys
+    #: (revoked, expired, past a roll's grace) proposed for removal from their channels
+    #: (docs/design.md §5.2, "Removal on revocation"); a revocation heard of wakes it at once.
+    removal_check_seconds: float = 2.0
     #: Tunable settings by name, each replacing the relay's default (the rest keep theirs).
     tunables: Mapping[str, float] = field(default_factory=dict)
 

@@ -49,6 +49,15 @@ class RelayServer:
         """The API keys behind live streams."""
     def end_streams_of_key(self, key_id: str, reason: str) -> int:
         """End the live streams of ``key_id`` with UNAUTHENTICATED ``reason``; how many."""
+    def bound_keys(self, after: str, limit: int) -> list[str]:
+        """Up to ``limit`` distinct API keys behind bound leaves, in order, after ``after``.
+        Blocks (call it from a thread); OSError when the store cannot be read."""
+    def remove_leaves_of_keys(
+        self, keys: list[str], max_proposals: int
+    ) -> tuple[int, int, int, int]:
+        """Propose the removal of every leaf last bound by one of ``keys`` (found inactive),
+        at most ``max_proposals``: (proposed, already proposed, skipped, failed). Blocks (call
+        it from a thread); OSError when the store cannot be read."""
     def health(self) -> str | None:
         """None while the relay serves and its store can write (its gRPC health status is
         SERVING), else why not (a store write probe failed, draining, stopped)."""

@@ -6,11 +6,13 @@ the extension, in this process, on the same database as the HTTP API (the SQLite
 PostgreSQL database that other ``static serve`` processes may share); no message crosses into
 Python. What stays here is what is not per message: the token checks
 (:mod:`static.relay._verify`), the re-check of the keys behind live streams for revocation every
-``revocation_check_seconds``, and shutdown.
+``revocation_check_seconds``, the removal of the leaves of inactive keys from their channels every
+``removal_check_seconds`` (and at once on a revocation), and shutdown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 
@@ -38,6 +40,75 @@ async def _revocation_checks(server: RelayServer, verifier: TokenVerifier, every
                 continue  # A store hiccup must not end the checks: try again next round.
             if not active:
                 server.end_streams_of_key(key, "api key revoked")
+
+
+#: Keys checked per batch of a removal pass.
+_KEYS_PER_BATCH = 500
+#: Remove proposals the relay appends per batch of keys (the rest wait for the next pass).
+_PROPOSALS_PER_BATCH = 1_000
+
+
+async def _inactive_keys(verifier: TokenVerifier, keys: list[str]) -> set[str]:
+    """The keys of ``keys`` that are no longer active (revoked, expired, past a roll's grace)."""
+    inactive_keys = getattr(verifier, "inactive_keys", None)
+    if inactive_keys is not None:
+        return set(await inactive_keys(keys))
+    return {key for key in keys if not await verifier.key_is_active(key)}
+
+
+async def _removal_pass(server: RelayServer, verifier: TokenVerifier) -> int:
+    """One pass: the keys behind bound leaves in batches, the inactive ones' leaves proposed
+    for removal (the relay is an external sender of each channel that names it); how many
+    proposals were appended."""
+    proposed = 0
+    after = ""
+    while True:
+        keys = await trio.to_thread.run_sync(server.bound_keys, after, _KEYS_PER_BATCH)
+        if not keys:
+            return proposed
+        inactive = await _inactive_keys(verifier, keys)
+        if inactive:
+            report = await trio.to_thread.run_sync(
+                server.remove_leaves_of_keys, sorted(inactive), _PROPOSALS_PER_BATCH
+            )
+            proposed += report[0]
+        if len(keys) < _KEYS_PER_BATCH:
+            return proposed
+        after = keys[-1]
+
+
+def _listen_for_revocations(verifier: TokenVerifier, wake: trio.MemorySendChannel[None]) -> None:
+    """Wake the removal pass as soon as the authority revokes a key (when it can tell:
+    ``add_revocation_listener``). The listener never blocks its caller, on any thread."""
+    add_listener = getattr(verifier, "add_revocation_listener", None)
+    if add_listener is None:
+        return
+    token = trio.lowlevel.current_trio_token()
+
+    def poke() -> None:
+        # A pass is due already, or the relay stopped.
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+            wake.send_nowait(None)
+
+    def revoked(key_id: str) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(poke)
+
+    add_listener(revoked)
+
+
+async def _removal_checks(server: RelayServer, verifier: TokenVerifier, every: float) -> None:
+    """Propose the removal of the leaves whose binding's key is no longer active, every
+    ``every`` seconds and at once when a revocation is heard of (docs/design.md §5.2)."""
+    wake_in, wake_out = trio.open_memory_channel[None](1)
+    _listen_for_revocations(verifier, wake_in)
+    while True:
+        with trio.move_on_after(every):
+            await wake_out.receive()
+        try:
+            await _removal_pass(server, verifier)
+        except (DatabaseError, OSError):
+            continue  # A store hiccup must not end the checks: try again next round.
 
 
 async def serve_relay(
@@ -91,6 +162,9 @@ async def serve_relay(
                 if verifier is not None:
                     nursery.start_soon(
                         _revocation_checks, server, verifier, relay.revocation_check_seconds
+                    )
+                    nursery.start_soon(
+                        _removal_checks, server, verifier, relay.removal_check_seconds
                     )
                 scheme = "grpc" if tls is None else "https"
                 task_status.started(f"{scheme}://{Address(settings.relay.host, server.port)}")

@@ -151,8 +151,14 @@ impl Client {
         self.block_on(self.shared.reach())?;
         // The group first: the relay builds the channel's public group state from it, and
         // binds our leaf to our account.
+        // The relay as the group's external sender: it proposes the removal of our members
+        // whose API key is revoked (docs/design.md §5.2, "Removal on revocation").
+        let relay_key = self.block_on(self.shared.relay_sender_key())?;
         let owned = name.to_owned();
-        self.block_on(self.shared.blocking(move |e| Ok(e.create_group(&owned)?)))?;
+        self.block_on(
+            self.shared
+                .blocking(move |e| Ok(e.create_group_with_relay(&owned, relay_key.as_deref())?)),
+        )?;
         let shared = Arc::clone(&self.shared);
         let owned = name.to_owned();
         let created = self.block_on(async move {
@@ -202,7 +208,30 @@ impl Client {
             self.shared.engine()?.forget_group(name)?;
             return Err(e);
         }
+        self.block_on(async {
+            self.shared.record_bound_key(name).await;
+            Ok(())
+        })?;
         self.start_channel(name)
+    }
+
+    /// Logs a warning when the group we joined does not name our relay as its external
+    /// sender: the relay cannot remove members whose key is revoked from it (a channel created
+    /// before, or by another relay's SDK). Not refused: the relay refuses every external
+    /// sender's handshake but its own, so another key named there can propose nothing.
+    fn warn_unless_relay_named(&self, name: &str) {
+        let Ok(Some(key)) = self.block_on(self.shared.relay_sender_key()) else {
+            return;
+        };
+        let Ok(engine) = self.shared.engine() else {
+            return;
+        };
+        if let Ok(false) = engine.names_relay(name, &key) {
+            log::warn!(
+                "channel {name:?} does not name this relay as its external sender: members \
+                 whose API key is revoked are not removed from it automatically"
+            );
+        }
     }
 
     /// Joins `name` from a Welcome produced by a member's `add_member`.
@@ -216,6 +245,7 @@ impl Client {
             self.shared
                 .blocking(move |e| Ok(e.join_group(&owned, &welcome)?)),
         )?;
+        self.warn_unless_relay_named(name);
         // Until our leaf is bound to our account, the relay gives the account no access.
         if let Err(e) = self.block_on(self.shared.bind_leaf(name)) {
             if !matches!(e, Error::Auth(_)) {
@@ -253,6 +283,12 @@ impl Client {
         if !self.shared.engine()?.has_group(name) {
             return Err(Error::Group(format!("not a member of channel {name:?}")));
         }
+        // In the background: opening a channel needs neither the relay nor the token endpoint.
+        let shared = Arc::clone(&self.shared);
+        let owned = name.to_owned();
+        self.shared
+            .handle
+            .spawn(async move { shared.rebind_if_key_changed(&owned).await });
         self.start_channel(name)
     }
 

@@ -48,6 +48,8 @@ pub(crate) struct Shared {
     inline_applied: InlineApplied,
     /// The account our token names, once known (see [`Shared::account`]).
     account: Mutex<Option<String>>,
+    /// The relay's external sender key, once asked (see [`Shared::relay_sender_key`]).
+    relay_key: Mutex<Option<Option<Vec<u8>>>>,
 }
 
 /// A call counted in [`Shared::calls`] while it lives.
@@ -148,6 +150,7 @@ impl Shared {
             inboxes: Mutex::new(HashMap::new()),
             inline_applied: InlineApplied::new(),
             account: Mutex::new(None),
+            relay_key: Mutex::new(None),
         }
     }
 
@@ -364,6 +367,34 @@ impl Shared {
         }
     }
 
+    /// The relay's signature key as an external sender (GetRelayInfo, asked once), which a
+    /// channel we create names in its `external_senders` extension, so that the relay may
+    /// propose the removal of leaves whose key was revoked (docs/design.md §5.2). None from a
+    /// relay that predates it (UNIMPLEMENTED): the channel is created without it.
+    pub(crate) async fn relay_sender_key(&self) -> Result<Option<Vec<u8>>> {
+        if let Some(key) = lock(&self.relay_key).clone() {
+            return Ok(key);
+        }
+        let mut retry = Retry::within(self.options.retry_timeout);
+        let answer = self
+            .call(
+                "GetRelayInfo",
+                &mut retry,
+                || pb::GetRelayInfoRequest {},
+                |mut relay, request| async move { relay.get_relay_info(request).await },
+                |refusal| refusal.code() == tonic::Code::Unimplemented,
+            )
+            .await?;
+        let key = match answer {
+            Ok(info) if info.external_sender_identity[..] == *static_mls::RELAY_SENDER_IDENTITY => {
+                Some(info.external_sender_signature_key.to_vec()).filter(|key| !key.is_empty())
+            }
+            Ok(_) | Err(_) => None,
+        };
+        *lock(&self.relay_key) = Some(key.clone());
+        Ok(key)
+    }
+
     /// Binds our leaf in `channel` to our account on the relay (after joining from a Welcome:
     /// until then the account has no access; see `proto/relay.proto`, BindLeaf).
     pub(crate) async fn bind_leaf(&self, channel: &str) -> Result<()> {
@@ -390,7 +421,36 @@ impl Shared {
             .await?;
         answer
             .map(|_| ())
-            .map_err(|refusal| refusal.into_error("BindLeaf"))
+            .map_err(|refusal| refusal.into_error("BindLeaf"))?;
+        self.record_bound_key(channel).await;
+        Ok(())
+    }
+
+    /// Records the API key that just bound our leaf of `channel` (best effort: a failure
+    /// only means one more BindLeaf at the next opening).
+    pub(crate) async fn record_bound_key(&self, channel: &str) {
+        if let Ok(Some(key_id)) = self.tokens.key_id().await {
+            if let Ok(engine) = self.engine() {
+                let _ = engine.set_bound_key(channel, &key_id);
+            }
+        }
+    }
+
+    /// Binds our leaf of `channel` again when our API key is not the one that last bound it
+    /// (an agent restarted with a rolled key): the relay proposes the removal of leaves whose
+    /// binding's key is revoked, and the old key's end must not remove us (docs/design.md
+    /// §5.2, "Removal on revocation"). Best effort: a refusal is logged, the channel opens.
+    pub(crate) async fn rebind_if_key_changed(&self, channel: &str) {
+        let Ok(Some(key_id)) = self.tokens.key_id().await else {
+            return;
+        };
+        let Ok(engine) = self.engine() else { return };
+        if engine.bound_key(channel).ok().flatten().as_deref() == Some(key_id.as_str()) {
+            return;
+        }
+        if let Err(e) = self.bind_leaf(channel).await {
+            log::warn!("channel {channel:?}: could not bind our leaf with our new API key: {e}");
+        }
     }
 
     /// A request carrying the auth metadata; returns the token used (to drop it if the relay

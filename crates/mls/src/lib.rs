@@ -33,7 +33,9 @@ pub use error::{
 };
 pub use outbox::Outgoing;
 pub use store::Cursor;
-pub use suite::{CIPHERSUITE, PAST_EPOCHS, WIRE_FORMAT_POLICY};
+pub use suite::{
+    relay_external_sender, CIPHERSUITE, PAST_EPOCHS, RELAY_SENDER_IDENTITY, WIRE_FORMAT_POLICY,
+};
 
 /// The crate version, reported by `static._native.__version__`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

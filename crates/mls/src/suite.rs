@@ -26,3 +26,17 @@ pub const MAX_INPUT_LEN: usize = 16 * 1024 * 1024;
 /// unencrypted). Incoming handshakes may be either: groups of earlier versions sent them
 /// encrypted, and their commits may still be in the log.
 pub const WIRE_FORMAT_POLICY: WireFormatPolicy = MIXED_PLAINTEXT_WIRE_FORMAT_POLICY;
+
+/// The credential identity of the relay as an external sender of our groups (RFC 9420
+/// §12.1.8.1): the one entry of a channel's `external_senders` extension names the relay's
+/// signature key with a BasicCredential of this identity (docs/design.md §5.2, "Removal on
+/// revocation").
+pub const RELAY_SENDER_IDENTITY: &[u8] = b"static relay";
+
+/// The `external_senders` entry naming the relay whose signature key is `signature_key`.
+pub fn relay_external_sender(signature_key: &[u8]) -> openmls::prelude::ExternalSender {
+    openmls::prelude::ExternalSender::new(
+        signature_key.to_vec().into(),
+        openmls::prelude::BasicCredential::new(RELAY_SENDER_IDENTITY.to_vec()).into(),
+    )
+}

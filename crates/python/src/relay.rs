@@ -134,6 +134,28 @@ impl RelayServer {
         let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
         running.as_ref().map(|r| f(&r.server))
     }
+
+    /// Runs `f` over the relay's log on its runtime, without the GIL and without holding the
+    /// server (a shutdown meanwhile is not held up); None once stopped.
+    fn on_log<T, Fut>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(static_relay::log::ChannelLog) -> Fut + Send,
+    ) -> Option<T>
+    where
+        T: Send,
+        Fut: Future<Output = T>,
+    {
+        let (handle, log) = {
+            let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+            let running = running.as_ref()?;
+            (
+                running.runtime.handle().clone(),
+                running.server.log().clone(),
+            )
+        };
+        Some(exit::without_gil(py, move || handle.block_on(f(log))))
+    }
 }
 
 #[pymethods]
@@ -223,6 +245,40 @@ impl RelayServer {
     /// The API keys behind live streams.
     fn live_keys(&self) -> Vec<String> {
         self.with_server(|s| s.live_keys()).unwrap_or_default()
+    }
+
+    /// Up to `limit` distinct API keys behind bound leaves, in order, after `after` (blocks
+    /// without the GIL: call it from a thread). OSError when the store cannot be read.
+    fn bound_keys(&self, py: Python<'_>, after: &str, limit: usize) -> PyResult<Vec<String>> {
+        let after = after.to_owned();
+        self.on_log(py, move |log| async move {
+            static_relay::removal::bound_keys(&log, &after, limit).await
+        })
+        .unwrap_or(Ok(Vec::new()))
+        .map_err(|e| PyOSError::new_err(e.to_string()))
+    }
+
+    /// Proposes the removal of every leaf last bound by one of `keys` (found inactive), at most
+    /// `max_proposals` in this call: (proposed, already proposed, skipped, failed). Blocks
+    /// without the GIL: call it from a thread. OSError when the store cannot be read.
+    fn remove_leaves_of_keys(
+        &self,
+        py: Python<'_>,
+        keys: Vec<String>,
+        max_proposals: usize,
+    ) -> PyResult<(usize, usize, usize, usize)> {
+        let report = self
+            .on_log(py, move |log| async move {
+                static_relay::removal::remove_leaves_of_keys(&log, &keys, max_proposals).await
+            })
+            .unwrap_or(Ok(static_relay::RemovalReport::default()))
+            .map_err(|e| PyOSError::new_err(e.to_string()))?;
+        Ok((
+            report.proposed,
+            report.already,
+            report.skipped,
+            report.failed,
+        ))
     }
 
     /// End the live streams of `key_id` (UNAUTHENTICATED `reason`); how many there were.

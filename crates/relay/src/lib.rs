@@ -27,6 +27,7 @@ pub mod log;
 pub mod members;
 mod memory;
 pub mod observe;
+pub mod removal;
 pub mod retention;
 mod server;
 mod service;
@@ -42,6 +43,7 @@ pub use static_proto::{pb, PROTO_DESCRIPTOR};
 
 pub use auth::{Caller, Principal, Verify};
 pub use error::RelayError;
+pub use removal::RemovalReport;
 pub use retention::{PassReport, Policy, RetentionSettings};
 pub use server::RelayServer;
 pub use settings::{RelayConfig, Setting, SettingError};

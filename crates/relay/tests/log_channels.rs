@@ -89,7 +89,7 @@ async fn create(
     member.engine.create_group(name).unwrap();
     let public = member.engine.public_state(name).unwrap();
     let state = GroupState::create(name, &public.group_info, &public.ratchet_tree).unwrap();
-    log.create(name, account, state, 0).await
+    log.create(name, account, state, 0, None).await
 }
 
 /// A new member "alice" and NAME created from her group for ACCOUNT.
@@ -1047,7 +1047,7 @@ async fn an_unloaded_channel_reloads_exactly() {
         accepted(2, 1, false)
     );
     alice.engine.merge_pending_commit(NAME).unwrap();
-    assert!(log.bind(&channel, 1, 1, "acct-bob").await.unwrap());
+    assert!(log.bind(&channel, 1, 1, "acct-bob", None).await.unwrap());
     assert_eq!(
         log.reach(&channel, "acct-bob").await.unwrap(),
         Reach::Member

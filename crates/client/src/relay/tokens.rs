@@ -118,6 +118,25 @@ impl Tokens {
     }
 }
 
+impl Tokens {
+    /// The API key our token was minted from (its `key_id` claim), None when anonymous or
+    /// when the token names none.
+    pub(crate) async fn key_id(&self) -> Result<Option<String>> {
+        Ok(self.get().await?.and_then(|token| claim(&token, "key_id")))
+    }
+}
+
+/// A string claim of a JWT (read, not verified).
+fn claim(token: &str, name: &str) -> Option<String> {
+    use base64::Engine as _;
+    let payload = token.split('.').nth(1)?;
+    let json = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&json).ok()?;
+    claims.get(name)?.as_str().map(str::to_owned)
+}
+
 /// The `sub` claim of a JWT (read, not verified).
 fn account_of(token: &str) -> Result<String> {
     use base64::Engine as _;

@@ -100,6 +100,24 @@ impl Engine {
         }
     }
 
+    /// The API key that last bound our leaf of `channel` on the relay, as recorded by
+    /// [`Engine::set_bound_key`] (None: never recorded, e.g. bound by an older version).
+    pub fn bound_key(&self, channel: &str) -> Result<Option<String>> {
+        let db = lock(&self.db);
+        Ok(store::rows::bound_key(&db.conn, channel)?)
+    }
+
+    /// Records that `key_id` bound our leaf of `channel` on the relay (a channel we are not in
+    /// records nothing).
+    pub fn set_bound_key(&self, channel: &str, key_id: &str) -> Result<()> {
+        if !self.has_group(channel) {
+            return Ok(());
+        }
+        let db = lock(&self.db);
+        store::rows::set_bound_key(&db.conn, channel, key_id)?;
+        Ok(())
+    }
+
     /// Whether we must commit (e.g. [`Engine::self_update`]) before encrypting in `channel`:
     /// only after the machine went down while the engine was open (see [`Engine::open`]).
     pub fn needs_fresh_epoch(&self, channel: &str) -> Result<bool> {

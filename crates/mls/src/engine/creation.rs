@@ -110,6 +110,15 @@ impl Engine {
     /// Creates the group of `channel` (group id = the name's UTF-8 bytes) with us as its only
     /// member, at epoch 0.
     pub fn create_group(&self, channel: &str) -> Result<()> {
+        self.create_group_with_relay(channel, None)
+    }
+
+    /// [`Engine::create_group`], naming the relay whose external sender signature key is
+    /// `relay_key` (GetRelayInfo's) in the group context's `external_senders` extension: the
+    /// relay may then propose the removal of leaves whose binding's API key is no longer
+    /// active (RFC 9420 §12.1.8.1; docs/design.md §5.2). None: no external sender (the group
+    /// as before).
+    pub fn create_group_with_relay(&self, channel: &str, relay_key: Option<&[u8]>) -> Result<()> {
         validate_channel_name(channel)?;
         let slot = self.new_slot(channel)?;
         let slot = lock(&slot);
@@ -119,7 +128,7 @@ impl Engine {
             let group = MlsGroup::new_with_group_id(
                 &provider,
                 &self.signer,
-                &create_config(),
+                &create_config(relay_key),
                 group_id_of(channel),
                 self.credential.clone(),
             )

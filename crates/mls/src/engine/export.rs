@@ -33,6 +33,19 @@ impl Engine {
         self.with_group_read(channel, |group| Ok(group.has_pending_proposals()))
     }
 
+    /// Whether the group's `external_senders` extension names the relay whose external sender
+    /// signature key is `relay_key` (see [`crate::relay_external_sender`]): the relay may then
+    /// propose removals in it (docs/design.md §5.2, "Removal on revocation").
+    pub fn names_relay(&self, channel: &str, relay_key: &[u8]) -> Result<bool> {
+        let relay = crate::relay_external_sender(relay_key);
+        self.with_group_read(channel, |group| {
+            Ok(group
+                .extensions()
+                .external_senders()
+                .is_some_and(|senders| senders.contains(&relay)))
+        })
+    }
+
     /// The channel's public state at its current epoch (our pending commit, if any, not
     /// applied), for the relay: see [`PublicState`].
     pub fn public_state(&self, channel: &str) -> Result<PublicState> {

@@ -252,8 +252,20 @@ fn group_id_of(channel: &str) -> GroupId {
     GroupId::from_slice(channel.as_bytes())
 }
 
-fn create_config() -> MlsGroupCreateConfig {
-    MlsGroupCreateConfig::builder()
+fn create_config(relay_key: Option<&[u8]>) -> MlsGroupCreateConfig {
+    let builder = MlsGroupCreateConfig::builder();
+    let extensions = relay_key.and_then(|key| {
+        Extensions::single(Extension::ExternalSenders(vec![
+            crate::suite::relay_external_sender(key),
+        ]))
+        // Never: one extension, of a type the group context allows.
+        .ok()
+    });
+    let builder = match extensions {
+        Some(extensions) => builder.with_group_context_extensions(extensions),
+        None => builder,
+    };
+    builder
         .ciphersuite(CIPHERSUITE)
         .use_ratchet_tree_extension(true)
         .max_past_epochs(PAST_EPOCHS)
@@ -404,6 +416,18 @@ fn apply_message(
             epoch,
         )),
         ProcessedMessageContent::ProposalMessage(proposal) => {
+            // An external sender (the relay, named in the group's `external_senders`) may
+            // only propose removals (of leaves whose API key was revoked: docs/design.md
+            // §5.2). An Add or a context change from it is not stored, so never committed by
+            // our commit of pending proposals: it would let the relay add a member.
+            if matches!(proposal.sender(), Sender::External(_))
+                && !matches!(proposal.proposal(), Proposal::Remove(_))
+            {
+                return Err(ProcessError::Invalid {
+                    detail: "an external sender may only propose removals".to_owned(),
+                }
+                .into());
+            }
             // Our own proposals (now PublicMessages, so verified like anyone's) are in the
             // store since we made them; storing again is a no-op (keyed by reference).
             group

@@ -151,6 +151,20 @@ pub(crate) fn to_u64(v: i64) -> u64 {
     u64::try_from(v).unwrap_or(0)
 }
 
+/// The API key that last bound our leaf of `name` on the relay, if recorded.
+pub(crate) fn bound_key(conn: &Connection, name: &str) -> Result<Option<String>, StoreError> {
+    Ok(conn
+        .prepare_cached("SELECT key_id FROM static_bound_keys WHERE name = ?1")?
+        .query_row([name], |row| row.get(0))
+        .optional()?)
+}
+
+pub(crate) fn set_bound_key(conn: &Connection, name: &str, key_id: &str) -> Result<(), StoreError> {
+    conn.prepare_cached("INSERT OR REPLACE INTO static_bound_keys (name, key_id) VALUES (?1, ?2)")?
+        .execute((name, key_id))?;
+    Ok(())
+}
+
 pub(crate) fn set_cursor(conn: &Connection, name: &str, cursor: Cursor) -> Result<(), StoreError> {
     let (seq, epoch) = match cursor {
         Cursor::After(seq) => (Some(to_i64(seq)), 0),

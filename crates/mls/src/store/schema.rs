@@ -55,6 +55,12 @@ const STORE_TABLES: &str = "CREATE TABLE IF NOT EXISTS static_identity (
      -- epoch: after the machine went down, sends not yet on disk may have been lost.
      CREATE TABLE IF NOT EXISTS static_fresh_epoch_needed (
          name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE
+     );
+     -- The API key that last bound our leaf of each channel on the relay (the relay proposes
+     -- the removal of leaves whose key is revoked): bound again when our key changes.
+     CREATE TABLE IF NOT EXISTS static_bound_keys (
+         name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+         key_id TEXT NOT NULL
      );";
 
 /// The outbox (see [`crate::outbox`]). A message's row is keyed by its channel and place, with

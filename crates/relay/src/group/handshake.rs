@@ -48,6 +48,9 @@ pub struct CommitOutcome {
     pub added: Vec<u32>,
 }
 
+/// The sender of a [`Framed`] proposal from the relay as external sender (no leaf).
+const EXTERNAL: u32 = u32::MAX;
+
 /// A handshake that passed the checks needing only the message.
 struct Framed {
     message: PublicMessageIn,
@@ -64,7 +67,8 @@ impl GroupState {
     /// and leave no two leaves with one identity.
     ///
     /// `proposals`: the proposal messages accepted at this epoch before `message`, in log
-    /// order; a commit may reference them. One that no longer checks is skipped.
+    /// order; a commit may reference them. One that no longer checks is skipped. Those may
+    /// include the relay's own external proposals ([`GroupState::check_relay_proposal`]).
     pub fn check_handshake(
         &self,
         message: &[u8],
@@ -85,7 +89,7 @@ impl GroupState {
             message: framed,
             sender,
             what,
-        } = self.frame(message)?;
+        } = self.frame(message, false)?;
         let processed = match self.group.process_message(crypto(), framed) {
             Ok(processed) => processed,
             // OpenMLS stages only after the signature verified: the sender signed this commit.
@@ -108,8 +112,11 @@ impl GroupState {
         }
     }
 
-    /// The checks that need only the message; cheap, no signature.
-    fn frame(&self, message: &[u8]) -> Result<Framed, GroupError> {
+    /// The checks that need only the message; cheap, no signature. `relay`: the message is one
+    /// of the relay's own proposals (read back from the log), so an external sender is
+    /// accepted (OpenMLS then checks it against the group's `external_senders`); a client's
+    /// handshake from an external sender is refused.
+    fn frame(&self, message: &[u8], relay: bool) -> Result<Framed, GroupError> {
         let message = MlsMessageIn::tls_deserialize_exact(message)
             .map_err(|e| GroupError::malformed("handshake", &e))?;
         let message = match message.extract() {
@@ -139,6 +146,13 @@ impl GroupState {
         }
         let sender = match message.sender() {
             Sender::Member(leaf) => leaf.u32(),
+            Sender::External(_) if relay && what == "proposal" => {
+                return Ok(Framed {
+                    message,
+                    sender: EXTERNAL,
+                    what,
+                })
+            }
             Sender::External(_) => return Err(GroupError::NotMemberSender("an external sender")),
             Sender::NewMemberProposal | Sender::NewMemberCommit => {
                 return Err(GroupError::NotMemberSender("a new member"))
@@ -176,7 +190,7 @@ impl GroupState {
             message: framed,
             sender,
             what,
-        } = self.frame(message)?;
+        } = self.frame(message, false)?;
         let processed = next
             .process_message(crypto(), framed)
             .map_err(|err| self.process_error(what, err))?;
@@ -190,9 +204,26 @@ impl GroupState {
         }
     }
 
+    /// Checks a proposal the relay made itself (as external sender) before it is logged: what
+    /// a commit referencing it will find ([`GroupState::accepted_proposal`]).
+    pub fn check_relay_proposal(&self, message: &[u8]) -> Result<(), GroupError> {
+        let framed = self.frame(message, true)?;
+        match self
+            .group
+            .process_message(crypto(), framed.message)
+            .map_err(|err| self.process_error("proposal", err))?
+            .into_content()
+        {
+            ProcessedMessageContent::ProposalMessage(_) => Ok(()),
+            _ => Err(GroupError::internal(
+                "OpenMLS processed the relay's proposal as something else",
+            )),
+        }
+    }
+
     /// `bytes` as a proposal OpenMLS accepts at this state, or `None` (skipped).
     fn accepted_proposal(&self, bytes: &[u8]) -> Option<QueuedProposal> {
-        let framed = self.frame(bytes).ok()?;
+        let framed = self.frame(bytes, true).ok()?;
         match self
             .group
             .process_message(crypto(), framed.message)

@@ -271,6 +271,54 @@ impl GroupState {
         }
     }
 
+    /// Where the group context's `external_senders` extension names the relay whose signature
+    /// key is `key` (with the relay's credential, [`static_mls::RELAY_SENDER_IDENTITY`]): its
+    /// index there. None for a group without it (created before the relay was an external
+    /// sender, or by a client that did not name it): the relay proposes nothing in it.
+    pub fn relay_sender_index(&self, key: &[u8]) -> Option<u32> {
+        let relay = static_mls::relay_external_sender(key);
+        let senders = self.group.group_context().extensions().external_senders()?;
+        let index = senders.iter().position(|sender| *sender == relay)?;
+        u32::try_from(index).ok()
+    }
+
+    /// An external Remove proposal (RFC 9420 §12.1.8.1) of leaf `leaf` at this epoch, an
+    /// MLSMessage signed by the relay's key pair (`public`, `private`: raw Ed25519) as external
+    /// sender `index` (see [`GroupState::relay_sender_index`]).
+    pub fn propose_remove(
+        &self,
+        leaf: u32,
+        index: u32,
+        public: &[u8],
+        private: &[u8],
+    ) -> Result<Vec<u8>, GroupError> {
+        use openmls::prelude::tls_codec::Serialize as _;
+        if self.leaf(leaf).is_none() {
+            return Err(GroupError::NoSuchLeaf {
+                leaf,
+                epoch: self.epoch(),
+            });
+        }
+        let signer = openmls_basic_credential::SignatureKeyPair::from_raw(
+            openmls::prelude::SignatureScheme::ED25519,
+            private.to_vec(),
+            public.to_vec(),
+        );
+        let message = openmls::prelude::ExternalProposal::new_remove::<
+            openmls_rust_crypto::OpenMlsRustCrypto,
+        >(
+            LeafNodeIndex::new(leaf),
+            self.group.group_id().clone(),
+            self.group.group_context().epoch(),
+            &signer,
+            openmls::prelude::SenderExtensionIndex::new(index),
+        )
+        .map_err(GroupError::internal)?;
+        message
+            .tls_serialize_detached()
+            .map_err(GroupError::internal)
+    }
+
     /// Refuses two leaves holding one identity.
     fn check_identities(&self) -> Result<(), GroupError> {
         // Leaves by reference: `PublicGroup::members` clones every credential.

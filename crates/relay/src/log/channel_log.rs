@@ -40,6 +40,8 @@ pub(super) struct Inner {
     shared: bool,
     pub(super) reader: Arc<dyn LogReader>,
     directory: Arc<dyn Directory>,
+    /// The relay's key pair as an external sender of the groups (migration 0013).
+    external_sender: store::SenderKey,
 }
 
 impl Drop for Inner {
@@ -105,8 +107,34 @@ impl ChannelLog {
                 shared: !commits_inline,
                 reader: opened.reader,
                 directory: opened.directory,
+                external_sender: opened.external_sender,
             }),
         })
+    }
+
+    /// The relay's key pair as an external sender of the groups, the same for every relay of
+    /// the database (made by the first one).
+    pub(crate) fn external_sender(&self) -> &store::SenderKey {
+        &self.inner.external_sender
+    }
+
+    /// The relay's public signature key as an external sender (see
+    /// [`ChannelLog::external_sender`]).
+    pub fn external_sender_key(&self) -> &[u8] {
+        &self.inner.external_sender.public
+    }
+
+    /// Up to `limit` distinct API keys behind bindings, in order, after `after`.
+    pub async fn bound_keys(&self, after: &str, limit: usize) -> Result<Vec<String>> {
+        self.inner.reader.bound_keys(after.to_owned(), limit).await
+    }
+
+    /// Up to `limit` leaves last bound by `key_id`: (channel name, leaf index).
+    pub async fn leaves_of_key(&self, key_id: &str, limit: usize) -> Result<Vec<(String, u32)>> {
+        self.inner
+            .reader
+            .leaves_of_key(key_id.to_owned(), limit)
+            .await
     }
 
     /// The key-package directory and invitations (`store/directory/`).
@@ -123,8 +151,10 @@ impl ChannelLog {
         account: &str,
         state: GroupState,
         leaf: u32,
+        key_id: Option<&str>,
     ) -> Result<Arc<Channel>> {
-        self.create_audited(name, account, state, leaf, None).await
+        self.create_audited(name, account, state, leaf, key_id, None)
+            .await
     }
 
     /// [`ChannelLog::create`], with its audit rows (`channel.created`, and `org.claimed` when
@@ -136,6 +166,7 @@ impl ChannelLog {
         account: &str,
         state: GroupState,
         leaf: u32,
+        key_id: Option<&str>,
         actor: Option<&Actor>,
     ) -> Result<Arc<Channel>> {
         let identity = state.leaf(leaf).map(|l| l.identity).unwrap_or_default();
@@ -159,6 +190,7 @@ impl ChannelLog {
             leaf,
             audit,
             claimed,
+            key_id: key_id.map(str::to_owned),
             tx,
         });
         if let Err(refused) = self.push(vec![job]) {
@@ -340,6 +372,7 @@ impl ChannelLog {
         epoch: u64,
         leaf: u32,
         account: &str,
+        key_id: Option<&str>,
     ) -> Result<bool> {
         let (tx, rx) = oneshot::channel();
         let job = Job::Bind {
@@ -347,6 +380,7 @@ impl ChannelLog {
             epoch,
             leaf,
             account: account.to_owned(),
+            key_id: key_id.map(str::to_owned),
             tx,
         };
         if let Err(refused) = self.push(vec![job]) {

@@ -48,6 +48,7 @@ pub(super) enum Job {
         epoch: u64,
         leaf: u32,
         account: String,
+        key_id: Option<String>,
         tx: oneshot::Sender<Result<bool>>,
     },
     Prune {
@@ -84,6 +85,7 @@ pub(super) struct CreateJob {
     /// Its `channel.created` row, and the `org.claimed` one (written if it claims the org).
     pub(super) audit: Vec<AuditRow>,
     pub(super) claimed: Option<AuditRow>,
+    pub(super) key_id: Option<String>,
     pub(super) tx: oneshot::Sender<Result<i64>>,
 }
 

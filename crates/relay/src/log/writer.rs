@@ -70,6 +70,7 @@ impl Writer {
                     epoch,
                     leaf,
                     account,
+                    key_id,
                     tx,
                 } => {
                     let binding = Binding {
@@ -77,6 +78,7 @@ impl Writer {
                         epoch,
                         leaf,
                         account: &account,
+                        key_id: key_id.as_deref(),
                         now_ms: now_ms(),
                     };
                     let _ = tx.send(self.store.bind(&binding));
@@ -125,6 +127,7 @@ impl Writer {
             leaf: create.leaf,
             audit: &create.audit,
             claimed: create.claimed.as_ref(),
+            key_id: create.key_id.as_deref(),
         };
         match self.store.create_channel(&channel)? {
             Creation::Done(id) => Ok(id),

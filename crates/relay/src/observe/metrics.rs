@@ -43,6 +43,7 @@ pub const METHODS: &[&str] = &[
     "ListInvitations",
     "OpenInvitation",
     "SettleInvitation",
+    "GetRelayInfo",
     "Health/Check",
     "Health/Watch",
 ];

@@ -220,6 +220,22 @@ impl RelayServer {
         self.auth.live_keys()
     }
 
+    /// Up to `limit` distinct API keys behind bound leaves, in order, after `after` (the keys
+    /// whose revocation would remove leaves: `static serve` checks them in batches).
+    pub async fn bound_keys(&self, after: &str, limit: usize) -> Result<Vec<String>> {
+        crate::removal::bound_keys(&self.log, after, limit).await
+    }
+
+    /// Proposes the removal of every leaf last bound by one of `keys` (found inactive), at
+    /// most `max_proposals` in this call (docs/design.md §5.2, "Removal on revocation").
+    pub async fn remove_leaves_of_keys(
+        &self,
+        keys: &[String],
+        max_proposals: usize,
+    ) -> Result<crate::removal::RemovalReport> {
+        crate::removal::remove_leaves_of_keys(&self.log, keys, max_proposals).await
+    }
+
     /// End every live stream of `key_id` with UNAUTHENTICATED `reason`; how many there were.
     pub fn end_streams_of_key(&self, key_id: &str, reason: &str) -> usize {
         self.auth

@@ -214,7 +214,14 @@ pub(super) async fn create_channel(
     let by = actor(&caller);
     inner
         .log
-        .create_audited(&name, &caller.account, state, binding.leaf_index, Some(&by))
+        .create_audited(
+            &name,
+            &caller.account,
+            state,
+            binding.leaf_index,
+            caller.key_id.as_deref(),
+            Some(&by),
+        )
         .await?;
     Ok(Response::new(pb::CreateChannelResponse {
         channel: name,

@@ -36,7 +36,13 @@ pub(super) async fn bind_leaf(
         let epoch = state.epoch();
         if inner
             .log
-            .bind(&channel, epoch, binding.leaf_index, &caller.account)
+            .bind(
+                &channel,
+                epoch,
+                binding.leaf_index,
+                &caller.account,
+                caller.key_id.as_deref(),
+            )
             .await?
         {
             return Ok(Response::new(pb::BindLeafResponse { epoch }));

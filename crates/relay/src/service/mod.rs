@@ -254,6 +254,19 @@ impl pb::relay_server::Relay for Relay {
         Ok(retention::set_retention(&self.0, request).await?)
     }
 
+    /// GetRelayInfo: the relay's key as external sender (any caller the relay accepts).
+    async fn get_relay_info(
+        &self,
+        request: Request<pb::GetRelayInfoRequest>,
+    ) -> Result<Response<pb::GetRelayInfoResponse>, Status> {
+        let (metadata, extensions, _) = request.into_parts();
+        self.0.caller(&metadata, &extensions).await?;
+        Ok(Response::new(pb::GetRelayInfoResponse {
+            external_sender_signature_key: self.0.log.external_sender_key().to_vec().into(),
+            external_sender_identity: static_mls::RELAY_SENDER_IDENTITY.to_vec().into(),
+        }))
+    }
+
     async fn get_retention(
         &self,
         request: Request<pb::GetRetentionRequest>,

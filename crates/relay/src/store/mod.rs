@@ -32,7 +32,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use crate::audit::AuditRow;
-use crate::error::Result;
+use crate::error::{RelayError, Result};
 use crate::wire::fence::{Candidate, Decision, Plan};
 use crate::wire::framing::{ContentType, MessageHeader};
 
@@ -191,6 +191,8 @@ pub(crate) struct NewChannel<'a> {
     pub audit: &'a [AuditRow],
     /// The `org.claimed` row, written only when this create claims the org.
     pub claimed: Option<&'a AuditRow>,
+    /// The API key that proved the creator's binding (None when anonymous).
+    pub key_id: Option<&'a str>,
 }
 
 /// What creating a channel came to.
@@ -229,6 +231,8 @@ pub(crate) struct Binding<'a> {
     pub epoch: u64,
     pub leaf: u32,
     pub account: &'a str,
+    /// The API key that proved it (None when anonymous).
+    pub key_id: Option<&'a str>,
     /// Unix ms (a Welcome used by this binding is marked used then).
     pub now_ms: i64,
 }
@@ -333,6 +337,10 @@ pub(crate) trait LogReader: Send + Sync {
     fn welcome_floor(&self, channel_id: i64) -> StoreFuture<Option<u64>>;
     /// The account owning `org`.
     fn org_owner(&self, org: &str) -> StoreFuture<Option<String>>;
+    /// Up to `limit` distinct keys behind bindings, in order, after `after`.
+    fn bound_keys(&self, after: String, limit: usize) -> StoreFuture<Vec<String>>;
+    /// Up to `limit` leaves bound by `key_id`: (channel name, leaf index).
+    fn leaves_of_key(&self, key_id: String, limit: usize) -> StoreFuture<Vec<(String, u32)>>;
     /// Stop background work and drop idle connections (shutdown).
     fn close(&self);
 }
@@ -343,6 +351,37 @@ pub(crate) struct Opened {
     pub reader: Arc<dyn LogReader>,
     /// The key-package directory and invitations.
     pub directory: Arc<dyn directory::Directory>,
+    /// The relay's external sender key pair, as the database keeps it.
+    pub external_sender: SenderKey,
+}
+
+/// The relay's Ed25519 key pair as an MLS external sender (migration 0013): raw public and
+/// private keys, as OpenMLS's `SignatureKeyPair` holds them.
+#[derive(Clone)]
+pub(crate) struct SenderKey {
+    pub public: Vec<u8>,
+    pub private: Vec<u8>,
+}
+
+impl std::fmt::Debug for SenderKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SenderKey")
+            .field("public", &self.public)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SenderKey {
+    /// A new key pair, offered to the database (which keeps the first one offered).
+    pub fn generate() -> Result<SenderKey> {
+        use openmls_traits::crypto::OpenMlsCrypto as _;
+        let (private, public) = openmls_rust_crypto::RustCrypto::default()
+            .signature_key_gen(openmls::prelude::SignatureScheme::ED25519)
+            .map_err(|e| {
+                RelayError::store(format!("cannot make the relay's signature key: {e:?}"))
+            })?;
+        Ok(SenderKey { public, private })
+    }
 }
 
 /// What a store shared with other relays (PostgreSQL) tells of their commits: registered

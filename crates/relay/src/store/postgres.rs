@@ -47,17 +47,18 @@ use crate::audit::AuditRow;
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::store::sql::{
-    BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
-    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH,
-    INSERT_GROUP, INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP,
-    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
-    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
-    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME,
+    DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, EXTERNAL_SENDER,
+    FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP, INSERT_PROPOSAL,
+    INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
+    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
+    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
+    WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::{
     decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
-    LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, StoreFuture, StoredBinding,
-    StoredGroup, WelcomeKey, WelcomeRecord,
+    LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, SenderKey, StoreFuture,
+    StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
 };
 use crate::wire::fence::{Decision, Plan};
 use crate::wire::rules::org_key;
@@ -172,7 +173,11 @@ pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
         listener: Mutex::new(None),
     });
     // A first read connection now: a wrong URL or a missing schema fails the start.
-    reader.connection().await.map_err(store_error)?;
+    let first = reader.connection().await.map_err(store_error)?;
+    let external_sender = external_sender(&first.client, &SenderKey::generate()?)
+        .await
+        .map_err(store_error)?;
+    drop(first);
     let (ready_tx, ready) = tokio::sync::oneshot::channel();
     let listener = tokio::spawn(listen(config.clone(), heads, ready_tx));
     *reader
@@ -195,12 +200,29 @@ pub(crate) async fn open(url: &str, heads: Arc<dyn Heads>) -> Result<Opened> {
                 reader.config.clone(),
             )),
             reader: Arc::new(PgReader(reader)),
+            external_sender,
         }),
         Err(err) => {
             PgReader(reader).close();
             Err(err)
         }
     }
+}
+
+/// The relay's external sender key pair: the one stored, or `offered` stored now (every relay
+/// of the database offers its own at start; the first one stored is everyone's).
+async fn external_sender(client: &Client, offered: &SenderKey) -> PgResult<SenderKey> {
+    client
+        .execute(
+            INSERT_EXTERNAL_SENDER,
+            &[&offered.public, &offered.private, &now_ms()],
+        )
+        .await?;
+    let row = client.query_one(EXTERNAL_SENDER, &[]).await?;
+    Ok(SenderKey {
+        public: row.get(0),
+        private: row.get(1),
+    })
 }
 
 // -- the writer -------------------------------------------------------------------------------
@@ -452,7 +474,9 @@ impl WriteConnection {
         client
             .execute(INSERT_GROUP, &[&id, &0i64, &new.state])
             .await?;
-        client.execute(BIND, &[&id, &leaf, &new.account]).await?;
+        client
+            .execute(BIND, &[&id, &leaf, &new.account, &new.key_id])
+            .await?;
         let claim = new.claimed.filter(|_| claimed);
         insert_audit(client, new.audit.iter().chain(claim)).await?;
         Ok((Creation::Done(id), true))
@@ -470,7 +494,15 @@ impl WriteConnection {
         }
         let leaf = i32::try_from(binding.leaf).unwrap_or(i32::MAX);
         client
-            .execute(BIND, &[&binding.channel_id, &leaf, &binding.account])
+            .execute(
+                BIND,
+                &[
+                    &binding.channel_id,
+                    &leaf,
+                    &binding.account,
+                    &binding.key_id,
+                ],
+            )
             .await?;
         let awaited = client
             .query_opt(BOUND_WELCOME_LEAF, &[&binding.channel_id, &leaf])
@@ -1206,6 +1238,34 @@ impl LogReader for PgReader {
                 .query_one(WELCOMES_DUE, &[&created_before, &used_before])
                 .await?;
             Ok(row.get(0))
+        })
+    }
+
+    fn bound_keys(&self, after: String, limit: usize) -> StoreFuture<Vec<String>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| {
+            let after = after.clone();
+            async move {
+                let rows = conn.client.query(BOUND_KEYS, &[&after, &limit]).await?;
+                Ok(rows.iter().map(|row| row.get(0)).collect())
+            }
+        })
+    }
+
+    fn leaves_of_key(&self, key_id: String, limit: usize) -> StoreFuture<Vec<(String, u32)>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| {
+            let key_id = key_id.clone();
+            async move {
+                let rows = conn.client.query(LEAVES_OF_KEY, &[&key_id, &limit]).await?;
+                Ok(rows
+                    .iter()
+                    .map(|row| {
+                        let leaf: i32 = row.get(1);
+                        (row.get(0), u32::try_from(leaf).unwrap_or(u32::MAX))
+                    })
+                    .collect())
+            }
         })
     }
 

@@ -27,6 +27,7 @@ pub const SQLITE: &[&str] = &[
     ORG_KEYS,
     migration!("0010_directory.sqlite.sql"),
     migration!("0012_relay_audit.sqlite.sql"),
+    migration!("0013_external_sender.sqlite.sql"),
 ];
 
 /// The relay's tables on PostgreSQL, in order.
@@ -39,4 +40,5 @@ pub const POSTGRESQL: &[&str] = &[
     ORG_KEYS,
     migration!("0010_directory.postgresql.sql"),
     migration!("0012_relay_audit.postgresql.sql"),
+    migration!("0013_external_sender.postgresql.sql"),
 ];

@@ -112,9 +112,22 @@ statements! {
     INSERT_EPOCH = "INSERT INTO relay_epochs (channel_id, epoch, start_seq) VALUES ($1, $2, $3)";
     INSERT_GROUP = "INSERT INTO relay_groups (channel_id, epoch, state) VALUES ($1, $2, $3)";
     UPDATE_GROUP = "UPDATE relay_groups SET epoch = $2, state = $3 WHERE channel_id = $1";
-    BIND = "INSERT INTO relay_members (channel_id, leaf_index, account) \
-         VALUES ($1, $2, $3) ON CONFLICT (channel_id, leaf_index) \
-         DO UPDATE SET account = excluded.account, removed_seq = NULL";
+    /// `$4`: the API key that proved the binding (migration 0013; NULL when anonymous).
+    BIND = "INSERT INTO relay_members (channel_id, leaf_index, account, key_id) \
+         VALUES ($1, $2, $3, $4) ON CONFLICT (channel_id, leaf_index) \
+         DO UPDATE SET account = excluded.account, key_id = excluded.key_id, removed_seq = NULL";
+    /// The relay's external sender key pair (migration 0013), made once per database.
+    EXTERNAL_SENDER = "SELECT signature_key, private_key FROM relay_external_sender WHERE id = 1";
+    INSERT_EXTERNAL_SENDER = "INSERT INTO relay_external_sender \
+         (id, signature_key, private_key, created_at) VALUES (1, $1, $2, $3) \
+         ON CONFLICT (id) DO NOTHING";
+    /// The keys behind bindings, in order, after `$1` (a batch of at most `$2`).
+    BOUND_KEYS = "SELECT DISTINCT key_id FROM relay_members WHERE key_id > $1 \
+         ORDER BY key_id LIMIT $2";
+    /// The leaves a key last proved, with their channels' names (at most `$2`).
+    LEAVES_OF_KEY = "SELECT c.name, m.leaf_index FROM relay_members m \
+         JOIN relay_channels c ON c.id = m.channel_id \
+         WHERE m.key_id = $1 AND c.legacy = 0 ORDER BY m.channel_id, m.leaf_index LIMIT $2";
     INSERT_PROPOSAL =
         "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
 

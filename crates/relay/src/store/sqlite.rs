@@ -32,16 +32,17 @@ use crate::wire::rules::org_key;
 // The shared statements, in SQLite's `?N` form (rewritten at compile time).
 use crate::audit::AuditRow;
 use crate::store::sql::sqlite::{
-    BIND, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME, DELETE_WELCOME_LEAVES,
-    DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH,
-    INSERT_GROUP, INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LOAD_CHANNEL, LOAD_GROUP,
-    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
-    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
-    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME,
+    DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, EXTERNAL_SENDER,
+    FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP, INSERT_PROPOSAL,
+    INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
+    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
+    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
+    WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::{
     decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
-    LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow,
+    LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow, SenderKey,
     StoreFuture, StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
 };
 
@@ -182,7 +183,7 @@ fn create_channel(conn: &mut Connection, new: &NewChannel<'_>) -> rusqlite::Resu
     tx.prepare_cached(INSERT_GROUP)?
         .execute(params![id, 0i64, new.state])?;
     tx.prepare_cached(BIND)?
-        .execute(params![id, new.leaf, new.account])?;
+        .execute(params![id, new.leaf, new.account, new.key_id])?;
     let claim = new.claimed.filter(|_| claimed);
     insert_audit(&tx, new.audit.iter().chain(claim))?;
     tx.commit()?;
@@ -217,8 +218,12 @@ fn bind(conn: &mut Connection, binding: &Binding<'_>) -> rusqlite::Result<bool> 
     if epoch != binding.epoch {
         return Ok(false);
     }
-    tx.prepare_cached(BIND)?
-        .execute(params![binding.channel_id, binding.leaf, binding.account])?;
+    tx.prepare_cached(BIND)?.execute(params![
+        binding.channel_id,
+        binding.leaf,
+        binding.account,
+        binding.key_id
+    ])?;
     let awaited: Option<Vec<u8>> = tx
         .prepare_cached(BOUND_WELCOME_LEAF)?
         .query_row(params![binding.channel_id, binding.leaf], |row| row.get(0))
@@ -512,6 +517,36 @@ fn welcome_floor(conn: &Connection, channel_id: i64) -> rusqlite::Result<Option<
         .query_row(params![channel_id], |row| row.get(0))
 }
 
+fn bound_keys(conn: &Connection, after: &str, limit: usize) -> rusqlite::Result<Vec<String>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(BOUND_KEYS)?;
+    let rows = stmt.query_map(params![after, limit], |row| row.get(0))?;
+    rows.collect()
+}
+
+fn leaves_of_key(
+    conn: &Connection,
+    key_id: &str,
+    limit: usize,
+) -> rusqlite::Result<Vec<(String, u32)>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(LEAVES_OF_KEY)?;
+    let rows = stmt.query_map(params![key_id, limit], |row| Ok((row.get(0)?, row.get(1)?)))?;
+    rows.collect()
+}
+
+/// The relay's external sender key pair: the one stored, or `offered` stored now.
+fn external_sender(conn: &Connection, offered: &SenderKey) -> rusqlite::Result<SenderKey> {
+    conn.prepare_cached(INSERT_EXTERNAL_SENDER)?
+        .execute(params![offered.public, offered.private, now_ms()])?;
+    conn.prepare_cached(EXTERNAL_SENDER)?.query_row([], |row| {
+        Ok(SenderKey {
+            public: row.get(0)?,
+            private: row.get(1)?,
+        })
+    })
+}
+
 fn org_owner(conn: &Connection, org: &str) -> rusqlite::Result<Option<String>> {
     conn.prepare_cached(ORG_OWNER)?
         .query_row(params![org_key(org)], |row| row.get(0))
@@ -637,6 +672,8 @@ fn fetch_welcome(
 /// Opens the writer, a first reader and the checkpointer on the database file `path`.
 pub(crate) fn open(path: &Path) -> Result<Opened> {
     let conn = open_writer(path).map_err(RelayError::store)?;
+    let external_sender =
+        external_sender(&conn, &SenderKey::generate()?).map_err(RelayError::store)?;
     let generations = load_generations(&conn).map_err(RelayError::store)?;
     let reader = SqliteReader(Arc::new(ReadPool {
         idle: Mutex::new(vec![open_reader(path).map_err(RelayError::store)?]),
@@ -653,6 +690,7 @@ pub(crate) fn open(path: &Path) -> Result<Opened> {
         }),
         reader: Arc::new(reader),
         directory: Arc::new(super::directory::sqlite::SqliteDirectory::open(path)?),
+        external_sender,
     })
 }
 
@@ -975,6 +1013,14 @@ impl LogReader for SqliteReader {
         on_pool(self, move |conn| org_owner(conn, &org))
     }
 
+    fn bound_keys(&self, after: String, limit: usize) -> StoreFuture<Vec<String>> {
+        on_pool(self, move |conn| bound_keys(conn, &after, limit))
+    }
+
+    fn leaves_of_key(&self, key_id: String, limit: usize) -> StoreFuture<Vec<(String, u32)>> {
+        on_pool(self, move |conn| leaves_of_key(conn, &key_id, limit))
+    }
+
     fn close(&self) {
         self.0
             .idle
@@ -1233,6 +1279,7 @@ mod tests {
             leaf: 0,
             audit: &[],
             claimed: None,
+            key_id: None,
         };
         let Creation::Done(id) = writer.create_channel(&new).unwrap() else {
             panic!("not created");
