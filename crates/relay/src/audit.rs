@@ -18,25 +18,13 @@
 use base64::Engine as _;
 use serde_json::{json, Value};
 
-use crate::retention::Policy;
+use crate::store::{AuditRow, Policy};
 
 pub const CHANNEL_CREATED: &str = "channel.created";
 pub const ORG_CLAIMED: &str = "org.claimed";
 pub const MEMBER_ADDED: &str = "member.added";
 pub const MEMBER_REMOVED: &str = "member.removed";
 pub const RETENTION_CHANGED: &str = "retention.changed";
-
-/// One row of `relay_audit`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct AuditRow {
-    pub account: String,
-    pub at_ms: i64,
-    pub kind: &'static str,
-    pub key_id: Option<String>,
-    pub channel: String,
-    /// A JSON object, merged into the event.
-    pub detail: String,
-}
 
 /// Who makes a change: the account (its rows) and the key it called with.
 #[derive(Debug, Clone, PartialEq, Eq)]

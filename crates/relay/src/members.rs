@@ -8,9 +8,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::audit::AuditRow;
 use crate::error::{RelayError, Result};
 use crate::group::{GroupState, LeafInfo};
+use crate::store::AuditRow;
 use crate::store::{StoredBinding, StoredGroup};
 
 /// What an accepted commit does to its channel's group: stored with it, applied to memory once

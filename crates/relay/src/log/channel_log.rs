@@ -14,11 +14,12 @@ use super::queue::{publish_jobs, CreateJob, Job, Queue, QueueState, StopGuard};
 use super::registry::{unload_idle_channels, Registry};
 use super::writer::{run_writer, Writer};
 use super::{Checked, LogSettings, Outcome, MAX_BATCH};
-use crate::audit::{Actor, AuditRow};
+use crate::audit::Actor;
 use crate::error::{shutting_down, RelayError, Result};
 use crate::group::GroupState;
 use crate::members::{Membership, Reach};
 use crate::store::directory::Directory;
+use crate::store::AuditRow;
 use crate::store::{self, ChannelRow, LogReader, Policy, PruneStep, StoredGroup};
 
 /// The relay's channels: load, create, publish (group-committed), read. Cheap to clone.

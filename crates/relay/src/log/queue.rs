@@ -8,9 +8,9 @@ use tokio::sync::{oneshot, watch};
 
 use super::channel::Channel;
 use super::{Accepted, Checked, Outcome, MAX_BATCH};
-use crate::audit::AuditRow;
 use crate::error::{shutting_down, Result};
 use crate::observe::metrics;
+use crate::store::AuditRow;
 use crate::store::{Policy, PruneStep};
 
 /// The writer's jobs for `items`, and the outcomes their submitter waits on.

@@ -9,7 +9,6 @@ use super::caller::{actor, channel_name};
 use super::pipeline::{Lookahead, Pipelined};
 use super::refusal::{internal, refusal_label};
 use super::Inner;
-use crate::audit::AuditRow;
 use crate::auth::Caller;
 use crate::error::{shutting_down, RelayError, Result};
 use crate::group::{CommitOutcome, GroupState, Handshake};
@@ -19,6 +18,7 @@ use crate::observe::access::{line_budget, Suppressed, ACCESS_LOG};
 use crate::observe::metrics;
 use crate::pb;
 use crate::shutdown::Phase;
+use crate::store::AuditRow;
 use crate::wire::framing::{self, ContentType};
 use crate::wire::rules;
 

@@ -31,7 +31,6 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::audit::AuditRow;
 use crate::error::{RelayError, Result};
 use crate::wire::fence::{Candidate, Decision, Plan};
 use crate::wire::framing::{ContentType, MessageHeader};
@@ -90,6 +89,18 @@ pub struct WelcomeRecord {
 pub enum WelcomeKey {
     Digest(Vec<u8>),
     KeyPackageRef(Vec<u8>),
+}
+
+/// One row of `relay_audit` (migration 0012), as `crate::audit` makes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct AuditRow {
+    pub account: String,
+    pub at_ms: i64,
+    pub kind: &'static str,
+    pub key_id: Option<String>,
+    pub channel: String,
+    /// A JSON object, merged into the event.
+    pub detail: String,
 }
 
 /// A retention policy. Per limit: None follows the server's default, Some(0) is no limit.

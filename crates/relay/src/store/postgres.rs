@@ -43,7 +43,6 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 
-use crate::audit::AuditRow;
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::store::sql::{
@@ -55,6 +54,7 @@ use crate::store::sql::{
     RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
     WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
+use crate::store::AuditRow;
 use crate::store::{
     decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
     LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, SenderKey, StoreFuture,

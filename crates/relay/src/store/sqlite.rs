@@ -30,7 +30,6 @@ use crate::store::keys::Generations;
 use crate::wire::fence::{Decision, Plan};
 use crate::wire::rules::org_key;
 // The shared statements, in SQLite's `?N` form (rewritten at compile time).
-use crate::audit::AuditRow;
 use crate::store::sql::sqlite::{
     BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME,
     DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, EXTERNAL_SENDER,
@@ -40,6 +39,7 @@ use crate::store::sql::sqlite::{
     RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
     WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
+use crate::store::AuditRow;
 use crate::store::{
     decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
     LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow, SenderKey,
