@@ -13,6 +13,7 @@ Python. What stays here is what is not per message: the token checks
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from functools import partial
 
@@ -27,6 +28,8 @@ from static.relay._verify import Request, serve_verifications, verify_from_threa
 from static.store import DatabaseError, relay_database
 
 __all__ = ["serve_relay"]
+
+_log = logging.getLogger("static.relay")
 
 
 async def _revocation_checks(server: RelayServer, verifier: TokenVerifier, every: float) -> None:
@@ -48,14 +51,6 @@ _KEYS_PER_BATCH = 500
 _PROPOSALS_PER_BATCH = 1_000
 
 
-async def _inactive_keys(verifier: TokenVerifier, keys: list[str]) -> set[str]:
-    """The keys of ``keys`` that are no longer active (revoked, expired, past a roll's grace)."""
-    inactive_keys = getattr(verifier, "inactive_keys", None)
-    if inactive_keys is not None:
-        return set(await inactive_keys(keys))
-    return {key for key in keys if not await verifier.key_is_active(key)}
-
-
 async def _removal_pass(server: RelayServer, verifier: TokenVerifier) -> int:
     """One pass: the keys behind bound leaves in batches, the inactive ones' leaves proposed
     for removal (the relay is an external sender of each channel that names it); how many
@@ -66,7 +61,8 @@ async def _removal_pass(server: RelayServer, verifier: TokenVerifier) -> int:
         keys = await trio.to_thread.run_sync(server.bound_keys, after, _KEYS_PER_BATCH)
         if not keys:
             return proposed
-        inactive = await _inactive_keys(verifier, keys)
+        # One query for the batch: revoked, expired, or past a roll's grace.
+        inactive = await verifier.inactive_keys(keys)
         if inactive:
             report = await trio.to_thread.run_sync(
                 server.remove_leaves_of_keys, sorted(inactive), _PROPOSALS_PER_BATCH
@@ -109,6 +105,8 @@ async def _removal_checks(server: RelayServer, verifier: TokenVerifier, every: f
             await _removal_pass(server, verifier)
         except (DatabaseError, OSError):
             continue  # A store hiccup must not end the checks: try again next round.
+        except Exception:  # noqa: BLE001  (a failed pass must not end the server; one line a pass)
+            _log.exception("the removal pass failed; it runs again in %s s", every)
 
 
 async def serve_relay(
