@@ -11,6 +11,7 @@ from typing import TypeVar
 import pytest
 
 from static_sdk import Channel, StaticClient
+from tests.support.api import Api
 from tests.support.server import ServerProcess
 
 __all__ = ["Clients", "channel_name", "next_within", "read_to_end", "receive_n", "within"]
@@ -25,6 +26,22 @@ WAIT = 20.0
 def backend() -> str:
     """SQLite only here; modules that need both backends override this fixture."""
     return "sqlite"
+
+
+@pytest.fixture
+def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A server that requires tokens."""
+    return start_server()
+
+
+@pytest.fixture
+def api(authed: ServerProcess) -> Iterator[Api]:
+    """The HTTP API of ``authed``, for accounts and keys."""
+    client = Api(authed.http_url)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,15 +19,6 @@ from tests.support.server import ServerProcess, free_port
 def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     """A server that requires tokens, minting them with a 2 s lifetime."""
     return start_server("--token-ttl", "2")
-
-
-@pytest.fixture
-def api(authed: ServerProcess) -> Iterator[Api]:
-    client = Api(authed.http_url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def test_api_key_flow_with_token_refresh_across_expiry(

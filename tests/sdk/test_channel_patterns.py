@@ -5,7 +5,6 @@ HTTP side of issue 30): skipped on a server without it."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,20 +12,6 @@ from static_sdk import AuthError
 from tests.sdk.conftest import WAIT, Clients
 from tests.support.api import Api
 from tests.support.server import ServerProcess
-
-
-@pytest.fixture
-def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
-    return start_server()
-
-
-@pytest.fixture
-def api(authed: ServerProcess) -> Iterator[Api]:
-    client = Api(authed.http_url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def test_a_scoped_key_reaches_only_its_channels(

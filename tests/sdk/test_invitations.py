@@ -7,7 +7,6 @@ import asyncio
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
 
 import pytest
 import trio
@@ -18,21 +17,6 @@ from tests.support.api import Api, SignedUp
 from tests.support.server import ServerProcess
 
 NO_SUCH_ADDRESS = "no such address, or it does not accept invitations from this account"
-
-
-@pytest.fixture
-def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
-    """A server that requires tokens."""
-    return start_server()
-
-
-@pytest.fixture
-def api(authed: ServerProcess) -> Iterator[Api]:
-    client = Api(authed.http_url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def refused(address: str) -> str:

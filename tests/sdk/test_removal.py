@@ -5,7 +5,7 @@ binding's API key was revoked, and the remaining members' SDKs commit it at once
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -13,20 +13,6 @@ from static_sdk import AuthError
 from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.api import Api
 from tests.support.server import ServerProcess
-
-
-@pytest.fixture
-def authed(start_server: Callable[..., ServerProcess]) -> ServerProcess:
-    return start_server()
-
-
-@pytest.fixture
-def api(authed: ServerProcess) -> Iterator[Api]:
-    client = Api(authed.http_url)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def _until(check: Callable[[], bool], timeout: float = WAIT) -> float:
