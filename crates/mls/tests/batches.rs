@@ -203,7 +203,8 @@ fn own_echoes_and_removal_inside_a_batch() {
             Ok(app(b"alice", b"bye", e)),
             Ok(Incoming::Removed {
                 epoch: e + 1,
-                members: alice.engine.members(CH).unwrap()
+                members: alice.engine.members(CH).unwrap(),
+                by_relay: false,
             }),
         ]
     );

@@ -80,7 +80,8 @@ fn third_member_self_update_remove_and_messages_across_epochs() {
         c.engine.process_incoming(CH, &removal).unwrap(),
         Incoming::Removed {
             epoch: 4,
-            members: a.engine.members(CH).unwrap()
+            members: a.engine.members(CH).unwrap(),
+            by_relay: false,
         }
     );
     assert!(!c.engine.has_group(CH));

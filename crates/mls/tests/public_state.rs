@@ -195,7 +195,8 @@ fn handshakes_are_public_messages_and_application_messages_private() {
         c.engine.process_incoming(CH, &commit).unwrap(),
         Incoming::Removed {
             epoch: 4,
-            members: b.engine.members(CH).unwrap()
+            members: b.engine.members(CH).unwrap(),
+            by_relay: false,
         }
     );
 
@@ -223,7 +224,8 @@ fn handshakes_are_public_messages_and_application_messages_private() {
         d.engine.process_incoming(CH, &removal).unwrap(),
         Incoming::Removed {
             epoch: 6,
-            members: b.engine.members(CH).unwrap()
+            members: b.engine.members(CH).unwrap(),
+            by_relay: false,
         }
     );
     assert_eq!(member_names(&a), vec![b"alice".to_vec(), b"bob".to_vec()]);

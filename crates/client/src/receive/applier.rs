@@ -334,6 +334,7 @@ pub(crate) fn apply_batch(
     let mut proposals = false;
     let mut wake = false;
     let mut removed = false;
+    let mut removed_by_relay = false;
     let mut removed_at = None;
     let mut last = passed;
     // The messages just stored in the inbox, for its read-ahead.
@@ -370,8 +371,14 @@ pub(crate) fn apply_batch(
                  a later version's?",
                 String::from_utf8_lossy(&sender)
             ),
-            Ok(Incoming::Removed { epoch, members }) => {
+            Ok(Incoming::Removed {
+                epoch,
+                members,
+                by_relay,
+            }) => {
                 removed = true;
+                // Our key was revoked or expired: an auth error, not a plain removal.
+                removed_by_relay |= by_relay;
                 // The engine deleted the group: the channel keeps the removal's epoch and
                 // roster.
                 removed_at = Some(epoch);
@@ -395,7 +402,7 @@ pub(crate) fn apply_batch(
         // group first (it then failed with the engine's "not a member" instead of "no longer
         // a member"). `core.end` below does the rest.
         if removed && p.ended.is_none() {
-            p.ended = Some(End::Removed);
+            p.ended = Some(removal(name, removed_by_relay));
         }
     });
     if !stored.is_empty() {
@@ -419,7 +426,7 @@ pub(crate) fn apply_batch(
         core.notify();
     }
     if removed {
-        core.end(End::Removed);
+        core.end(removal(name, removed_by_relay));
         return Applied::ChannelEnded;
     }
     if proposals {
@@ -428,6 +435,19 @@ pub(crate) fn apply_batch(
         core.proposals.notify_one();
     }
     Applied::Continue
+}
+
+/// How a removal ends the channel: a member's commit ends it; the relay's proposal (the API key
+/// that bound our leaf was revoked or expired) fails it with an auth error.
+fn removal(name: &str, by_relay: bool) -> End {
+    if by_relay {
+        End::Failed(Error::Auth(format!(
+            "channel {name:?}: removed by the relay, as the API key that bound this agent was \
+             revoked or expired"
+        )))
+    } else {
+        End::Removed
+    }
 }
 
 #[cfg(test)]

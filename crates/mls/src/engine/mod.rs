@@ -109,8 +109,14 @@ pub enum Incoming {
     /// Our own pending commit echoed by the relay: merged; `epoch` is the new epoch.
     OwnCommit { epoch: u64 },
     /// A commit that removed us: the group's local state is deleted; `members` is the roster
-    /// that commit left (without us), which the channel keeps to say so.
-    Removed { epoch: u64, members: Vec<Member> },
+    /// that commit left (without us), which the channel keeps to say so. `by_relay`: our
+    /// removal was the relay's proposal, as an external sender (the API key that bound our
+    /// leaf was revoked or expired: docs/design.md §5.2).
+    Removed {
+        epoch: u64,
+        members: Vec<Member>,
+        by_relay: bool,
+    },
     /// A proposal of another member, stored until a commit covers it.
     Proposal { sender: Option<Vec<u8>> },
     /// Our own application message or proposal echoed by the relay: recognised and skipped.
@@ -444,6 +450,11 @@ fn apply_message(
         }
         ProcessedMessageContent::StagedCommitMessage(staged) => {
             let self_removed = staged.self_removed();
+            let own = group.own_leaf_index();
+            let by_relay = staged.remove_proposals().any(|queued| {
+                matches!(queued.sender(), Sender::External(_))
+                    && queued.remove_proposal().removed() == own
+            });
             group
                 .merge_staged_commit(provider, *staged)
                 .map_err(|e| ProcessError::Merge {
@@ -454,7 +465,11 @@ fn apply_message(
                 let members = members_of(group);
                 group.delete(provider.storage()).map_err(StoreError::from)?;
                 store::rows::delete_group(conn, channel)?;
-                Ok(Incoming::Removed { epoch, members })
+                Ok(Incoming::Removed {
+                    epoch,
+                    members,
+                    by_relay,
+                })
             } else {
                 Ok(Incoming::Commit { sender, epoch })
             }
