@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 
 import trio
 
@@ -228,8 +229,24 @@ async def open_authority(db: Database, settings: ApiSettings) -> AsyncIterator[A
     store = AccountStore(db)
     authority = Authority(store, await _load_signing_keys(store), settings)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_flush_forever, authority, settings.last_used_flush_seconds)
-        nursery.start_soon(_sweep_forever, authority, settings.key_sweep_seconds)
+        nursery.start_soon(
+            partial(
+                _every,
+                settings.last_used_flush_seconds,
+                authority.flush_key_uses,
+                "record key uses",
+                at_once=False,
+            )
+        )
+        nursery.start_soon(
+            partial(
+                _every,
+                settings.key_sweep_seconds,
+                authority.sweep_keys,
+                "sweep ended keys",
+                at_once=True,
+            )
+        )
         nursery.start_soon(_prune_forever, AuditStore(db), settings.audit_retention_days)
         try:
             yield authority
@@ -242,24 +259,21 @@ async def open_authority(db: Database, settings: ApiSettings) -> AsyncIterator[A
                     _log.error("could not record the last key uses: %s", exc)
 
 
-async def _flush_forever(authority: Authority, interval: float) -> None:
-    while True:
+async def _every(
+    interval: float, work: Callable[[], Awaitable[None]], what: str, *, at_once: bool
+) -> None:
+    """Run ``work`` every ``interval`` seconds (first at once, or after one interval); a store
+    failure is logged and retried at the next turn. Each run is shielded: a store call
+    cancelled half-way (at shutdown) can leave a PostgreSQL connection stuck in trio-asyncio,
+    and each is one short transaction."""
+    if not at_once:
         await trio.sleep(interval)
-        try:
-            await authority.flush_key_uses()
-        except DatabaseError as exc:
-            _log.warning("could not record key uses (will retry): %s", exc)
-
-
-async def _sweep_forever(authority: Authority, interval: float) -> None:
     while True:
         try:
-            # Shielded: a store call cancelled half-way (at shutdown) can leave a PostgreSQL
-            # connection stuck in trio-asyncio; each call is one short transaction.
             with trio.CancelScope(shield=True):
-                await authority.sweep_keys()
+                await work()
         except DatabaseError as exc:
-            _log.warning("could not sweep ended keys (will retry): %s", exc)
+            _log.warning("could not %s (will retry): %s", what, exc)
         await trio.sleep(interval)
 
 
