@@ -739,10 +739,11 @@ def server_settings(configuration: Configuration, open_files: int) -> ServerSett
 
     # The relay opens the database itself: one it cannot share (SQLite in memory) is refused
     # here, as a configuration error, not once the HTTP API is already up.
+    url = settings.resolved_database_url
     try:
-        database_location(settings.resolved_database_url)
+        database_location(url)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(str(exc).replace(url, redact(url))) from None  # never echo a password
     return settings
 
 

@@ -251,6 +251,15 @@ def test_print_config_redacts_secrets_and_loads_back(tmp_path: Path) -> None:
     assert printed["logging"]["log_level"] == "debug"
 
 
+def test_a_refused_database_url_is_not_echoed_with_its_password(tmp_path: Path) -> None:
+    result = _static("--database", "mysql://static:hunter2@db/static", "--data-dir", tmp_path)
+    assert result.returncode == 2
+    assert "unsupported database URL" in result.stderr and "mysql://static:REDACTED@db/static" in (
+        result.stderr
+    )
+    assert "hunter2" not in result.stderr
+
+
 def test_redaction() -> None:
     assert redact("postgresql://u:pw@h/db") == "postgresql://u:REDACTED@h/db"
     assert redact("postgresql://u@h/db?password=pw&application_name=a") == (
