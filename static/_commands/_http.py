@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any, Final
 
 from static._commands._errors import CommandError
+from static._commands._output import printable
 from static.sdk._tokens import _error_text, _tls_failure
 
 __all__ = ["Api"]
@@ -100,7 +101,8 @@ class Api:
         return self._redacted(f"cannot reach the API at {self._url}: {cause}")
 
     def _refusal(self, err: urllib.error.HTTPError, shown: str) -> str:
-        text = self._redacted(_error_text(err))
+        # The server's text, bounded and without control characters (a proxy may answer).
+        text = printable(self._redacted(_error_text(err)), 300)
         code = err.code
         source = f" (the key from {self._key_source})" if self._key_source else ""
         if code == 401:

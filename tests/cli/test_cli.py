@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pty
 import signal
 import stat
 import subprocess
@@ -28,10 +29,10 @@ _CLIENT_ENV = ("STATIC_API_URL", "STATIC_RELAY_URL", "STATIC_API_KEY", "STATIC_C
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One server for the module (starting one per test would double its time). Sign-ups
-    are limited to 6 an hour: the last test meets that limit."""
+    are limited to 7 an hour: the last test meets that limit."""
     root = tmp_path_factory.mktemp("cli-server")
     started = ServerProcess(
-        root / "server", f"sqlite:///{root / 'db' / 'static.db'}", ["--signup-rate", "6/3600"]
+        root / "server", f"sqlite:///{root / 'db' / 'static.db'}", ["--signup-rate", "7/3600"]
     ).start()
     yield started
     assert started.stop() == 0, started.stderr()
@@ -264,6 +265,27 @@ def test_account_create_without_a_terminal_prints_the_key_and_asks_nothing(
     assert done.returncode == 0, done.stderr
     assert "API key  sk_live_" in done.stdout and "Save this key" not in done.stderr
     assert not (cli.config / "static").exists()
+
+
+def test_account_create_on_a_terminal_offers_to_save_the_key(
+    cli: Cli, server: ServerProcess
+) -> None:
+    primary, secondary = pty.openpty()
+    try:
+        os.write(primary, b"mine\n")  # the answer, waiting in the terminal's input
+        done = subprocess.run(
+            [sys.executable, "-m", "static", "account", "create", "--email", email(),
+             "--api-url", server.http_url],
+            stdin=secondary, capture_output=True, text=True, env=cli.env, timeout=TIMEOUT,
+        )  # fmt: skip
+    finally:
+        os.close(primary)
+        os.close(secondary)
+    assert done.returncode == 0, done.stderr
+    assert "Save this key in a context?" in done.stderr
+    assert "saved in context 'mine'" in done.stdout
+    assert cli.json("context", "show")["name"] == "mine"
+    assert cli.json("account", "show")["email"].endswith("@example.com")
 
 
 def test_a_bad_key_is_one_line_without_the_secret(
