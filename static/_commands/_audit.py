@@ -68,7 +68,9 @@ def _audit(args: argparse.Namespace) -> None:
             when(event.get("at")),
             event.get("type"),
             event.get("key_id") or "-",
-            " ".join(f"{k}={v}" for k, v in event.items() if k not in _COMMON),
+            " ".join(
+                f"{k}={'-' if v is None else v}" for k, v in event.items() if k not in _COMMON
+            ),
         ]
         for event in events
     ]

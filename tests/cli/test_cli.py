@@ -212,10 +212,13 @@ def test_account_keys_and_audit(cli: Cli, server: ServerProcess, tmp_path: Path)
 
     made = cli.json(
         "keys", "create", "--name", "agent", "--scopes", "channels",
-        "--channels", "acme/*/chat", "acme/x/y", "--expires-in", "3600",
+        "--channels", "acme/*/chat", "acme/x/y", "--expires-in", "3600", "--save-context", "agent",
     )  # fmt: skip
     assert made["scopes"] == ["channels"] and made["channels"] == ["acme/*/chat", "acme/x/y"]
     assert made["key"].startswith(made["key_prefix"]) and made["expires_at"]
+    saved = cli.json("context", "show", "agent")  # saved, not made current
+    assert saved["api_key_prefix"] == made["key_prefix"] + "…" and not saved["current"]
+    assert saved["api_url"] == server.http_url and saved["relay_url"] == server.relay_url
     text = cli.ok("keys", "create", "--name", "ci")
     assert "(the key is shown once" in text and "sk_live_" in text
 
@@ -306,6 +309,9 @@ def test_a_bad_key_is_one_line_without_the_secret(
     assert "hunter2" not in line
     line = one_line_error(cli("keys", "list", "--api-url", "ftp://h", "--api-key-file", str(bad)))
     assert "must start with http:// or https://" in line
+    tls = "https://" + server.http_url.removeprefix("http://")
+    line = one_line_error(cli("account", "show", "--api-url", tls, env={"STATIC_API_KEY": wrong}))
+    assert "TLS handshake with the API" in line and "use http://" in line
 
 
 def test_two_agents_meet_by_invitation(cli: Cli, server: ServerProcess) -> None:
@@ -322,9 +328,11 @@ def test_two_agents_meet_by_invitation(cli: Cli, server: ServerProcess) -> None:
         assert accepted["channel"] == name and accepted["inviter"] == "alice"
         assert accepted["accepted"] is True
         # Options may come between the positionals.
-        cli.ok("channel", "send", name, "--as", "alice", "hello bob")
+        # What a peer sends is printed on one line, its control characters escaped (a
+        # terminal must not run its escape sequences).
+        cli.ok("channel", "send", name, "--as", "alice", "hello bob\x1b[2J\nbye")
         heard = cli.ok("channel", "listen", name, "--as", "bob", "--count", "1")
-        assert heard == "alice: hello bob\n"
+        assert heard == "alice: hello bob\\x1b[2J\\nbye\n"
         # From stdin, to a JSON listener.
         done = subprocess.run(
             [sys.executable, "-m", "static", "channel", "send", name, "--as", "bob"],
