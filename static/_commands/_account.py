@@ -74,12 +74,10 @@ def save_key(config: Settings, name: str, key: str) -> tuple[str, bool]:
 
 
 def _ask_context() -> str | None:
-    """The context name the person types (empty: none)."""
-    stderr_write = sys.stderr.write
-    stderr_write("Save this key in a context? Name (Enter to skip): ")
-    sys.stderr.flush()
-    answer = sys.stdin.readline(200).strip()
-    return answer or None
+    """The context name the person types (empty: none). The question goes to stderr, so
+    that stdout holds only the command's output."""
+    print("Save this key in a context? Name (Enter to skip): ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline(200).strip() or None
 
 
 def _create(args: argparse.Namespace) -> None:
@@ -91,24 +89,13 @@ def _create(args: argparse.Namespace) -> None:
     if args.name:
         body["name"] = args.name
     answer = api.call("POST", "/v1/accounts", body)
-    account, key = answer.get("account", {}), answer.get("api_key")
+    account = answer.get("account") if isinstance(answer, dict) else None
+    key = answer.get("api_key") if isinstance(answer, dict) else None
     if not isinstance(key, str) or not isinstance(account, dict):
         raise CommandError("POST /v1/accounts answered without an account and a key")
-    name = args.save_context
-    if name is None and not args.json and sys.stdin.isatty():
-        fields(_account_fields(account))
-        print(f"API key  {key}")
-        print("(the key is shown once: keep it, or save it in a context now)")
-        try:
-            name = _ask_context()
-        except (OSError, ValueError):
-            name = None
-        if name is not None:
-            path, current = save_key(config, name, key)
-            print(f"saved in context {name!r} ({path})" + (", now current" if current else ""))
-        return
-    saved = save_key(config, name, key) if name is not None else None
-    if args.json:
+    name: str | None = args.save_context
+    if args.json:  # never asks
+        saved = save_key(config, name, key) if name is not None else None
         emit(
             {
                 "account": account,
@@ -121,14 +108,18 @@ def _create(args: argparse.Namespace) -> None:
         return
     fields(_account_fields(account))
     print(f"API key  {key}")
-    if saved is not None:
-        print(f"saved in context {name!r} ({saved[0]})" + (", now current" if saved[1] else ""))
-    else:
+    if name is None and sys.stdin.isatty():
+        print("(the key is shown once: keep it, or save it in a context now)", flush=True)
+        name = _ask_context()
+    if name is None:
         print("(the key is shown once: keep it)")
-    if saved is not None and not config.relay_url:
+        return
+    path, current = save_key(config, name, key)
+    print(f"saved in context {name!r} ({path})" + (", now current" if current else ""))
+    if not config.relay_url:
         stderr(
             f"note: no relay URL in context {name!r}: agents need one "
-            f"(static context add {name} ... --relay-url URL, or STATIC_RELAY_URL)"
+            f"(static context add {name} --relay-url URL, or STATIC_RELAY_URL)"
         )
 
 
