@@ -19,6 +19,8 @@ from typing import Final
 import trio
 
 import static
+from static._commands import CommandError, run_client_command
+from static._commands import register as register_client_commands
 from static._settings import (
     MAX_TOKEN_TTL_SECONDS,
     Address,
@@ -256,6 +258,7 @@ def _parser() -> argparse.ArgumentParser:
         "or RESOURCE_EXHAUSTED on the relay): bursts of N, N per SECONDS; 'off' disables "
         "[STATIC_AUTH_FAILURE_RATE] (default %(default)s)",
     )
+    register_client_commands(commands, parser)  # static/_commands: context, account, keys...
     return parser
 
 
@@ -434,10 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``static`` command; returns the exit code."""
     try:
         args = _parser().parse_args(argv)
+        if run_client_command(args):
+            return 0
         settings = _settings(args, _raise_open_file_limit())
         from static._logging import configure_logging
 
         configure_logging(settings.log.level, settings.log.format)
+    except CommandError as exc:
+        print(f"static: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2
