@@ -16,7 +16,7 @@ from static._commands._config import (
     use_context,
 )
 from static._commands._errors import CommandError
-from static._commands._http import Api
+from static._commands._http import Api, keyed_api
 from static._commands._output import emit, fields, stderr
 
 __all__ = ["register", "save_key"]
@@ -133,13 +133,7 @@ def _account_fields(account: dict[str, object]) -> dict[str, object]:
 
 
 def _show(args: argparse.Namespace) -> None:
-    config = settings(args)
-    api = Api(
-        config.need_api_url(),
-        config.need_key(),
-        ca_file=config.ca_file,
-        key_source=config.key_source,
-    )
+    api = keyed_api(args)
     account = api.call("GET", "/v1/accounts/me")
     if args.json:
         emit(account)

@@ -6,9 +6,8 @@ import argparse
 from typing import Final
 
 from static._commands._common import Subparsers, add_command
-from static._commands._config import settings
 from static._commands._errors import CommandError
-from static._commands._http import Api
+from static._commands._http import keyed_api
 from static._commands._output import emit, stderr, table, when
 
 __all__ = ["register"]
@@ -38,13 +37,7 @@ def register(subparsers: Subparsers) -> None:
 
 
 def _audit(args: argparse.Namespace) -> None:
-    config = settings(args)
-    api = Api(
-        config.need_api_url(),
-        config.need_key(),
-        ca_file=config.ca_file,
-        key_source=config.key_source,
-    )
+    api = keyed_api(args)
     events: list[dict[str, object]] = []
     cursor: str | None = args.cursor
     for _ in range(MAX_PAGES if args.all else 1):

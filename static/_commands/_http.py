@@ -3,6 +3,7 @@ request, its failures said in one line for a person, never with the key in it.""
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import ssl
@@ -11,11 +12,12 @@ import urllib.parse
 import urllib.request
 from typing import Any, Final
 
+from static._commands._config import settings
 from static._commands._errors import CommandError
 from static._commands._output import printable
 from static.sdk._tokens import _error_text, _tls_failure
 
-__all__ = ["Api"]
+__all__ = ["Api", "keyed_api"]
 
 #: Seconds one request may take (connect, send, answer).
 TIMEOUT: Final = 15.0
@@ -116,3 +118,14 @@ class Api:
             wait = f"retry in {after} s" if after.isdigit() else "retry later"
             return f"rate limited by the API ({text}): {wait}"
         return f"{shown} answered {code}: {text}"
+
+
+def keyed_api(args: argparse.Namespace) -> Api:
+    """The API a command's flags ``args`` name, with their API key (required)."""
+    config = settings(args)
+    return Api(
+        config.need_api_url(),
+        config.need_key(),
+        ca_file=config.ca_file,
+        key_source=config.key_source,
+    )

@@ -9,7 +9,7 @@ from static._commands._account import save_key
 from static._commands._common import Subparsers, add_command
 from static._commands._config import settings
 from static._commands._errors import CommandError
-from static._commands._http import Api
+from static._commands._http import keyed_api
 from static._commands._output import emit, fields, table, when
 
 __all__ = ["register"]
@@ -102,16 +102,6 @@ def _scopes(text: str) -> list[str]:
     return scopes
 
 
-def _api(args: argparse.Namespace) -> Api:
-    config = settings(args)
-    return Api(
-        config.need_api_url(),
-        config.need_key(),
-        ca_file=config.ca_file,
-        key_source=config.key_source,
-    )
-
-
 def _show_new(args: argparse.Namespace, made: Any, extra: dict[str, object]) -> None:
     """A key just made: its fields and its secret, once."""
     if not isinstance(made, dict) or not isinstance(made.get("key"), str):
@@ -150,11 +140,11 @@ def _create(args: argparse.Namespace) -> None:
         body["channels"] = args.channels
     if args.expires_in is not None:
         body["expires_in"] = args.expires_in
-    _show_new(args, _api(args).call("POST", "/v1/keys", body), {})
+    _show_new(args, keyed_api(args).call("POST", "/v1/keys", body), {})
 
 
 def _list(args: argparse.Namespace) -> None:
-    answer = _api(args).call("GET", "/v1/keys")
+    answer = keyed_api(args).call("GET", "/v1/keys")
     keys = answer.get("keys", []) if isinstance(answer, dict) else []
     if args.json:
         emit({"keys": keys})
@@ -176,7 +166,7 @@ def _list(args: argparse.Namespace) -> None:
 
 def _revoke(args: argparse.Namespace) -> None:
     try:
-        _api(args).call("DELETE", f"/v1/keys/{_path_id(args.id)}")
+        keyed_api(args).call("DELETE", f"/v1/keys/{_path_id(args.id)}")
     except CommandError as exc:
         raise _not_found(exc, args.id) from None
     if args.json:
@@ -188,7 +178,7 @@ def _revoke(args: argparse.Namespace) -> None:
 def _roll(args: argparse.Namespace) -> None:
     body = {} if args.grace is None else {"grace_seconds": args.grace}
     try:
-        made = _api(args).call("POST", f"/v1/keys/{_path_id(args.id)}/roll", body)
+        made = keyed_api(args).call("POST", f"/v1/keys/{_path_id(args.id)}/roll", body)
     except CommandError as exc:
         raise _not_found(exc, args.id) from None
     grace = 3600 if args.grace is None else args.grace
