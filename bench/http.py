@@ -265,7 +265,16 @@ def bench_backend(backend: str, loader: str, connections: int, duration: float) 
     server = ServerProcess(
         workdir / "server",
         database_url,
-        ["--signup-rate", "off", "--key-rate", "off", "--auth-failure-rate", "off"],
+        [
+            "--signup-rate",
+            "off",
+            "--key-rate",
+            "off",
+            "--account-rate",
+            "off",
+            "--auth-failure-rate",
+            "off",
+        ],
     ).start()
     baseline = Baseline()
     try:

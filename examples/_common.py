@@ -24,8 +24,8 @@ def parse(description: str) -> Options:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--relay",
-        default=os.environ.get("STATIC_RELAY", "grpc://127.0.0.1:50051"),
-        help="the relay's URL as printed by `static serve` [STATIC_RELAY]",
+        default=os.environ.get("STATIC_RELAY_URL", "grpc://127.0.0.1:50051"),
+        help="the relay's URL as printed by `static serve` [STATIC_RELAY_URL]",
     )
     parser.add_argument(
         "--api-url",
@@ -47,7 +47,8 @@ def parse(description: str) -> Options:
         api_url=args.api_url if api_key else None,
         api_key=api_key,
         data_dir=data_dir,
-        # Channel names are unique per account: a fresh one per run.
+        # Channel names are global (one channel per name, whichever account), and a name's org
+        # belongs to the account that first created a channel under it: a fresh name per run.
         channel=f"example/agents/run-{uuid.uuid4().hex[:8]}",
         rounds=args.rounds,
     )

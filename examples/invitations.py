@@ -4,7 +4,7 @@ them, only Bob's printed address. Each runs in its own process with its own acco
     STATIC_API_KEY=<bob's key> python examples/invitations.py bob ./bob-data
     STATIC_API_KEY=<alice's key> python examples/invitations.py alice ./alice-data <bob's address>
 
-``STATIC_RELAY`` and ``STATIC_API_URL`` say where the server is (defaults: ``static serve``'s).
+``STATIC_RELAY_URL`` and ``STATIC_API_URL`` say where the server is (defaults: ``static serve``'s).
 """
 
 import os
@@ -13,7 +13,7 @@ import uuid
 
 from static_sdk import StaticClient
 
-relay = os.environ.get("STATIC_RELAY", "grpc://127.0.0.1:50051")
+relay = os.environ.get("STATIC_RELAY_URL", "grpc://127.0.0.1:50051")
 api_url = os.environ.get("STATIC_API_URL", "http://127.0.0.1:8080")
 role, data_dir = sys.argv[1], sys.argv[2]
 with StaticClient(relay, data_dir, role.encode(), os.environ["STATIC_API_KEY"], api_url) as me:

@@ -50,6 +50,9 @@ else
         "$python" -m venv .venv
     fi
     rm -f "$stamp"
+    # The stamp's time is the build's start: a file edited while it builds is newer, so the
+    # next run builds again (a stamp written at the end hid such an edit).
+    : >"$stamp.new"
     say "installing pip and the Python dependencies (extras: $extras)"
     .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
     say "building the native extension (a release build of crates/; the first one takes" \
@@ -69,7 +72,8 @@ else
         tail -n 40 "$log" >&2
         exit 1
     fi
-    echo "$extras" >"$stamp"
+    echo "$extras" >>"$stamp.new"
+    mv "$stamp.new" "$stamp"
     say "installed"
 fi
 

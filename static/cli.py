@@ -15,6 +15,8 @@ import trio
 
 import static
 from static import _serve_options as serve_options
+from static._commands import CommandError, run_client_command
+from static._commands import register as register_client_commands
 from static._settings import ServerSettings
 
 __all__ = ["main"]
@@ -35,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         "the environment, which beats the file (docs/operators.md).",
     )
     serve_options.add_arguments(serve)
+    register_client_commands(commands, parser)  # static/_commands: context, account, keys...
     return parser
 
 
@@ -70,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``static`` command; returns the exit code."""
     try:
         args = _parser().parse_args(argv)
+        if run_client_command(args):
+            return 0
         configuration = serve_options.load(args, os.environ)
         settings = serve_options.server_settings(configuration, _raise_open_file_limit())
         if args.print_config:
@@ -78,6 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from static._logging import configure_logging
 
         configure_logging(settings.log.level, settings.log.format)
+    except CommandError as exc:
+        print(f"static: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,6 +182,35 @@ def test_a_wrong_ca_is_a_clear_final_transport_error(
     assert text.startswith("transport error: "), text
     assert "the relay's TLS certificate was not trusted" in text and "ca_file" in text, text
     assert took < 10, f"retried for {took:.1f} s: a certificate not trusted is final"
+
+
+def test_a_self_signed_certificate_as_its_own_ca_gets_the_recipe_not_a_retry(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """A newcomer's first try: one self-signed certificate from ``openssl req -x509`` (a CA
+    certificate, basicConstraints CA:TRUE) served, and given as ca_file too. rustls refuses a
+    CA as the relay's own certificate (CaUsedAsEndEntity); the error says so and what to do,
+    rather than "pass ca_file", which was done."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    made = subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    server = start_server("--tls-cert", str(cert), "--tls-key", str(key), "--allow-anonymous")
+    with StaticClient(
+        server.relay_url, tmp_path / "a", b"a", ca_file=cert, connect_timeout=15
+    ) as client:
+        started = time.monotonic()
+        with pytest.raises(TransportError) as refused:
+            client.create_channel(channel_name())
+        took = time.monotonic() - started
+    text = str(refused.value)
+    assert "is a CA certificate (CaUsedAsEndEntity)" in text, text
+    assert "leaf certificate signed by a CA" in text and "TLS with a private CA" in text, text
+    assert took < 10, f"retried for {took:.1f} s: a refused certificate is final"
 
 
 def test_a_plaintext_server_behind_https_is_a_clear_transport_error(

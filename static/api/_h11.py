@@ -1,7 +1,7 @@
-"""HTTP/1.1 edges hypercorn's h11 protocol leaves open: request smuggling, empty error bodies, and
-closing on a client that is still sending (docs/design.md §7, "HTTP/1.1 edges").
+"""HTTP/1.1 edges hypercorn's h11 protocol leaves open: request smuggling, oversized heads, empty
+error bodies, and closing on a client that is still sending (docs/design.md §7, "HTTP/1.1 edges").
 
-:class:`StaticH11Protocol` subclasses hypercorn's ``H11Protocol`` (0.18.0) and changes three
+:class:`StaticH11Protocol` subclasses hypercorn's ``H11Protocol`` (0.18.0) and changes four
 things, each as an upstream fix would (no file of site-packages is touched):
 
 - A request with both ``Content-Length`` and ``Transfer-Encoding`` is refused with 400 and the
@@ -9,6 +9,11 @@ things, each as an upstream fix would (no file of site-packages is touched):
   server "MUST close the connection after responding"). h11 (0.16) lets Transfer-Encoding win
   and keeps the connection, so a front end that believed Content-Length sees the chunked body's
   tail as a second request (measured at e879e1d: two responses, connection open).
+- A request head over ``h11_max_incomplete_size`` (16 KiB) is refused with 431 and the connection
+  closed, however it arrived. h11 bounds only a head it is still waiting for (the buffer of an
+  incomplete event): a head that arrived complete in one read (hypercorn reads up to 64 KiB), or
+  whose last read completed it, was parsed whatever its size (measured: a 40,000-byte header
+  got 200).
 - The responses hypercorn writes itself (400 for what h11 cannot parse, 431 for oversized
   headers, 501 for a transfer coding other than chunked) carry ``{"error": text}`` like the
   app's, instead of an empty body.
@@ -60,15 +65,26 @@ _CL_AND_TE = "request has both content-length and transfer-encoding"
 
 
 class _StrictConnection(h11.Connection):
-    """h11's server connection, refusing a request that declares both body lengths."""
+    """h11's server connection, refusing a request that declares both body lengths or whose head
+    is over ``max_head`` bytes."""
 
     refusal: str | None = None
+
+    def __init__(self, role: type[h11.SERVER], max_head: int) -> None:
+        super().__init__(role, max_incomplete_event_size=max_head)
+        self.max_head = max_head
 
     def next_event(self) -> Any:
         if self.refusal is not None:
             raise h11.RemoteProtocolError(self.refusal)
+        # The head's size is what parsing it took from the buffer. The public trailing_data
+        # copies the buffer; only done while a head is awaited, on at most one read's bytes.
+        before = len(self.trailing_data[0]) if self.their_state is h11.IDLE else 0
         event = super().next_event()
         if isinstance(event, h11.Request):
+            if before - len(self.trailing_data[0]) > self.max_head:
+                self.refusal = _TEXTS[431]
+                raise h11.RemoteProtocolError(self.refusal, error_status_hint=431)
             names = {name for name, _ in event.headers}
             if b"content-length" in names and b"transfer-encoding" in names:
                 self.refusal = _CL_AND_TE
@@ -81,9 +97,7 @@ class StaticH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.connection = _StrictConnection(
-            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
-        )
+        self.connection = _StrictConnection(h11.SERVER, self.config.h11_max_incomplete_size)
         # Set while lingering; set() once the connection is being closed.
         self._lingering: trio.Event | None = None
         self._drained = 0

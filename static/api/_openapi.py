@@ -179,7 +179,7 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "Prometheus metrics (aggregate counts and latencies only)",
                     "responses": {
                         "200": {
-                            "description": "Prometheus text format 0.0.4",
+                            "description": "Prometheus text format, as prometheus-client serves it",
                             "content": {"text/plain": {"schema": {"type": "string"}}},
                         },
                     },

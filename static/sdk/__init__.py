@@ -1,6 +1,6 @@
 """The Static client library: end-to-end encrypted (MLS, RFC 9420) channels for agents.
 
-Typical flow (docs/sdk.md; README.md, Using the SDK)::
+Typical flow (docs/sdk.md; README.md, "A five-minute tour", with invitations)::
 
     from static_sdk import StaticClient
 

@@ -1,6 +1,6 @@
 """HTTP/1.1 edges below the app (static/api/_h11.py), with raw sockets on a real server:
-CL+TE smuggling, JSON bodies on hypercorn's own errors, lingering close after a 413 (bounded by
-time)."""
+CL+TE smuggling, heads over 16 KiB, JSON bodies on hypercorn's own errors, lingering close after
+a 413 (bounded by time)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,35 @@ def test_errors_hypercorn_writes_itself_are_json(
         _assert_json_error(response, status)
         assert response.headers["connection"] == "close"
         assert _closed_by_server(sock)
+
+
+def _head(total: int) -> bytes:
+    """A complete GET /healthz head of exactly ``total`` bytes (one big header)."""
+    start, end = b"GET /healthz HTTP/1.1\r\nHost: t\r\nX-Big: ", b"\r\n\r\n"
+    return start + b"a" * (total - len(start) - len(end)) + end
+
+
+@pytest.mark.parametrize("reads", [1, 2], ids=["one-read", "completed-by-a-later-read"])
+def test_a_complete_head_over_16_kib_is_431(api: Api, reads: int) -> None:
+    # h11 bounds only a head it still waits for: a complete 40,000-byte head, whether it came
+    # in one read or its last read completed it, was answered 200 before the server measured it.
+    head = _head(40_000)
+    with open_raw(api.base_url) as sock:
+        if reads == 2:
+            sock.sendall(head[:12_000])  # under the limit: h11 waits for the rest
+            time.sleep(0.3)  # so that the server reads the two parts apart
+        sock.sendall(head[12_000:] if reads == 2 else head)
+        response = read_response(sock)
+        _assert_json_error(response, 431, "request header fields too large")
+        assert response.headers["connection"] == "close"
+        assert _closed_by_server(sock)
+
+
+def test_a_head_of_16_kib_is_served_and_the_connection_kept(api: Api) -> None:
+    with open_raw(api.base_url) as sock:
+        for _ in range(2):  # the bound is per request head, not per connection
+            sock.sendall(_head(16 * 1024))
+            assert read_response(sock).status == 200
 
 
 @pytest.mark.parametrize("size", [65 * 1024, 900 * 1024, 8 << 20], ids=["65K", "900K", "8M"])

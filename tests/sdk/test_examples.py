@@ -98,7 +98,7 @@ def test_two_accounts_meet_through_invitations(relay: ServerProcess, tmp_path: P
     finally:
         api.close()
     script = str(EXAMPLES / "invitations.py")
-    env = {**os.environ, "STATIC_RELAY": relay.relay_url, "STATIC_API_URL": relay.http_url}
+    env = {**os.environ, "STATIC_RELAY_URL": relay.relay_url, "STATIC_API_URL": relay.http_url}
     bobs = subprocess.Popen(
         [sys.executable, script, "bob", str(tmp_path / "bob")],
         env={**env, "STATIC_API_KEY": bob.key},

@@ -430,9 +430,11 @@ impl Shared {
     /// only means one more BindLeaf at the next opening).
     pub(crate) async fn record_bound_key(&self, channel: &str) {
         if let Ok(Some(key_id)) = self.tokens.key_id().await {
-            if let Ok(engine) = self.engine() {
-                let _ = engine.set_bound_key(channel, &key_id);
-            }
+            // On the blocking pool: the engine's lock may be held by a long commit.
+            let channel = channel.to_owned();
+            let _ = self
+                .blocking(move |e| Ok(e.set_bound_key(&channel, &key_id)?))
+                .await;
         }
     }
 
@@ -444,8 +446,9 @@ impl Shared {
         let Ok(Some(key_id)) = self.tokens.key_id().await else {
             return;
         };
-        let Ok(engine) = self.engine() else { return };
-        if engine.bound_key(channel).ok().flatten().as_deref() == Some(key_id.as_str()) {
+        let owned = channel.to_owned();
+        let bound = self.blocking(move |e| Ok(e.bound_key(&owned)?)).await;
+        if bound.ok().flatten().as_deref() == Some(key_id.as_str()) {
             return;
         }
         if let Err(e) = self.bind_leaf(channel).await {

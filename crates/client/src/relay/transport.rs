@@ -103,6 +103,15 @@ pub(crate) fn tls_failure(status: &Status) -> Option<String> {
         });
         if let Some(tls) = tls {
             return Some(match tls {
+                rustls::Error::InvalidCertificate(why) if served_a_ca(why) => {
+                    "the relay's TLS certificate is a CA certificate (CaUsedAsEndEntity): a \
+                     self-signed certificate made by `openssl req -x509` is a CA, and a relay \
+                     must serve a leaf certificate signed by a CA. Make a CA and a leaf signed \
+                     by it (README, \"TLS with a private CA\"), serve the leaf with \
+                     --tls-cert/--tls-key, and pass the CA's certificate as ca_file= (or \
+                     STATIC_CA_FILE)"
+                        .to_owned()
+                }
                 rustls::Error::InvalidCertificate(why) => format!(
                     "the relay's TLS certificate was not trusted ({why}); for a private CA, \
                      pass its certificate as ca_file= (or STATIC_CA_FILE)"
@@ -116,6 +125,14 @@ pub(crate) fn tls_failure(status: &Status) -> Option<String> {
         source = e.source();
     }
     None
+}
+
+/// Whether the relay's certificate was refused for being a CA's (basicConstraints CA:TRUE),
+/// the usual self-signed certificate of a first private-CA setup: its fix is not "pass
+/// ca_file", which the user has already done.
+fn served_a_ca(why: &rustls::CertificateError) -> bool {
+    matches!(why, rustls::CertificateError::Other(other)
+        if matches!(other.0.downcast_ref::<webpki::Error>(), Some(webpki::Error::CaUsedAsEndEntity)))
 }
 
 /// A lazily connecting client, and the health client on the same connection: the connection

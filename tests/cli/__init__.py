@@ -1,0 +1,1 @@
+"""Tests of the client commands of ``static`` (static/_commands), run as subprocesses."""
