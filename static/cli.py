@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="run the HTTP API and the relay",
-        # The options are listed by group below: 60 of them would bury the usage line.
+        # The options are listed by group below: some 50 of them would bury the usage line.
         usage="%(prog)s [--config FILE] [--print-config] [OPTION ...]",
         description="Run the HTTP API and the relay in one process. Every option also reads "
         "from an environment variable (shown in brackets) and from the --config file (its "
