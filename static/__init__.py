@@ -1,7 +1,7 @@
 """Static: accounts, API keys, token exchange, a relay, and an SDK for MLS-encrypted agent channels.
 
 Importing ``static`` imports nothing of the server: the server lives in ``static.server`` and needs
-the ``static[server]`` extra. Agents use ``static_sdk``.
+the ``server`` extra (``pip install 'static-mls[server]'``). Agents use ``static_sdk``.
 """
 
 from static._errors import (

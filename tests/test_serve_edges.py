@@ -28,7 +28,7 @@ def test_version_prints_the_package_version() -> None:
         [sys.executable, "-m", "static", "--version"], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"static {importlib.metadata.version('static')}\n"
+    assert result.stdout == f"static {importlib.metadata.version('static-mls')}\n"
 
 
 @pytest.fixture
