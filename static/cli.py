@@ -11,8 +11,6 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import trio
-
 import static
 from static import _serve_options as serve_options
 from static._commands import CommandError, run_client_command
@@ -23,7 +21,11 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="static", description="Static: API and relay server")
+    parser = argparse.ArgumentParser(
+        prog="static",
+        description="Static: the server (serve) and its command-line client (context, account, "
+        "keys, audit, agent, channel, invitations)",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {static.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser(
@@ -54,6 +56,8 @@ def _raise_open_file_limit() -> int:
 
 
 async def _run(settings: ServerSettings) -> None:
+    import trio
+
     from static.server import serve
 
     shutdown = trio.Event()
@@ -115,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # (the JWT signing key, API key hashes) and what SQLite makes beside it (-wal, -shm), from
     # Python and from the relay alike; chmod at each creation would miss SQLite's own.
     os.umask(0o077)
+    # Here, not at the top: the client commands (keys, channel...) start without trio.
+    import trio
+
     try:
         trio.run(_run, settings)
     except DatabaseInUse as exc:

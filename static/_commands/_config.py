@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from static._api_client import CA_FILE_ENV, KEY_CHARS
 from static._commands._errors import CommandError
-from static.sdk._tokens import _KEY_CHARS, CA_FILE_ENV
 
 __all__ = [
     "API_KEY_ENV",
@@ -119,7 +119,7 @@ def check_key(key: str, source: str) -> str:
     key = key.strip()
     if not key:
         raise CommandError(f"the API key from {source} is empty")
-    if not all(_KEY_CHARS[0] <= ord(c) <= _KEY_CHARS[1] for c in key):
+    if not all(KEY_CHARS[0] <= ord(c) <= KEY_CHARS[1] for c in key):
         raise CommandError(
             f"the API key from {source} is not a key (whitespace, control or non-ASCII "
             "characters inside it); its value is not shown"

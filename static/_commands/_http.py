@@ -12,10 +12,10 @@ import urllib.parse
 import urllib.request
 from typing import Any, Final
 
+from static._api_client import error_text, tls_failure
 from static._commands._config import settings
 from static._commands._errors import CommandError
 from static._commands._output import printable
-from static.sdk._tokens import _error_text, _tls_failure
 
 __all__ = ["Api", "keyed_api"]
 
@@ -88,7 +88,7 @@ class Api:
 
     def _unreachable(self, err: BaseException) -> str:
         cause = getattr(err, "reason", err)
-        tls = _tls_failure(self._url, cause)
+        tls = tls_failure(self._url, cause)
         if tls is not None:
             return tls.replace("as ca_file=", "with --ca-file")
         if isinstance(cause, ConnectionRefusedError):
@@ -104,7 +104,7 @@ class Api:
 
     def _refusal(self, err: urllib.error.HTTPError, shown: str) -> str:
         # The server's text, bounded and without control characters (a proxy may answer).
-        text = printable(self._redacted(_error_text(err)), 300)
+        text = printable(self._redacted(error_text(err)), 300)
         code = err.code
         source = f" (the key from {self._key_source})" if self._key_source else ""
         if code == 401:

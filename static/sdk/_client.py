@@ -23,6 +23,7 @@ from typing import Final, ParamSpec, Protocol, Self, TypeVar
 import anyio
 import anyio.to_thread
 
+from static._api_client import TokenSource, resolve_ca_file
 from static._channel_name import validate_channel_name
 from static._errors import AuthError
 from static._native import client as native_client
@@ -39,7 +40,6 @@ from static.sdk._requests import (
     request,
     request_async,
 )
-from static.sdk._tokens import TokenSource, resolve_ca_file
 
 __all__ = [
     "MAX_PAYLOAD",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from static.sdk._tokens import TokenSource
+from static._api_client import TokenSource
 from static_sdk import AuthError, StaticClient, TransportError
 from tests.sdk.conftest import WAIT, Clients, channel_name, read_to_end
 from tests.support.api import Api

@@ -1,5 +1,7 @@
-"""Exchanging an API key for relay tokens at ``POST /v1/tokens`` (stdlib only: the SDK must not
-depend on the server's packages)."""
+"""The HTTP API seen from a client (stdlib only, so that neither the SDK nor the command line
+depends on the server's packages): the key exchange for relay tokens at ``POST /v1/tokens``,
+the CA file, and the API's refusals and TLS failures said for a person. Outside ``static.sdk``
+so that the command line's account and key commands load without the SDK (and trio)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,18 @@ from typing import Final
 
 from static._errors import AuthError, TransportError
 
-__all__ = ["CA_FILE_ENV", "TokenSource", "resolve_ca_file"]
+__all__ = [
+    "CA_FILE_ENV",
+    "KEY_CHARS",
+    "TokenSource",
+    "error_text",
+    "resolve_ca_file",
+    "tls_failure",
+]
 
 _TIMEOUT = 10.0
 #: The characters an API key may hold: printable ASCII without space.
-_KEY_CHARS = (0x21, 0x7E)
+KEY_CHARS = (0x21, 0x7E)
 
 #: The environment variable naming the CA file when ``StaticClient`` is given none.
 CA_FILE_ENV: Final = "STATIC_CA_FILE"
@@ -34,7 +43,7 @@ def resolve_ca_file(ca_file: str | os.PathLike[str] | None) -> str | None:
     return path
 
 
-def _tls_failure(url: str, reason: object) -> str | None:
+def tls_failure(url: str, reason: object) -> str | None:
     """What went wrong in a TLS handshake with the API, said for a person; None when
     ``reason`` is not a TLS failure."""
     if isinstance(reason, ssl.SSLCertVerificationError):
@@ -65,7 +74,7 @@ class TokenSource:
         api_key = api_key.strip()
         if not api_key:
             raise AuthError("api_key must be a non-empty string")
-        if not all(_KEY_CHARS[0] <= ord(c) <= _KEY_CHARS[1] for c in api_key):
+        if not all(KEY_CHARS[0] <= ord(c) <= KEY_CHARS[1] for c in api_key):
             # Never shown: it is a secret, and probably a wrong value (two keys on a line...).
             raise AuthError(
                 "api_key contains characters no API key has (whitespace or control "
@@ -107,13 +116,13 @@ class TokenSource:
             ) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            text = self._redacted(_error_text(err))
+            text = self._redacted(error_text(err))
             if err.code in (401, 403):
                 raise AuthError(f"the API refused the key at {self._url}: {text}") from None
             raise TransportError(f"POST {self._url} answered {err.code}: {text}") from None
         except (urllib.error.URLError, OSError, ValueError) as err:
             cause = getattr(err, "reason", err)
-            tls = _tls_failure(self._url, cause)
+            tls = tls_failure(self._url, cause)
             if tls is not None:
                 raise TransportError(tls) from None
             reason = self._redacted(str(cause))
@@ -131,7 +140,7 @@ class TokenSource:
         return token, expires_in
 
 
-def _error_text(err: urllib.error.HTTPError) -> str:
+def error_text(err: urllib.error.HTTPError) -> str:
     try:
         body = json.loads(err.read())
     except (ValueError, OSError):
