@@ -92,6 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `static keys list | head -1`: the reader has what it wanted. Quietly, as a shell's
+        # pipeline would end on SIGPIPE (128 + 13); stdout goes to /dev/null so that
+        # the interpreter's own flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except ValueError as exc:
         print(f"static: {exc}", file=sys.stderr)
         return 2

@@ -33,6 +33,8 @@ def run_client_command(args: argparse.Namespace) -> bool:
         return False
     try:
         command(args)
+    except BrokenPipeError:
+        raise  # the reader went away (| head): cli.main ends quietly
     except OSError as exc:  # a configuration file or directory that cannot be written...
         raise CommandError(str(exc)) from None
     return True

@@ -175,6 +175,27 @@ def test_contexts_add_use_list_show_rm_and_their_file_modes(cli: Cli, tmp_path: 
     assert not (cli.config / "evil.json").exists()
 
 
+def test_a_reader_that_went_away_ends_the_command_quietly(cli: Cli, tmp_path: Path) -> None:
+    """``static context list | head -0``: the pipe's reader is gone before the first write."""
+    cli.ok("context", "add", "dev", "--api-url", "http://127.0.0.1:2")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "static", "context", "list"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=cli.env,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == ""
+
+
 def test_a_flag_beats_the_environment_which_beats_the_context(
     cli: Cli, server: ServerProcess, tmp_path: Path
 ) -> None:
