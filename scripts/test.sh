@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 
 scripts/setup.sh "server,dev"
 scripts/ensure-postgres.sh
+# Debian's chromium, for the console's tests (tests/console/): never a browser download.
+scripts/ensure-chromium.sh
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/static/cargo-target}"
 
