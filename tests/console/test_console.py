@@ -148,6 +148,22 @@ def test_the_audit_log_is_shown(page: Page, scene: Scene) -> None:
     _not_pwned(page)
 
 
+def test_the_audit_log_pages_by_its_cursor(page: Page, scene: Scene) -> None:
+    busy = scene.api.signup()
+    for i in range(26):
+        scene.api.create_key(busy.key, name=f"k{i}")
+    # 27 key.created events (the first key's too): a page of 25, then the 2 older ones.
+    _signed_in(page, busy.key)
+    _view(page, "audit")
+    rows = page.locator("#audit tbody tr")
+    expect(rows).to_have_count(25)
+    expect(rows.first).to_contain_text('"name":"k25"')
+    page.click("#audit-more")
+    expect(rows).to_have_count(27)
+    expect(rows.last).to_contain_text('"name":"default"')
+    expect(page.locator("#audit-more")).to_be_hidden()
+
+
 def test_the_rate_chart_counts_the_messages(page: Page, scene: Scene) -> None:
     _signed_in(page, scene.alice.key)
     _view(page, "activity")
