@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 # extension; dpkg takes one installation at a time, so they run one after the other.
 packages_log="$(mktemp)"
 trap 'rm -f "$packages_log"' EXIT
-scripts/ensure-postgres.sh >"$packages_log" 2>&1 &
+# PostgreSQL for the store's tests; chromium for the console's (tests/console/, never a
+# browser download).
+(scripts/ensure-postgres.sh && scripts/ensure-chromium.sh) >"$packages_log" 2>&1 &
 packages=$!
 scripts/setup.sh "server,dev"
 if ! wait "$packages"; then

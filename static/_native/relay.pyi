@@ -52,6 +52,39 @@ class RelayServer:
     def bound_keys(self, after: str, limit: int) -> list[str]:
         """Up to ``limit`` distinct API keys behind bound leaves, in order, after ``after``.
         Blocks (call it from a thread); OSError when the store cannot be read."""
+    def account_channels(
+        self, account: str, patterns: list[str] | None, after: int, limit: int
+    ) -> (
+        tuple[
+            list[
+                tuple[
+                    str,
+                    int,
+                    int,
+                    int | None,
+                    tuple[int | None, int | None, int | None],
+                    int,
+                    list[tuple[int, bytes, str | None]],
+                ]
+            ],
+            int | None,
+        ]
+        | None
+    ):
+        """A page of ``account``'s channels (those with a leaf bound to it), read after channel
+        id ``after``, at most ``limit`` (capped at 50), those matching ``patterns`` (None: all):
+        ``(channels, next_after)``, each ``(name, epoch, head_seq, last_activity_ms,
+        (max_age_seconds, max_entries, max_bytes), member_count, members)`` with at most 100
+        ``(leaf_index, identity, account or None)``. Blocks (call it from a thread); None once
+        stopped; OSError when the store cannot be read, ValueError for a pattern that does not
+        parse."""
+    def account_rate(
+        self, account: str, patterns: list[str] | None, now_ms: int
+    ) -> list[int] | None:
+        """How many application messages ``account`` published in each of the 60 minutes
+        before ``now_ms`` (Unix ms), the oldest first, in channels matching ``patterns`` (None:
+        all). Blocks (call it from a thread); None once stopped; OSError when the store cannot
+        be read, ValueError for a pattern that does not parse."""
     def remove_leaves_of_keys(
         self, keys: list[str], max_proposals: int
     ) -> tuple[int, int, int, int]:

@@ -22,6 +22,8 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from static._settings import ServerSettings
+from static.api._channels import RelayReads, channel_page, message_rate, parse_channels_query
+from static.api._console import install_console
 from static.api._errors import (
     ApiError,
     Conflict,
@@ -33,7 +35,6 @@ from static.api._errors import (
     TooManyRequests,
     Unauthorized,
 )
-from static.api._observe import RelayStatus
 from static.api._observe import authenticated as observed
 from static.api._observe import install as install_observability
 from static.api._openapi import openapi_document
@@ -134,10 +135,11 @@ def create_app(
     db: Database,
     settings: ServerSettings,
     authority: Authority,
-    relay: RelayStatus | None = None,
+    relay: RelayReads | None = None,
 ) -> QuartTrio:
-    """Build the app over ``db`` and ``authority``; ``/readyz`` and ``/metrics`` also read
-    ``relay`` (the relay of the same process) when given."""
+    """Build the app over ``db`` and ``authority``; ``/readyz``, ``/metrics`` and the channel
+    reads also read ``relay`` (the relay of the same process) when given (without it, the
+    channel reads answer 503)."""
     api = settings.api
     store = authority.store
     # No static files: Quart would otherwise serve a /static/<path> route.
@@ -434,6 +436,22 @@ def create_app(
             owner.account_id, limit=query.limit, cursor=query.cursor, since_ms=since_ms
         )
         return _json({"events": page.events, "next_cursor": page.next_cursor})
+
+    @app.get("/v1/channels")
+    async def list_channels() -> Response:
+        # A key with the channels scope; one lookup, then the relay's bounded read on a thread
+        # (``_channels``): the account's channels, those matching the key's patterns.
+        owner = await api_key_owner("channels")
+        limit, after = parse_channels_query(request.args)
+        return _json(await channel_page(relay, owner.account_id, owner.channels, limit, after))
+
+    @app.get("/v1/channels/rate")
+    async def channel_rate() -> Response:
+        # A key with the channels scope; one lookup, then one indexed count on a thread.
+        owner = await api_key_owner("channels")
+        return _json(await message_rate(relay, owner.account_id, owner.channels))
+
+    install_console(app)
 
     @app.get("/.well-known/jwks.json")
     async def jwks() -> Response:

@@ -9,6 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import static
+from static.api._channels import (
+    CHANNELS_CURSOR,
+    DEFAULT_CHANNELS_LIMIT,
+    MAX_CHANNELS_LIMIT,
+    RATE_MINUTES,
+)
+from static.api._console import ASSETS, CONTENT_SECURITY_POLICY
 from static.api._validation import (
     AUDIT_CURSOR,
     CHANNEL_PATTERN,
@@ -97,7 +104,7 @@ _KEY_RULES = {
         "type": "array",
         "items": {"enum": ["keys", "channels"]},
         "description": "What the key may do: `keys` (POST/GET/DELETE /v1/keys, roll, GET "
-        "/v1/audit), `channels` (POST /v1/tokens); in this order",
+        "/v1/audit), `channels` (POST /v1/tokens, GET /v1/channels); in this order",
     },
     "channels": {
         "type": ["array", "null"],
@@ -120,6 +127,34 @@ def _key_auth_only(operation: dict[str, Any], scope: str | None = None) -> dict[
     responses.setdefault("429", _RATE_LIMITED)
     responses.setdefault("503", _UNAVAILABLE)
     return {**operation, "security": [{"apiKey": []}]}
+
+
+_RELAY_UNAVAILABLE = _error(
+    "`relay is not running` (the relay of this process has not started, or stopped), `the "
+    "relay's store cannot be read`, or `service unavailable` (the store failed)"
+)
+
+
+def _console_file(route: str, name: str, content_type: str) -> dict[str, Any]:
+    media = content_type.split(";")[0]
+    return {
+        "get": {
+            "operationId": "console" + name.split(".")[-1].capitalize(),
+            "summary": f"The console's {name} (no credential: the page signs in itself)"
+            if route != "/console"
+            else "The console: a page that signs in with an API key (docs/console.md)",
+            "responses": {
+                "200": {
+                    "description": "The file",
+                    "headers": {
+                        "Content-Security-Policy": {"schema": {"const": CONTENT_SECURITY_POLICY}},
+                        "X-Content-Type-Options": {"schema": {"const": "nosniff"}},
+                    },
+                    "content": {media: {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
 
 
 def openapi_document() -> dict[str, Any]:
@@ -376,6 +411,63 @@ def openapi_document() -> dict[str, Any]:
                     "channels",
                 )
             },
+            "/v1/channels": {
+                "get": _key_auth_only(
+                    {
+                        "operationId": "listChannels",
+                        "summary": "The account's channels (those in which one of its agents is "
+                        "a bound member, and that match the key's channel patterns), each with "
+                        "its roster, epoch, last activity and retention policy, by creation",
+                        "parameters": [
+                            {
+                                "name": "limit",
+                                "in": "query",
+                                "required": False,
+                                "description": "Channels read for this page (a key limited to "
+                                "channel patterns may get fewer: follow `next_cursor`)",
+                                "schema": {
+                                    "type": "integer",
+                                    "minimum": 1,
+                                    "maximum": MAX_CHANNELS_LIMIT,
+                                    "default": DEFAULT_CHANNELS_LIMIT,
+                                },
+                            },
+                            {
+                                "name": "cursor",
+                                "in": "query",
+                                "required": False,
+                                "description": "`next_cursor` of the previous page (opaque)",
+                                "schema": {"type": "string", "pattern": CHANNELS_CURSOR},
+                            },
+                        ],
+                        "responses": {
+                            "200": _ok("ChannelPage"),
+                            "400": _error(
+                                f"`limit must be an integer between 1 and {MAX_CHANNELS_LIMIT}`, "
+                                "`invalid cursor`, `limit and cursor may each be given once`"
+                            ),
+                            "503": _RELAY_UNAVAILABLE,
+                        },
+                    },
+                    "channels",
+                )
+            },
+            "/v1/channels/rate": {
+                "get": _key_auth_only(
+                    {
+                        "operationId": "messageRate",
+                        "summary": "How many application messages the account's agents sent "
+                        f"per minute over the last {RATE_MINUTES} minutes (in the channels "
+                        "matching the key's patterns)",
+                        "responses": {"200": _ok("MessageRate"), "503": _RELAY_UNAVAILABLE},
+                    },
+                    "channels",
+                )
+            },
+            **{
+                route: _console_file(route, name, content_type)
+                for route, (name, content_type) in ASSETS.items()
+            },
             "/.well-known/jwks.json": {
                 "get": {
                     "operationId": "jwks",
@@ -577,6 +669,102 @@ def openapi_document() -> dict[str, Any]:
                             "items": {"$ref": "#/components/schemas/AuditEvent"},
                         },
                         "next_cursor": {"type": ["string", "null"]},
+                    },
+                },
+                "Member": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["leaf_index", "identity", "identity_hex", "account", "bound"],
+                    "properties": {
+                        "leaf_index": {"type": "integer", "minimum": 0},
+                        "identity": {
+                            "type": "string",
+                            "description": "The agent's identity as text (bytes that are not "
+                            "UTF-8 become U+FFFD)",
+                        },
+                        "identity_hex": {"type": "string", "pattern": "^([0-9a-f]{2})*$"},
+                        "account": {
+                            "type": ["string", "null"],
+                            "description": "The account its leaf is bound to; null: unbound",
+                        },
+                        "bound": {"type": "boolean"},
+                    },
+                },
+                "Channel": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": [
+                        "name",
+                        "epoch",
+                        "messages",
+                        "last_activity_at",
+                        "retention",
+                        "member_count",
+                        "members",
+                    ],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "epoch": {"type": "integer", "minimum": 0},
+                        "messages": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "Entries logged so far (messages and handshakes)",
+                        },
+                        "last_activity_at": {
+                            **_TIMESTAMP_OR_NULL,
+                            "description": "When its newest entry kept was logged; null: none",
+                        },
+                        "retention": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "required": ["max_age_seconds", "max_entries", "max_bytes"],
+                            "description": "As the channel sets it; null: the server's default",
+                            "properties": {
+                                "max_age_seconds": {"type": ["integer", "null"], "minimum": 0},
+                                "max_entries": {"type": ["integer", "null"], "minimum": 0},
+                                "max_bytes": {"type": ["integer", "null"], "minimum": 0},
+                            },
+                        },
+                        "member_count": {"type": "integer", "minimum": 0},
+                        "members": {
+                            "type": "array",
+                            "maxItems": 100,
+                            "description": "The first 100 members by leaf index",
+                            "items": {"$ref": "#/components/schemas/Member"},
+                        },
+                    },
+                },
+                "ChannelPage": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["channels", "next_cursor"],
+                    "properties": {
+                        "channels": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/Channel"},
+                        },
+                        "next_cursor": {"type": ["string", "null"]},
+                    },
+                },
+                "MessageRate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["start", "minute_seconds", "per_minute", "total"],
+                    "properties": {
+                        "start": {
+                            "type": "string",
+                            "format": "date-time",
+                            "description": "The start of the first minute counted",
+                        },
+                        "minute_seconds": {"const": 60},
+                        "per_minute": {
+                            "type": "array",
+                            "minItems": RATE_MINUTES,
+                            "maxItems": RATE_MINUTES,
+                            "items": {"type": "integer", "minimum": 0},
+                            "description": "Oldest first; the last is the current minute",
+                        },
+                        "total": {"type": "integer", "minimum": 0},
                     },
                 },
                 "KeyList": {

@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 
 from static._settings import ServerSettings
 from static.api._app import create_app
+from static.api._channels import RelayReads
 from static.api._connections import ConnectionCaps
 from static.api._h11 import install as install_h11_fixes
 from static.api._observe import RelayStatus, metrics_response
@@ -60,11 +61,11 @@ async def serve_http(
     authority: Authority,
     shutdown: trio.Event,
     *,
-    relay: RelayStatus | None = None,
+    relay: RelayReads | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the HTTP API on ``settings.http`` until ``shutdown`` is set; report the bound URL.
-    ``relay``: the relay of this process, for ``/readyz`` and ``/metrics``."""
+    ``relay``: the relay of this process, for ``/readyz``, ``/metrics`` and ``/v1/channels``."""
     await serve_app(
         create_app(db, settings, authority, relay),
         hypercorn_config(settings),

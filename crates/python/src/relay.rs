@@ -117,6 +117,17 @@ fn call_verify(
     }
 }
 
+/// One channel of `account_channels`, as Python receives it.
+type ChannelTuple = (
+    String,
+    u64,
+    u64,
+    Option<i64>,
+    (Option<u64>, Option<u64>, Option<u64>),
+    usize,
+    Vec<(u32, Vec<u8>, Option<String>)>,
+);
+
 struct Running {
     runtime: tokio::runtime::Runtime,
     server: static_relay::RelayServer,
@@ -255,6 +266,90 @@ impl RelayServer {
             static_relay::removal::bound_keys(&log, &after, limit).await
         })
         .unwrap_or(Ok(Vec::new()))
+        .map_err(|e| PyOSError::new_err(e.to_string()))
+    }
+
+    /// A page of `account`'s channels (see `static_relay::overview`): `(channels, next_after)`,
+    /// each channel `(name, epoch, head_seq, last_activity_ms, (max_age_seconds, max_entries,
+    /// max_bytes), member_count, [(leaf_index, identity, account)])`, at most `limit` (capped)
+    /// read after channel id `after`, those matching `patterns` (None: all). Blocks without the
+    /// GIL: call it from a thread. None once stopped; OSError when the store cannot be read,
+    /// ValueError for a pattern that does not parse.
+    #[pyo3(signature = (account, patterns, after, limit))]
+    fn account_channels(
+        &self,
+        py: Python<'_>,
+        account: &str,
+        patterns: Option<Vec<String>>,
+        after: i64,
+        limit: usize,
+    ) -> PyResult<Option<(Vec<ChannelTuple>, Option<i64>)>> {
+        let patterns = patterns
+            .map(|list| ChannelPatterns::parse(&list))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let account = account.to_owned();
+        let Some(page) = self.on_log(py, move |log| async move {
+            static_relay::overview::account_channels(
+                &log,
+                &account,
+                patterns.as_ref(),
+                after,
+                limit,
+            )
+            .await
+        }) else {
+            return Ok(None);
+        };
+        let page = page.map_err(|e| PyOSError::new_err(e.to_string()))?;
+        let channels = page
+            .channels
+            .into_iter()
+            .map(|c| {
+                let members = c
+                    .members
+                    .into_iter()
+                    .map(|m| (m.leaf_index, m.identity, m.account))
+                    .collect();
+                (
+                    c.name,
+                    c.epoch,
+                    c.head_seq,
+                    c.last_activity_ms,
+                    (
+                        c.policy.max_age_seconds,
+                        c.policy.max_entries,
+                        c.policy.max_bytes,
+                    ),
+                    c.member_count,
+                    members,
+                )
+            })
+            .collect();
+        Ok(Some((channels, page.next_after)))
+    }
+
+    /// How many application messages `account` published in each of the last 60 minutes
+    /// before `now_ms` (unix ms), the oldest first, in channels matching `patterns` (None:
+    /// all). Blocks without the GIL: call it from a thread. None once stopped; OSError when
+    /// the store cannot be read, ValueError for a pattern that does not parse.
+    #[pyo3(signature = (account, patterns, now_ms))]
+    fn account_rate(
+        &self,
+        py: Python<'_>,
+        account: &str,
+        patterns: Option<Vec<String>>,
+        now_ms: i64,
+    ) -> PyResult<Option<Vec<u64>>> {
+        let patterns = patterns
+            .map(|list| ChannelPatterns::parse(&list))
+            .transpose()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let account = account.to_owned();
+        self.on_log(py, move |log| async move {
+            static_relay::overview::account_rate(&log, &account, patterns.as_ref(), now_ms).await
+        })
+        .transpose()
         .map_err(|e| PyOSError::new_err(e.to_string()))
     }
 

@@ -9,7 +9,7 @@
 //! `members` is who may reach a channel (bound leaves); `log` is the channel logs (memory, the
 //! group-committing writer); `store` is the log's I/O over plain rows, one module per database
 //! (it imports nothing above it), and the key-package directory's rows (`store/directory/`); `memory` gives freed memory back to the OS;
-//! `service` is the gRPC methods over the log; `server` binds, serves and drains (`tls`
+//! `service` is the gRPC methods over the log; `overview` is the console's reads of an account's channels and rate; `server` binds, serves and drains (`tls`
 //! terminates TLS; `shutdown` is the one stop signal every part watches, in phases); `observe` (`access`: the access log, `metrics`: Prometheus,
 //! `health`: the gRPC health service) watches it; `settings` is its configuration, one table of knobs; `auth` is
 //! who calls and the registry of live streams (`lockout` remembers the addresses its verifier
@@ -27,6 +27,7 @@ pub mod log;
 pub mod members;
 mod memory;
 pub mod observe;
+pub mod overview;
 pub mod removal;
 pub mod retention;
 mod server;

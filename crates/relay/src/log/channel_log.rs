@@ -138,6 +138,34 @@ impl ChannelLog {
             .await
     }
 
+    /// Up to `limit` channels with a leaf bound to `account`, by id after `after_id`.
+    pub(crate) async fn account_channels(
+        &self,
+        account: &str,
+        after_id: i64,
+        limit: usize,
+    ) -> Result<Vec<store::AccountChannelRow>> {
+        self.inner
+            .reader
+            .account_channels(account.to_owned(), after_id, limit)
+            .await
+    }
+
+    /// `account`'s entries of `content_type` since `since_ms`, per channel and minute (at
+    /// most `limit` rows).
+    pub(crate) async fn account_rate(
+        &self,
+        account: &str,
+        since_ms: i64,
+        content_type: u32,
+        limit: usize,
+    ) -> Result<Vec<(String, i64, u64)>> {
+        self.inner
+            .reader
+            .account_rate(account.to_owned(), since_ms, content_type, limit)
+            .await
+    }
+
     /// The key-package directory and invitations (`store/directory/`).
     pub(crate) fn directory(&self) -> &dyn Directory {
         self.inner.directory.as_ref()

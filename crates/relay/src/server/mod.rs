@@ -226,6 +226,29 @@ impl RelayServer {
         crate::removal::bound_keys(&self.log, after, limit).await
     }
 
+    /// A page of `account`'s channels with their rosters (the console's read: see
+    /// [`crate::overview::account_channels`]).
+    pub async fn account_channels(
+        &self,
+        account: &str,
+        patterns: Option<&crate::ChannelPatterns>,
+        after: i64,
+        limit: usize,
+    ) -> Result<crate::overview::ChannelPage> {
+        crate::overview::account_channels(&self.log, account, patterns, after, limit).await
+    }
+
+    /// `account`'s application messages per minute over the last hour before `now_ms` (see
+    /// [`crate::overview::account_rate`]).
+    pub async fn account_rate(
+        &self,
+        account: &str,
+        patterns: Option<&crate::ChannelPatterns>,
+        now_ms: i64,
+    ) -> Result<Vec<u64>> {
+        crate::overview::account_rate(&self.log, account, patterns, now_ms).await
+    }
+
     /// Proposes the removal of every leaf last bound by one of `keys` (found inactive), at
     /// most `max_proposals` in this call (docs/design.md §5.2, "Removal on revocation").
     pub async fn remove_leaves_of_keys(

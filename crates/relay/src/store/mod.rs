@@ -180,6 +180,20 @@ impl ChannelRow {
     }
 }
 
+/// One of an account's channels as the console lists it ([`LogReader::account_channels`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AccountChannelRow {
+    pub id: i64,
+    pub name: String,
+    pub epoch: u64,
+    pub head_seq: u64,
+    /// As the channel sets it (None per limit: the server's default).
+    pub policy: Policy,
+    /// When its newest entry was appended (unix ms); None when it holds none (pruned, or
+    /// nothing sent) or only entries from before appended_at was recorded.
+    pub last_activity_ms: Option<i64>,
+}
+
 /// What the pruner needs of a channel's row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RetentionRow {
@@ -352,6 +366,24 @@ pub(crate) trait LogReader: Send + Sync {
     fn bound_keys(&self, after: String, limit: usize) -> StoreFuture<Vec<String>>;
     /// Up to `limit` leaves bound by `key_id`: (channel name, leaf index).
     fn leaves_of_key(&self, key_id: String, limit: usize) -> StoreFuture<Vec<(String, u32)>>;
+    /// Up to `limit` channels (not legacy) with a leaf bound to `account`, by id after
+    /// `after_id` (the console's list; migration 0014's index).
+    fn account_channels(
+        &self,
+        account: String,
+        after_id: i64,
+        limit: usize,
+    ) -> StoreFuture<Vec<AccountChannelRow>>;
+    /// How many entries of `content_type` `account` published since `since_ms` (unix ms), per
+    /// channel and minute: (channel name, minute since the Unix epoch, count), at most `limit`
+    /// rows, minutes without any left out.
+    fn account_rate(
+        &self,
+        account: String,
+        since_ms: i64,
+        content_type: u32,
+        limit: usize,
+    ) -> StoreFuture<Vec<(String, i64, u64)>>;
     /// Stop background work and drop idle connections (shutdown).
     fn close(&self);
 }

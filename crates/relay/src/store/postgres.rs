@@ -46,19 +46,19 @@ use tokio_postgres::{AsyncMessage, Client, Config, NoTls, Statement};
 use crate::clock::now_ms;
 use crate::error::{RelayError, Result};
 use crate::store::sql::{
-    BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME,
-    DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, EXTERNAL_SENDER,
-    FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP, INSERT_PROPOSAL,
-    INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
-    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
-    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
-    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    ACCOUNT_CHANNELS, ACCOUNT_RATE, BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG,
+    DELETE_WELCOME, DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES,
+    EXTERNAL_SENDER, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP,
+    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP,
+    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
+    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
+    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::AuditRow;
 use crate::store::{
-    decide, in_memory, new_entries, Append, Binding, ChannelRow, Creation, Entry, Heads, LogReader,
-    LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow, SenderKey, StoreFuture,
-    StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
+    decide, in_memory, new_entries, AccountChannelRow, Append, Binding, ChannelRow, Creation,
+    Entry, Heads, LogReader, LogWriter, NewChannel, Opened, Policy, PruneStep, RetentionRow,
+    SenderKey, StoreFuture, StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
 };
 use crate::wire::fence::{Decision, Plan};
 use crate::wire::rules::org_key;
@@ -1264,6 +1264,70 @@ impl LogReader for PgReader {
                         let leaf: i32 = row.get(1);
                         (row.get(0), u32::try_from(leaf).unwrap_or(u32::MAX))
                     })
+                    .collect())
+            }
+        })
+    }
+
+    fn account_channels(
+        &self,
+        account: String,
+        after_id: i64,
+        limit: usize,
+    ) -> StoreFuture<Vec<AccountChannelRow>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| {
+            let account = account.clone();
+            async move {
+                let rows = conn
+                    .client
+                    .query(ACCOUNT_CHANNELS, &[&account, &after_id, &limit])
+                    .await?;
+                Ok(rows
+                    .iter()
+                    .map(|row| {
+                        let limit = |i: usize| row.get::<_, Option<i64>>(i).map(from_db);
+                        AccountChannelRow {
+                            id: row.get(0),
+                            name: row.get(1),
+                            epoch: from_db(row.get(2)),
+                            head_seq: from_db(row.get(3)),
+                            policy: Policy {
+                                max_age_seconds: limit(4),
+                                max_entries: limit(5),
+                                max_bytes: limit(6),
+                            },
+                            // 0: appended before the time was recorded (migration 0004).
+                            last_activity_ms: row.get::<_, Option<i64>>(7).filter(|at| *at > 0),
+                        }
+                    })
+                    .collect())
+            }
+        })
+    }
+
+    fn account_rate(
+        &self,
+        account: String,
+        since_ms: i64,
+        content_type: u32,
+        limit: usize,
+    ) -> StoreFuture<Vec<(String, i64, u64)>> {
+        // The column is a SMALLINT: a content type beyond it matches nothing.
+        let Ok(content_type) = i16::try_from(content_type) else {
+            return Box::pin(async { Ok(Vec::new()) });
+        };
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.run(move |conn| {
+            let account = account.clone();
+            async move {
+                let rows = conn
+                    .client
+                    .query(ACCOUNT_RATE, &[&account, &since_ms, &content_type, &limit])
+                    .await?;
+                Ok(rows
+                    .iter()
+                    .map(|row| (row.get(0), row.get::<_, i64>(1), from_db(row.get(2))))
                     .collect())
             }
         })

@@ -14,6 +14,7 @@ macro_rules! migration {
 // Files both databases run.
 const RELAY_HEALTH: &str = migration!("0007_relay_health.sql");
 const ORG_KEYS: &str = migration!("0009_org_keys.sql");
+const CONSOLE_READS: &str = migration!("0014_console_reads.sql");
 
 /// The relay's tables on SQLite, in order.
 pub const SQLITE: &[&str] = &[
@@ -28,6 +29,7 @@ pub const SQLITE: &[&str] = &[
     migration!("0010_directory.sqlite.sql"),
     migration!("0012_relay_audit.sqlite.sql"),
     migration!("0013_external_sender.sqlite.sql"),
+    CONSOLE_READS,
 ];
 
 /// The relay's tables on PostgreSQL, in order.
@@ -41,4 +43,5 @@ pub const POSTGRESQL: &[&str] = &[
     migration!("0010_directory.postgresql.sql"),
     migration!("0012_relay_audit.postgresql.sql"),
     migration!("0013_external_sender.postgresql.sql"),
+    CONSOLE_READS,
 ];

@@ -128,6 +128,23 @@ statements! {
     LEAVES_OF_KEY = "SELECT c.name, m.leaf_index FROM relay_members m \
          JOIN relay_channels c ON c.id = m.channel_id \
          WHERE m.key_id = $1 AND c.legacy = 0 ORDER BY m.channel_id, m.leaf_index LIMIT $2";
+    /// The console's reads (migration 0014): up to `$3` channels with a leaf bound to account
+    /// `$1`, by id after `$2` (the index on relay_members (account, channel_id)), with the
+    /// time their newest entry was appended (one step of the entries' primary key each).
+    ACCOUNT_CHANNELS = "SELECT c.id, c.name, c.epoch, c.head_seq, c.retention_max_age, \
+         c.retention_max_entries, c.retention_max_bytes, \
+         (SELECT e.appended_at FROM relay_entries e WHERE e.channel_id = c.id \
+         ORDER BY e.seq DESC LIMIT 1) \
+         FROM relay_channels c WHERE c.legacy = 0 AND c.id IN \
+         (SELECT DISTINCT m.channel_id FROM relay_members m WHERE m.account = $1 \
+         AND m.channel_id > $2 ORDER BY m.channel_id LIMIT $3) ORDER BY c.id";
+    /// The account's entries of content type `$3` appended since `$2` (unix ms), counted per
+    /// channel and minute, at most `$4` rows (the index on relay_entries (account,
+    /// appended_at) finds them).
+    ACCOUNT_RATE = "SELECT c.name, e.appended_at / 60000, count(*) FROM relay_entries e \
+         JOIN relay_channels c ON c.id = e.channel_id \
+         WHERE e.account = $1 AND e.appended_at >= $2 AND e.content_type = $3 \
+         GROUP BY c.name, e.appended_at / 60000 LIMIT $4";
     INSERT_PROPOSAL =
         "INSERT INTO relay_proposals (channel_id, epoch, seq, message) VALUES ($1, $2, $3, $4)";
 

@@ -31,19 +31,19 @@ use crate::wire::fence::{Decision, Plan};
 use crate::wire::rules::org_key;
 // The shared statements, in SQLite's `?N` form (rewritten at compile time).
 use crate::store::sql::sqlite::{
-    BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG, DELETE_WELCOME,
-    DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES, EXTERNAL_SENDER,
-    FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP, INSERT_PROPOSAL,
-    INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP, MARK_USED,
-    ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON, PRUNE_PROPOSALS,
-    RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP, WELCOMES_DUE,
-    WELCOME_BY_DIGEST, WELCOME_FLOOR,
+    ACCOUNT_CHANNELS, ACCOUNT_RATE, BIND, BOUND_KEYS, BOUND_WELCOME_LEAF, BYTES_CUT, CLAIM_ORG,
+    DELETE_WELCOME, DELETE_WELCOME_LEAVES, DELETE_WELCOME_REFS, EPOCH_START, EXPIRED_WELCOMES,
+    EXTERNAL_SENDER, FIRST_SINCE, INSERT_AUDIT, INSERT_EPOCH, INSERT_EXTERNAL_SENDER, INSERT_GROUP,
+    INSERT_PROPOSAL, INSERT_WELCOME, INSERT_WELCOME_REF, LEAVES_OF_KEY, LOAD_CHANNEL, LOAD_GROUP,
+    MARK_USED, ORG_OWNER, PROBE, PROPOSALS, PRUNE_ENTRIES, PRUNE_EPOCHS, PRUNE_HORIZON,
+    PRUNE_PROPOSALS, RETENTION_ROW, RETENTION_ROWS, SET_RETENTION, SHADOWED, UPDATE_GROUP,
+    WELCOMES_DUE, WELCOME_BY_DIGEST, WELCOME_FLOOR,
 };
 use crate::store::AuditRow;
 use crate::store::{
-    decide, in_memory, new_entries, new_heads, Append, Binding, ChannelRow, Creation, Entry,
-    LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep, RetentionRow, SenderKey,
-    StoreFuture, StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
+    decide, in_memory, new_entries, new_heads, AccountChannelRow, Append, Binding, ChannelRow,
+    Creation, Entry, LogReader, LogWriter, NewChannel, NewEntry, Opened, Policy, PruneStep,
+    RetentionRow, SenderKey, StoreFuture, StoredBinding, StoredGroup, WelcomeKey, WelcomeRecord,
 };
 
 /// A background WAL checkpoint after this many group commits or message bytes, whichever
@@ -535,6 +535,52 @@ fn leaves_of_key(
     rows.collect()
 }
 
+fn account_channels(
+    conn: &Connection,
+    account: &str,
+    after_id: i64,
+    limit: usize,
+) -> rusqlite::Result<Vec<AccountChannelRow>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(ACCOUNT_CHANNELS)?;
+    let rows = stmt.query_map(params![account, after_id, limit], |row| {
+        let limit = |i: usize| -> rusqlite::Result<Option<u64>> {
+            Ok(row
+                .get::<_, Option<i64>>(i)?
+                .map(|v| u64::try_from(v).unwrap_or(0)))
+        };
+        Ok(AccountChannelRow {
+            id: row.get(0)?,
+            name: row.get(1)?,
+            epoch: row.get(2)?,
+            head_seq: row.get(3)?,
+            policy: Policy {
+                max_age_seconds: limit(4)?,
+                max_entries: limit(5)?,
+                max_bytes: limit(6)?,
+            },
+            // 0: appended before the time was recorded (migration 0004).
+            last_activity_ms: row.get::<_, Option<i64>>(7)?.filter(|at| *at > 0),
+        })
+    })?;
+    rows.collect()
+}
+
+fn account_rate(
+    conn: &Connection,
+    account: &str,
+    since_ms: i64,
+    content_type: u32,
+    limit: usize,
+) -> rusqlite::Result<Vec<(String, i64, u64)>> {
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let mut stmt = conn.prepare_cached(ACCOUNT_RATE)?;
+    let rows = stmt.query_map(params![account, since_ms, content_type, limit], |row| {
+        Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+    })?;
+    rows.collect()
+}
+
 /// The relay's external sender key pair: the one stored, or `offered` stored now.
 fn external_sender(conn: &Connection, offered: &SenderKey) -> rusqlite::Result<SenderKey> {
     conn.prepare_cached(INSERT_EXTERNAL_SENDER)?
@@ -1019,6 +1065,29 @@ impl LogReader for SqliteReader {
 
     fn leaves_of_key(&self, key_id: String, limit: usize) -> StoreFuture<Vec<(String, u32)>> {
         on_pool(self, move |conn| leaves_of_key(conn, &key_id, limit))
+    }
+
+    fn account_channels(
+        &self,
+        account: String,
+        after_id: i64,
+        limit: usize,
+    ) -> StoreFuture<Vec<AccountChannelRow>> {
+        on_pool(self, move |conn| {
+            account_channels(conn, &account, after_id, limit)
+        })
+    }
+
+    fn account_rate(
+        &self,
+        account: String,
+        since_ms: i64,
+        content_type: u32,
+        limit: usize,
+    ) -> StoreFuture<Vec<(String, i64, u64)>> {
+        on_pool(self, move |conn| {
+            account_rate(conn, &account, since_ms, content_type, limit)
+        })
     }
 
     fn close(&self) {
