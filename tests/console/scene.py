@@ -3,6 +3,7 @@ agents share a channel, and Debian's chromium launched through Playwright (never
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import Iterator
@@ -79,6 +80,22 @@ def chromium() -> Iterator[Browser]:
     """Headless Debian chromium; ``--no-sandbox`` as root (a container has no user namespace
     for the sandbox)."""
     args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    # Playwright's sync API runs an asyncio loop of the process's policy. Once the PostgreSQL
+    # store is imported (triopg), that policy is trio-asyncio's, whose loop cannot serve it
+    # ("You can't nest calls to run_until_complete()"): the browser never started, and the
+    # broken loop then failed later trio and asyncio tests and swallowed a Ctrl-C (a CI run
+    # hung). asyncio's own policy while the browser lives, and the other one back after.
+    policy = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    try:
+        with _browser(args) as browser:
+            yield browser
+    finally:
+        asyncio.set_event_loop_policy(policy)
+
+
+@contextmanager
+def _browser(args: list[str]) -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM, headless=True, args=args, timeout=WAIT_MS * 2
