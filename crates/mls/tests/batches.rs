@@ -15,8 +15,27 @@ use static_mls::{Applied, Cursor, Engine, Incoming, LogEntry};
 fn reopen(agent: Agent, name: &str) -> Agent {
     let Agent { dir, engine } = agent;
     drop(engine);
-    let engine = Engine::open(dir.path(), name.as_bytes()).unwrap();
-    Agent { dir, engine }
+    // The store's lock (flock) is on the lock file's open description, which a process forked
+    // meanwhile by another test of this binary (kill_during_batches_... starts a child) holds
+    // until it execs: on a loaded machine, for a moment after the drop (seen once in CI:
+    // Locked). A fresh process never sees it; retry only that, briefly.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match Engine::open(dir.path(), name.as_bytes()) {
+            Err(static_mls::error::Error::Store(e))
+                if matches!(*e, static_mls::store::StoreError::Locked(_))
+                    && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            opened => {
+                return Agent {
+                    dir,
+                    engine: opened.unwrap(),
+                }
+            }
+        }
+    }
 }
 
 /// Numbers `messages` as log entries from `first`.
