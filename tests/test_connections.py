@@ -175,11 +175,14 @@ def test_both_ports_cap_connections_and_the_other_port_still_answers(
 
 
 def _serve(tmp_path: Path, nofile: tuple[int, int], *args: str) -> subprocess.Popen[str]:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
-
+    # util-linux's prlimit sets the limit and execs: a preexec_fn would run Python in a forked
+    # child of this threaded process (no vfork), where the loaded libraries' fork handlers
+    # have crashed a child before (tests/support/postgres.py).
     return subprocess.Popen(
         [
+            "prlimit",
+            f"--nofile={nofile[0]}:{nofile[1]}",
+            "--",
             sys.executable,
             "-m",
             "static",
@@ -195,7 +198,6 @@ def _serve(tmp_path: Path, nofile: tuple[int, int], *args: str) -> subprocess.Po
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=limit,
     )
 
 

@@ -9,11 +9,16 @@ of its own, so a run that was killed (the watchdog, ``scripts/test.sh``'s ``time
 SIGKILL) left its cluster running, port and temp dir included. As a child it gets SIGQUIT
 (PostgreSQL's immediate shutdown) when its parent dies (``PR_SET_PDEATHSIG``), and a later
 cluster removes the temp dirs of runs that are gone.
+
+util-linux's ``setpriv`` (Debian: essential) switches the user and sets that signal, then
+execs the postmaster. No Python runs between fork and exec: a ``preexec_fn`` (and Popen's own
+``user=``) forks without vfork, and the fork handlers of the libraries the tests load (gRPC's)
+then ran in a child of a threaded process: one segfaulted there, and the cluster never came
+back from a restart.
 """
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import itertools
 import os
@@ -25,7 +30,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,29 +38,14 @@ from tests.support.server import free_port
 
 __all__ = ["PostgresCluster", "durable_database", "find_postgres_bin"]
 
-#: Linux's prctl(2) option: the signal a process gets when the thread that forked it ends.
-_PR_SET_PDEATHSIG = 1
-#: What the postmaster gets then: an immediate shutdown (it ends its backends and exits).
-_DEATH_SIGNAL = signal.SIGQUIT
+#: What the postmaster gets when the thread that started it ends (prctl's PR_SET_PDEATHSIG,
+#: set by setpriv after the user switch, which clears it): an immediate shutdown (it ends its
+#: backends and exits).
+_DEATH_SIGNAL = "QUIT"
 #: The temp dirs' prefix; the creating pid follows, so a dead run's dir can be told apart.
 _PREFIX = "static-pg-"
 #: Bound on a start or a stop (both take well under a second).
 _WAIT = 60.0
-
-
-def _dies_with_parent(parent: int) -> Callable[[], None]:
-    """What the child runs before exec: SIGQUIT once ``parent`` is gone.
-
-    Set after the user switch (``Popen`` switches first; a switch clears the setting), and
-    checked against a parent that died before it was set.
-    """
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def arm() -> None:
-        if prctl(_PR_SET_PDEATHSIG, int(_DEATH_SIGNAL), 0, 0, 0) != 0 or os.getppid() != parent:
-            os._exit(1)
-
-    return arm
 
 
 def _sweep_dead_runs() -> None:
@@ -147,7 +137,8 @@ class PostgresCluster:
             "-c",
             "shared_buffers=64MB",
         ]
-        user = pwd.getpwnam("postgres") if self._as_root else None
+        user = ["--reuid=postgres", "--regid=postgres", "--clear-groups"] if self._as_root else []
+        command = ["setpriv", *user, f"--pdeathsig={_DEATH_SIGNAL}", "--", *command]
         with open(self._root / "server.log", "ab") as log:
             self._postmaster = subprocess.Popen(
                 command,
@@ -155,12 +146,8 @@ class PostgresCluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._root,
-                user=user.pw_uid if user else None,
-                group=user.pw_gid if user else None,
-                extra_groups=[] if user else None,
                 # Not the terminal's Ctrl-C: the fixture stops it, after the servers.
                 start_new_session=True,
-                preexec_fn=_dies_with_parent(os.getpid()),
             )
         deadline = time.monotonic() + _WAIT
         while not self._ready():
