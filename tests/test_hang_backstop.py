@@ -39,14 +39,25 @@ def _gone(pid: int, within: float) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("test", "frame"),
+    ("test", "frame", "workers"),
     [
-        ("test_fails_then_hangs_in_teardown", "server_then_sleep"),
-        ("test_hangs_in_teardown_on_an_event", "wait_for_nothing"),
-        ("test_hangs_in_teardown_holding_the_gil", "sleep_holding_the_gil"),
+        pytest.param(test, frame, [], id=f"{test}-{frame}")
+        for test, frame in [
+            ("test_fails_then_hangs_in_teardown", "server_then_sleep"),
+            ("test_hangs_in_teardown_on_an_event", "wait_for_nothing"),
+            ("test_hangs_in_teardown_holding_the_gil", "sleep_holding_the_gil"),
+        ]
+    ]
+    # As scripts/test.sh runs the suite: in pytest-xdist's workers, each with its watchdog.
+    + [
+        pytest.param(
+            "test_fails_then_hangs_in_teardown", "server_then_sleep", ["-n", "2"], id="xdist"
+        )
     ],
 )
-def test_a_hang_in_teardown_ends_the_run(test: str, frame: str, tmp_path: Path) -> None:
+def test_a_hang_in_teardown_ends_the_run(
+    test: str, frame: str, workers: list[str], tmp_path: Path
+) -> None:
     """Each ends within ``BOUND`` s, not ``FOREVER``. On 9b2be07 the first and the last hung
     (pytest-timeout's timer was cancelled by the failure; its thread could not take the GIL)
     and the second ended without naming the phase and left nothing to stop its children."""
@@ -63,6 +74,7 @@ def test_a_hang_in_teardown_ends_the_run(test: str, frame: str, tmp_path: Path) 
             "-p",
             "no:cacheprovider",
             f"--basetemp={tmp_path / 'run'}",
+            *workers,
         ],
         cwd=ROOT,
         env={**os.environ, "STATIC_HANG_PIDS": str(pids)},
