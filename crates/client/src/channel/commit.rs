@@ -45,6 +45,11 @@ impl Committer {
         core.check_usable()?;
         core.shared.reach().await?;
         let mut pace = self.lock.lock().await;
+        // Closed (or ended) while we queued: touch the group no more. The close's wake-up may
+        // reach this call after the lock's (a watch notifies its waiters one shard at a time:
+        // 1.5 ms apart measured on a loaded machine), and a commit made then would stay
+        // pending, never published, in the way of the next.
+        core.check_usable()?;
         let mut contended = false;
         if let Some(aside) = pace.step_aside() {
             let epoch = core.progress().epoch;
@@ -128,6 +133,7 @@ impl Committer {
         }
         core.shared.reach().await?;
         let _guard = self.lock.lock().await;
+        core.check_usable()?; // as in `commit`
         for _ in 0..COMMIT_ATTEMPTS {
             let name = core.name.clone();
             let proposal = core.shared.blocking(move |e| Ok(e.leave(&name)?)).await?;
@@ -196,5 +202,60 @@ impl Committer {
             Err(Refusal::StaleEpoch { current, .. }) => Ok(Published::Stale(current)),
             Err(refusal) => Err(refusal.into_error("Publish")),
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::shared::Shared;
+
+    /// A commit queued behind another when the client closes fails with `runtime error:` once
+    /// it has the lock, and never makes its commit (polled here without `block_on`, whose
+    /// select may see the close only after the lock: CI failed on that, "a commit of ours is
+    /// already pending", when the first commit's future was dropped with its commit pending).
+    #[test]
+    fn a_commit_queued_at_close_makes_nothing() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let engine = Arc::new(Engine::open(dir.path(), b"queued").unwrap());
+        let shared = Shared::offline(engine, dir.path(), &runtime);
+        shared.assume_reached();
+        let committer = Committer::new(Arc::new(ChannelCore::new(
+            Arc::clone(&shared),
+            "org/ns/queued",
+            0,
+            0,
+        )));
+        let made = Arc::new(AtomicBool::new(false));
+        let maker = {
+            let made = Arc::clone(&made);
+            Arc::new(move |_: &Engine, _: &str| {
+                made.store(true, Ordering::SeqCst);
+                Ok(None)
+            })
+        };
+        let out = runtime.block_on(async {
+            let held = committer.lock.lock().await;
+            let commit = committer.commit(maker);
+            tokio::pin!(commit);
+            // Queued for the lock.
+            assert!(tokio::time::timeout(Duration::from_millis(50), &mut commit)
+                .await
+                .is_err());
+            shared.close();
+            drop(held);
+            commit.await
+        });
+        assert!(matches!(out, Err(Error::Closed(_))), "{out:?}");
+        assert!(!made.load(Ordering::SeqCst), "the commit was made after the close");
     }
 }
