@@ -22,6 +22,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from static._settings import ServerSettings
+from static._time import iso_utc
 from static.api._channels import RelayReads, channel_page, message_rate, parse_channels_query
 from static.api._console import install_console
 from static.api._errors import (
@@ -75,7 +76,7 @@ _log = logging.getLogger("static.api")
 
 def _timestamp(value: datetime | None) -> str | None:
     """ISO 8601 UTC with a ``Z`` suffix (microsecond precision), or None."""
-    return None if value is None else value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return None if value is None else iso_utc(value)
 
 
 def _account_json(account: AccountRecord) -> dict[str, Any]:

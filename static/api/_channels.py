@@ -17,6 +17,7 @@ from typing import Any, Final, Protocol
 
 import trio
 
+from static._time import iso_utc_ms
 from static.api._errors import BadRequest, ServiceUnavailable
 from static.api._observe import RelayStatus
 
@@ -94,7 +95,7 @@ def parse_channels_query(args: Any) -> tuple[int, int]:
 def _timestamp_ms(ms: int | None) -> str | None:
     if ms is None:
         return None
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return iso_utc_ms(ms)
 
 
 def _channel_json(channel: NativeChannel) -> dict[str, Any]:

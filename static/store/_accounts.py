@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from static._time import iso_utc
 from static.store._database import Connection, Database, IntegrityError, Row
 
 __all__ = [
@@ -460,14 +461,17 @@ class AccountStore:
                 await tx.execute(
                     "UPDATE api_keys SET revoked_at = grace_ends_at WHERE id = $1", row["id"]
                 )
+                # At the sweep's time, not the grace end's: an event written behind events
+                # already read would escape a reader paging or polling the log by its cursor.
                 await self._event(
                     tx,
                     str(row["account_id"]),
-                    self._time_out(row["grace_ends_at"]),
+                    now,
                     "key.revoked",
                     None,
                     target_key_id=str(row["id"]),
                     reason="rolled",
+                    revoked_at=iso_utc(self._time_out(row["grace_ends_at"])),
                 )
             expired = await tx.fetch(
                 "SELECT id, account_id, expires_at FROM api_keys"
@@ -480,10 +484,11 @@ class AccountStore:
                 await self._event(
                     tx,
                     str(row["account_id"]),
-                    self._time_out(row["expires_at"]),
+                    now,
                     "key.expired",
                     None,
                     target_key_id=str(row["id"]),
+                    expires_at=iso_utc(self._time_out(row["expires_at"])),
                 )
         return SweptKeys([str(r["id"]) for r in rolled], [str(r["id"]) for r in expired])
 

@@ -27,11 +27,11 @@ import sqlite3
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import trio
 
+from static._time import iso_utc_ms
 from static.store._database import Database, DatabaseError
 from static.store._split import relay_path
 
@@ -62,10 +62,6 @@ def parse_audit_cursor(text: str) -> tuple[int, str, int] | None:
         return None
     at, _, rest = text.partition(".")
     return int(at), rest[0], int(rest[1:])
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _detail(text: Any) -> dict[str, Any]:
@@ -171,7 +167,7 @@ class AuditStore:
                 # The base fields win over a detail that names them too.
                 event.update(
                     id=f"{source}{row['seq']}",
-                    at=_iso(int(row["at_ms"])),
+                    at=iso_utc_ms(int(row["at_ms"])),
                     type=row["type"],
                     key_id=None if row["key_id"] is None else str(row["key_id"]),
                 )

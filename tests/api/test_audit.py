@@ -199,6 +199,41 @@ def test_expired_keys_are_noted_once(api: Api) -> None:
     assert event["target_key_id"] == short["id"] and event["key_id"] is None
 
 
+def test_the_sweeps_events_come_after_what_was_read_before_them(api: Api) -> None:
+    """A reader that polls for events newer than the newest it saw gets the sweep's too: they
+    are written at the sweep's time (the moment they speak of in their own field), never
+    behind events already handed out (the CLI test failed on a revocation at the grace end
+    that sorted under a later event)."""
+    signed = api.signup()
+    old = api.create_key(signed.key, name="old")
+    short = api.create_key(signed.key, name="short", expires_in=1)
+    rolled = api.http.post(
+        f"/v1/keys/{old['id']}/roll", headers=bearer(signed.key), json={"grace_seconds": 0}
+    )
+    assert rolled.status_code == 200, rolled.text
+    time.sleep(0.01)
+    later = api.create_key(signed.key, name="later")  # after the grace end
+    seen = _events(api, signed.key)["events"]
+    assert seen[0]["target_key_id"] == later["id"]
+
+    def swept(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        return {e["type"]: e for e in events if e["type"] in ("key.revoked", "key.expired")}
+
+    deadline = time.monotonic() + 10
+    while len(swept(_events(api, signed.key)["events"])) < 2:
+        assert time.monotonic() < deadline, "not swept"
+        time.sleep(0.3)
+    events = _events(api, signed.key)["events"]
+    newer = events[: [e["id"] for e in events].index(seen[0]["id"])]
+    found = swept(newer)
+    assert set(found) == {"key.revoked", "key.expired"}, [e["type"] for e in events]
+    revoked, expired = found["key.revoked"], found["key.expired"]
+    assert revoked["target_key_id"] == old["id"] and revoked["reason"] == "rolled"
+    assert _ms(revoked) >= _ms(seen[0]) and revoked["revoked_at"] <= seen[0]["at"]
+    assert expired["target_key_id"] == short["id"]
+    assert expired["expires_at"] == short["expires_at"] and expired["at"] >= short["expires_at"]
+
+
 def test_retention_prunes(start_server: Callable[..., ServerProcess], database_url: str) -> None:
     # 0.00003 days: 2.6 s, pruned every 1.3 s.
     server = start_server(*NO_LIMITS, "--audit-retention-days", "0.00003")

@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,6 +270,12 @@ def test_account_keys_and_audit(cli: Cli, server: ServerProcess, tmp_path: Path)
     line = one_line_error(cli("keys", "revoke", "../../v1/accounts"))
     assert "is not a key id" in line
 
+    # The sweep ends the rolled key's grace within 2 s: wait for its event, which comes on
+    # top of the log, so that the pages below compare the same log.
+    deadline = time.monotonic() + 10
+    while not any(e.get("reason") == "rolled" for e in cli.json("audit")["events"]):
+        assert time.monotonic() < deadline, "the rolled key was not swept"
+        time.sleep(0.3)
     events = cli.json("audit")["events"]
     types = [e["type"] for e in events]
     assert {"key.created", "key.rolled", "key.revoked"} <= set(types)
