@@ -256,6 +256,9 @@ mod tests {
             commit.await
         });
         assert!(matches!(out, Err(Error::Closed(_))), "{out:?}");
-        assert!(!made.load(Ordering::SeqCst), "the commit was made after the close");
+        assert!(
+            !made.load(Ordering::SeqCst),
+            "the commit was made after the close"
+        );
     }
 }
