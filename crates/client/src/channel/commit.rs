@@ -212,7 +212,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::shared::Shared;
+    use crate::channel::core::tests as core_tests;
 
     /// A commit queued behind another when the client closes fails with `runtime error:` once
     /// it has the lock, and never makes its commit (polled here without `block_on`, whose
@@ -220,21 +220,12 @@ mod tests {
     /// already pending", when the first commit's future was dropped with its commit pending).
     #[test]
     fn a_commit_queued_at_close_makes_nothing() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = core_tests::runtime();
         let dir = tempfile::tempdir().unwrap();
-        let engine = Arc::new(Engine::open(dir.path(), b"queued").unwrap());
-        let shared = Shared::offline(engine, dir.path(), &runtime);
+        let core = core_tests::core(&runtime, dir.path());
+        let shared = Arc::clone(&core.shared);
         shared.assume_reached();
-        let committer = Committer::new(Arc::new(ChannelCore::new(
-            Arc::clone(&shared),
-            "org/ns/queued",
-            0,
-            0,
-        )));
+        let committer = Committer::new(core);
         let made = Arc::new(AtomicBool::new(false));
         let maker = {
             let made = Arc::clone(&made);

@@ -340,15 +340,27 @@ impl ChannelCore {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::atomic::AtomicBool;
     use std::sync::mpsc;
 
     use super::*;
     use static_mls::engine::Engine;
 
+    /// A runtime of one worker, as the tests of a channel's core run on.
+    pub(crate) fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     /// A channel core on a throwaway engine; its relay (nobody listens there) is never dialled.
-    fn core(runtime: &tokio::runtime::Runtime, dir: &std::path::Path) -> Arc<ChannelCore> {
+    pub(crate) fn core(
+        runtime: &tokio::runtime::Runtime,
+        dir: &std::path::Path,
+    ) -> Arc<ChannelCore> {
         let engine = Arc::new(Engine::open(dir, b"waiter").unwrap());
         let shared = Shared::offline(engine, dir, runtime);
         Arc::new(ChannelCore::new(shared, "org/ns/waiter", 0, 0))
@@ -363,11 +375,7 @@ mod tests {
     /// within a few seconds.
     #[test]
     fn a_writer_queued_as_a_wait_ends_does_not_hang_it() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = runtime();
         let dir = tempfile::tempdir().unwrap();
         let core = core(&runtime, dir.path());
         let (done, finished) = mpsc::channel();
