@@ -423,14 +423,29 @@ async fn shutdown_ends_the_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_channel_does_not_starve_the_others() {
     let _alone = TIMING.lock().await;
-    const BUSY: usize = 5000;
+    const BUSY: usize = 10_000;
     let relay = Relay::anonymous().await;
     let mut client = relay.client().await;
     let (busy, quiet) = (name(1), name(2));
     create(&mut client, &busy).await;
     create(&mut client, &quiet).await;
     fill(&mut client, &busy, BUSY).await;
-    let mut many = Many::open(&mut client, None).await;
+    // The reader's HTTP/2 windows at h2's default, 64 KiB (hyper's client asks for 2 MiB and
+    // 5 MiB), so that what the relay can push while the test does not read is bounded in
+    // bytes, whatever the load: that window, h2's send buffer (256 KiB) and 16 queued
+    // responses, at most ~3,000 of these small entries. With 2 MiB it was the whole replay,
+    // and on a loaded machine the relay pushed 3,328 of 5,000 during the quiet entry's publish,
+    // before any fairness could act (failed when 3 copies of these tests ran at once).
+    let mut reader = RelayClient::new(
+        tonic::transport::Endpoint::from_shared(format!("http://{}", relay.addr))
+            .unwrap()
+            .initial_stream_window_size(64 * 1024)
+            .initial_connection_window_size(64 * 1024)
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let mut many = Many::open(&mut reader, None).await;
     many.add(from_seq(&busy, 0));
     many.add(from_seq(&quiet, 0));
     many.live(&quiet).await;
@@ -443,9 +458,10 @@ async fn a_busy_channel_does_not_starve_the_others() {
     let logged = many.seqs(&busy).len();
     many.wait_for(&quiet, 1).await;
     let behind = many.seqs(&busy).len();
-    // Half the busy entries: what is already buffered between the relay and this reader (h2's
-    // send buffer, TCP, the client) counts too; it was 1,280 in a CI run beside a benchmark.
-    // A relay that replayed the busy channel first would deliver the other ~3,900 first.
+    // Half the busy entries: what is already buffered between the relay and this reader (see
+    // above) counts too: 512 to 1,536 entries with 3 copies of these tests at once, of 5,000
+    // busy entries or of 10,000 alike. A relay that replayed the busy channel first would
+    // deliver the other ~9,000 first.
     assert!(
         behind < BUSY && behind - logged < BUSY / 2,
         "the quiet channel's entry came after {behind} of {BUSY} busy entries ({logged} when it \
