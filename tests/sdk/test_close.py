@@ -19,6 +19,7 @@ import pytest
 
 from static_sdk import StaticClient
 from tests.sdk.conftest import Clients, channel_name
+from tests.support.process import stop_process
 from tests.support.server import ServerProcess
 
 #: The core's bound on close (``CLOSE_TIMEOUT``), and slack for a loaded machine.
@@ -58,7 +59,7 @@ def test_close_returns_while_calls_are_stuck_on_a_hung_relay(
     channel.send(b"before")
     assert relay.proc is not None
     pid = relay.proc.pid
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         calls = [
             Blocked("send", lambda: channel.send(b"stuck")),

@@ -1,5 +1,5 @@
 """A test's helper program in a subprocess (``python -m MODULE ARGS``), its stdout read line by
-line with a deadline, killed or awaited at the end."""
+line with a deadline, killed or awaited at the end; and stopping a process for sure."""
 
 from __future__ import annotations
 
@@ -12,6 +12,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped. The signal alone is not
+    enough: until the thread chosen to take it is scheduled, the others run on, and on a loaded
+    machine a stopped relay answered a request sent just after the signal (a test that needed
+    the call to hang failed)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = Path(f"/proc/{pid}/task")
+    while True:
+        states = []
+        for task in tasks.iterdir():
+            try:
+                # The state follows the command name in parentheses, which may hold spaces.
+                states.append((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue  # a thread that ended meanwhile
+        if states and all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: {states}"
+        time.sleep(0.005)
 
 
 class LineProcess:
