@@ -144,3 +144,48 @@ fn close_ends_calls_stuck_on_a_hung_relay() {
     });
     expect_error(settled.join(bound), RUNTIME);
 }
+
+/// A commit that a close cut off (made, its publish not answered) does not stand in the way of
+/// the client's next commit after it opens again: it is published then, as it was. Here an
+/// add: once the client is back, bob is a member and alice can rotate her keys. Before, every
+/// later commit of the channel failed with "a commit of ours is already pending".
+#[test]
+fn a_commit_cut_off_by_a_close_is_published_when_the_client_is_back() {
+    let _watchdog = watchdog(
+        "a_commit_cut_off_by_a_close_is_published_when_the_client_is_back",
+        Duration::from_secs(120),
+    );
+    let relay = Relay::start();
+    let proxy = Proxy::start(relay.addr());
+    let options = ClientOptions {
+        connect_timeout: Duration::from_secs(5),
+        retry_timeout: Duration::from_secs(600),
+        ca_file: None,
+    };
+    let mut alice = Agent::with(&proxy.endpoint(), "alice", None, options);
+    let bob = Agent::new(&relay, "bob");
+    let channel = alice.create_channel("acme/close/cut").unwrap();
+    channel.send(b"before".to_vec()).unwrap();
+    proxy.freeze();
+    let add = {
+        let channel = Arc::clone(&channel);
+        let key_package = bob.generate_key_package().unwrap();
+        Background::spawn("add_member", move || channel.add_member(key_package))
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    alice.close();
+    expect_error(add.join(Duration::from_secs(5)), RUNTIME);
+    drop(channel);
+
+    alice.reopen_at(&relay.endpoint());
+    let channel = alice.open_channel("acme/close/cut").unwrap();
+    channel.rotate_keys().unwrap();
+    let members: Vec<Vec<u8>> = channel
+        .members()
+        .unwrap()
+        .into_iter()
+        .map(|m| m.identity)
+        .collect();
+    assert_eq!(members, vec![b"alice".to_vec(), b"bob".to_vec()]);
+    channel.send(b"after".to_vec()).unwrap();
+}

@@ -32,7 +32,7 @@ pub use error::{
     OpenError, ProcessError, RemoveMemberError, Result,
 };
 pub use outbox::Outgoing;
-pub use store::Cursor;
+pub use store::{Cursor, StoredCommit};
 pub use suite::{
     relay_external_sender, CIPHERSUITE, PAST_EPOCHS, RELAY_SENDER_IDENTITY, WIRE_FORMAT_POLICY,
 };

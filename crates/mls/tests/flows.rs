@@ -4,7 +4,7 @@
 mod common;
 
 use common::{agent, app, group_of, member_names, CH};
-use static_mls::{Engine, ErrorKind, Incoming};
+use static_mls::{Engine, ErrorKind, Incoming, StoredCommit};
 
 #[test]
 fn two_members_exchange_messages_and_skip_own_echo() {
@@ -464,4 +464,70 @@ fn concurrent_senders_on_one_group_and_across_groups() {
             app(b"alice", payload, 1)
         );
     }
+}
+
+/// A pending add keeps its Welcome in the store, across a reopen (the process that made it may
+/// die before the relay answers: the client publishes both again), and the Welcome still
+/// admits the new member; a self-update keeps none. A store made before the column existed
+/// gains it at opening, its pending commit read without a Welcome.
+#[test]
+fn a_pending_commit_keeps_its_welcome_across_a_reopen() {
+    let (a, b) = (agent("alice"), agent("bob"));
+    a.engine.create_group(CH).unwrap();
+    let out = a
+        .engine
+        .add_member(CH, &b.engine.generate_key_package().unwrap())
+        .unwrap();
+    let dir = a.dir;
+    drop(a.engine);
+    let a = Engine::open(dir.path(), b"alice").unwrap();
+    assert_eq!(
+        a.pending_commit_and_welcome(CH).unwrap(),
+        Some(StoredCommit {
+            commit: out.commit.clone(),
+            welcome: Some(out.welcome.clone())
+        })
+    );
+    b.engine.join_group(CH, &out.welcome).unwrap();
+    assert_eq!(
+        a.process_incoming(CH, &out.commit).unwrap(),
+        Incoming::OwnCommit { epoch: 1 }
+    );
+    assert_eq!(a.pending_commit_and_welcome(CH).unwrap(), None);
+
+    let update = a.self_update(CH).unwrap();
+    assert_eq!(
+        a.pending_commit_and_welcome(CH).unwrap(),
+        Some(StoredCommit {
+            commit: update.clone(),
+            welcome: None
+        })
+    );
+
+    // The schema of before: no welcome_bytes column.
+    drop(a);
+    let db = dir.path().join("mls.sqlite3");
+    {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE old_pending AS SELECT name, commit_bytes FROM static_pending_commits;
+             DROP TABLE static_pending_commits;
+             CREATE TABLE static_pending_commits (
+                 name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
+                 commit_bytes BLOB NOT NULL
+             );
+             INSERT INTO static_pending_commits SELECT * FROM old_pending;
+             DROP TABLE old_pending;",
+        )
+        .unwrap();
+    }
+    let a = Engine::open(dir.path(), b"alice").unwrap();
+    assert_eq!(
+        a.pending_commit_and_welcome(CH).unwrap(),
+        Some(StoredCommit {
+            commit: update,
+            welcome: None
+        })
+    );
+    assert_eq!(a.merge_pending_commit(CH).unwrap(), 2);
 }

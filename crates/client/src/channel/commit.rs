@@ -13,6 +13,7 @@ use crate::relay::retry::{CommitPace, Retry};
 use crate::relay::transport::pb;
 use crate::sync::wait_value;
 use static_mls::engine::Engine;
+use static_mls::StoredCommit;
 
 /// Makes a commit (and its Welcome, if it adds members), or `None` when there is nothing to
 /// commit.
@@ -50,6 +51,7 @@ impl Committer {
         // 1.5 ms apart measured on a loaded machine), and a commit made then would stay
         // pending, never published, in the way of the next.
         core.check_usable()?;
+        self.resume_cut_off().await?;
         let mut contended = false;
         if let Some(aside) = pace.step_aside() {
             let epoch = core.progress().epoch;
@@ -134,6 +136,7 @@ impl Committer {
         core.shared.reach().await?;
         let _guard = self.lock.lock().await;
         core.check_usable()?; // as in `commit`
+        self.resume_cut_off().await?;
         for _ in 0..COMMIT_ATTEMPTS {
             let name = core.name.clone();
             let proposal = core.shared.blocking(move |e| Ok(e.leave(&name)?)).await?;
@@ -158,6 +161,33 @@ impl Committer {
         Err(Error::Unreachable(
             "the channel is too busy to leave now".into(),
         ))
+    }
+
+    /// A commit of ours made by a call that was cut off before the relay answered (the client
+    /// closed, or the process died): with the lock held no other call of ours is committing,
+    /// so a pending commit now is one of those. It is published again as it was, its Welcome
+    /// with it: the relay takes it, or says the epoch moved on (it is in the log already, or
+    /// another member's commit won), and the applier merges or voids it either way. Left
+    /// pending, it refused every later commit of the channel ("a commit of ours is already
+    /// pending"). A refusal drops it, as a refused commit is dropped.
+    async fn resume_cut_off(&self) -> Result<()> {
+        let core = &self.core;
+        let name = core.name.clone();
+        let Some(StoredCommit { commit, welcome }) = core
+            .shared
+            .blocking(move |e| Ok(e.pending_commit_and_welcome(&name)?))
+            .await?
+        else {
+            return Ok(());
+        };
+        match self.publish_handshake(commit, welcome).await {
+            Ok(Published::Accepted(seq)) => core.wait_applied(seq).await,
+            Ok(Published::Stale(epoch)) => core.wait_epoch(epoch).await,
+            Err(e) => {
+                self.clear_pending().await?;
+                Err(e)
+            }
+        }
     }
 
     async fn clear_pending(&self) -> Result<()> {

@@ -221,6 +221,13 @@ impl Agent {
 
     /// (Closes and) opens the client again on the same data directory (a process restart).
     pub fn reopen(&mut self) {
+        let endpoint = self.endpoint.clone();
+        self.reopen_at(&endpoint);
+    }
+
+    /// [`Agent::reopen`], reaching the relay at `endpoint` from now on.
+    pub fn reopen_at(&mut self, endpoint: &str) {
+        self.endpoint = endpoint.to_owned();
         self.close();
         let client = Client::open(
             &self.endpoint,

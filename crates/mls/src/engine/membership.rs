@@ -187,12 +187,9 @@ impl Engine {
                         detail: openmls_detail(&e),
                     },
                 })?;
-            let commit = serialize(&commit)?;
-            store::rows::set_pending_commit(conn, channel, &commit)?;
-            Ok(AddMemberOutput {
-                commit,
-                welcome: serialize(&welcome)?,
-            })
+            let (commit, welcome) = (serialize(&commit)?, serialize(&welcome)?);
+            store::rows::set_pending_commit(conn, channel, &commit, Some(&welcome))?;
+            Ok(AddMemberOutput { commit, welcome })
         })
     }
 
@@ -213,7 +210,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(bundle.commit())?;
-            store::rows::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit, None)?;
             Ok(commit)
         })
     }
@@ -256,7 +253,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(&commit)?;
-            store::rows::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit, None)?;
             Ok(commit)
         })
     }
@@ -310,7 +307,7 @@ impl Engine {
                     },
                 })?;
             let commit = serialize(&commit)?;
-            store::rows::set_pending_commit(conn, channel, &commit)?;
+            store::rows::set_pending_commit(conn, channel, &commit, None)?;
             Ok(Some(commit))
         })
     }
@@ -320,6 +317,14 @@ impl Engine {
         self.with_group_read(channel, |_| Ok(()))?;
         let db = lock(&self.db);
         Ok(store::rows::pending_commit(&db.conn, channel)?)
+    }
+
+    /// Our pending commit and the Welcome it was made with (an add's), if any: what to publish
+    /// again when the call that made it was cut off before the relay answered.
+    pub fn pending_commit_and_welcome(&self, channel: &str) -> Result<Option<StoredCommit>> {
+        self.with_group_read(channel, |_| Ok(()))?;
+        let db = lock(&self.db);
+        Ok(store::rows::pending_commit_and_welcome(&db.conn, channel)?)
     }
 
     /// Applies our pending commit (the relay accepted it).

@@ -37,7 +37,7 @@ use crate::error::{
 };
 use crate::request::{self, Kind, RequestId};
 use crate::store::storage::Scope;
-use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError};
+use crate::store::{self, Cursor, Db, ExecCached as _, InboxMessage, StoreError, StoredCommit};
 use crate::suite::{
     CIPHERSUITE, MAX_INPUT_LEN, MAX_KEY_PACKAGE_SKEW, PAST_EPOCHS, WIRE_FORMAT_POLICY,
 };

@@ -140,7 +140,7 @@ impl StoreError {
 use checkpoint::{sync_wal, Checkpointer, BACKSTOP_AUTOCHECKPOINT, JOURNAL_SIZE_LIMIT};
 use files::{check_database_file, check_identity_file, create_private_dir, private_file};
 use rows::read_identity;
-pub use rows::{Cursor, InboxMessage};
+pub use rows::{Cursor, InboxMessage, StoredCommit};
 pub use storage::{JsonCodec, Storage};
 
 /// An OpenMLS provider over one borrowed connection, built per call (cheap). `C` is the crypto

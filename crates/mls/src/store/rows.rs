@@ -5,6 +5,13 @@ use rusqlite::{Connection, OptionalExtension};
 
 use super::StoreError;
 
+/// Our pending commit as the store keeps it: its bytes, and the Welcome an add made with it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredCommit {
+    pub commit: Vec<u8>,
+    pub welcome: Option<Vec<u8>>,
+}
+
 /// The stored identity row: (identity, signature public key).
 pub(crate) type IdentityRow = (Vec<u8>, Vec<u8>);
 
@@ -52,12 +59,32 @@ pub(crate) fn set_pending_commit(
     conn: &Connection,
     name: &str,
     bytes: &[u8],
+    welcome: Option<&[u8]>,
 ) -> Result<(), StoreError> {
     conn.execute(
-        "INSERT OR REPLACE INTO static_pending_commits (name, commit_bytes) VALUES (?1, ?2)",
-        (name, bytes),
+        "INSERT OR REPLACE INTO static_pending_commits (name, commit_bytes, welcome_bytes)
+         VALUES (?1, ?2, ?3)",
+        (name, bytes, welcome),
     )?;
     Ok(())
+}
+
+/// Our pending commit and the Welcome made with it, if any.
+pub(crate) fn pending_commit_and_welcome(
+    conn: &Connection,
+    name: &str,
+) -> Result<Option<StoredCommit>, StoreError> {
+    Ok(conn
+        .prepare_cached(
+            "SELECT commit_bytes, welcome_bytes FROM static_pending_commits WHERE name = ?1",
+        )?
+        .query_row([name], |row| {
+            Ok(StoredCommit {
+                commit: row.get(0)?,
+                welcome: row.get(1)?,
+            })
+        })
+        .optional()?)
 }
 
 pub(crate) fn pending_commit(conn: &Connection, name: &str) -> Result<Option<Vec<u8>>, StoreError> {

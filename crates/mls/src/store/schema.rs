@@ -20,7 +20,10 @@ const STORE_TABLES: &str = "CREATE TABLE IF NOT EXISTS static_identity (
      );
      CREATE TABLE IF NOT EXISTS static_pending_commits (
          name TEXT PRIMARY KEY REFERENCES static_groups(name) ON DELETE CASCADE,
-         commit_bytes BLOB NOT NULL
+         commit_bytes BLOB NOT NULL,
+         -- The Welcome an add made with it: a commit cut off before the relay answered is
+         -- published again whole (see `static-client`'s committer).
+         welcome_bytes BLOB
      );
      -- Where each channel stands in the relay's log: `seq` is the last entry applied
      -- (NULL: none yet, subscribe from the start of `join_epoch`). Written in the same
@@ -131,20 +134,28 @@ pub(crate) fn create_tables(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch(OUTBOX_TABLES)?;
     conn.execute_batch(REQUEST_TABLES)?;
     // Inboxes of an older version: the message's epoch and the publishing account came later
-    // (an old row reads as epoch 0, account unknown).
-    for (column, ddl) in [
+    // (an old row reads as epoch 0, account unknown); so did a pending commit's Welcome (an old
+    // row has none: it was made before, and is published again without one).
+    for (table, column, ddl) in [
         (
+            "static_inbox",
             "epoch",
             "ALTER TABLE static_inbox ADD COLUMN epoch INTEGER NOT NULL DEFAULT 0",
         ),
         (
+            "static_inbox",
             "account",
             "ALTER TABLE static_inbox ADD COLUMN account TEXT",
         ),
+        (
+            "static_pending_commits",
+            "welcome_bytes",
+            "ALTER TABLE static_pending_commits ADD COLUMN welcome_bytes BLOB",
+        ),
     ] {
         let present: bool = conn.query_row(
-            "SELECT count(*) > 0 FROM pragma_table_info('static_inbox') WHERE name = ?1",
-            [column],
+            "SELECT count(*) > 0 FROM pragma_table_info(?1) WHERE name = ?2",
+            (table, column),
             |row| row.get(0),
         )?;
         if !present {
