@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use static_client::{ClientOptions, Next, CLOSE_TIMEOUT};
+use static_client::{Channel, ClientOptions, Next, CLOSE_TIMEOUT};
 use support::{expect_error, watchdog, Agent, Background, Relay};
 
 const RUNTIME: &str = "runtime error:";
@@ -75,6 +75,41 @@ fn pump(mut from: TcpStream, mut to: TcpStream, frozen: &AtomicBool) {
     }
 }
 
+/// A relay, alice reaching it through a [`Proxy`] that is frozen once she has made `channel` and
+/// sent on it (patient enough that nothing of hers gives up by itself during a test), and bob
+/// reaching it directly.
+struct Hung {
+    relay: Relay,
+    proxy: Proxy,
+    alice: Agent,
+    bob: Agent,
+    channel: Arc<Channel>,
+}
+
+impl Hung {
+    fn start(channel: &str) -> Hung {
+        let relay = Relay::start();
+        let proxy = Proxy::start(relay.addr());
+        let options = ClientOptions {
+            connect_timeout: Duration::from_secs(5),
+            retry_timeout: Duration::from_secs(600),
+            ca_file: None,
+        };
+        let alice = Agent::with(&proxy.endpoint(), "alice", None, options);
+        let bob = Agent::new(&relay, "bob");
+        let channel = alice.create_channel(channel).unwrap();
+        channel.send(b"before".to_vec()).unwrap();
+        proxy.freeze();
+        Hung {
+            relay,
+            proxy,
+            alice,
+            bob,
+            channel,
+        }
+    }
+}
+
 /// Every kind of blocking call is stuck on a hung relay when the client is closed from another
 /// thread: `close` returns within [`CLOSE_TIMEOUT`] (and a little), and each call ends soon
 /// after, with `runtime error:` or its own end. Before, a commit's wait panicked ("timer
@@ -86,20 +121,13 @@ fn close_ends_calls_stuck_on_a_hung_relay() {
         "close_ends_calls_stuck_on_a_hung_relay",
         Duration::from_secs(120),
     );
-    let relay = Relay::start();
-    let proxy = Proxy::start(relay.addr());
-    // Patient enough that nothing gives up by itself during the test.
-    let options = ClientOptions {
-        connect_timeout: Duration::from_secs(5),
-        retry_timeout: Duration::from_secs(600),
-        ca_file: None,
-    };
-    let mut alice = Agent::with(&proxy.endpoint(), "alice", None, options);
-    let bob = Agent::new(&relay, "bob");
-    let channel = alice.create_channel("acme/close/hung").unwrap();
-    channel.send(b"before".to_vec()).unwrap();
-
-    proxy.freeze();
+    let Hung {
+        relay: _relay,
+        proxy: _proxy,
+        mut alice,
+        bob,
+        channel,
+    } = Hung::start("acme/close/hung");
     let send = {
         let channel = Arc::clone(&channel);
         Background::spawn("send", move || channel.send(b"stuck".to_vec()))
@@ -155,18 +183,13 @@ fn a_commit_cut_off_by_a_close_is_published_when_the_client_is_back() {
         "a_commit_cut_off_by_a_close_is_published_when_the_client_is_back",
         Duration::from_secs(120),
     );
-    let relay = Relay::start();
-    let proxy = Proxy::start(relay.addr());
-    let options = ClientOptions {
-        connect_timeout: Duration::from_secs(5),
-        retry_timeout: Duration::from_secs(600),
-        ca_file: None,
-    };
-    let mut alice = Agent::with(&proxy.endpoint(), "alice", None, options);
-    let bob = Agent::new(&relay, "bob");
-    let channel = alice.create_channel("acme/close/cut").unwrap();
-    channel.send(b"before".to_vec()).unwrap();
-    proxy.freeze();
+    let Hung {
+        relay,
+        proxy: _proxy,
+        mut alice,
+        bob,
+        channel,
+    } = Hung::start("acme/close/cut");
     let add = {
         let channel = Arc::clone(&channel);
         let key_package = bob.generate_key_package().unwrap();
