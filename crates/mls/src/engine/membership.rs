@@ -314,9 +314,9 @@ impl Engine {
 
     /// The bytes of our pending commit, if any.
     pub fn pending_commit(&self, channel: &str) -> Result<Option<Vec<u8>>> {
-        self.with_group_read(channel, |_| Ok(()))?;
-        let db = lock(&self.db);
-        Ok(store::rows::pending_commit(&db.conn, channel)?)
+        Ok(self
+            .pending_commit_and_welcome(channel)?
+            .map(|stored| stored.commit))
     }
 
     /// Our pending commit and the Welcome it was made with (an add's), if any: what to publish
